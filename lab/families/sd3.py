@@ -1,0 +1,109 @@
+"""SD3.5 (diffusers SD3Transformer2DModel). Medium: 24 layers x 24 heads x 64; Large as a variant."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from lab.families._family import Family, Inputs
+
+_MEDIUM = dict(
+    sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24,
+    attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096,
+    caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=384,
+    dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
+)  # fmt: skip
+
+
+def make_inputs(
+    config: Mapping[str, Any],
+    geometry: Mapping[str, Any],
+    *,
+    batch: int,
+    cfg: bool,
+    gen: torch.Generator,
+    dtype: torch.dtype,
+    sigma: float,
+    latents: torch.Tensor | None,
+) -> Inputs:
+    """Latents (B, C, H/8, W/8), text (B, 77+256, joint_dim), pooled (B, pooled), raw t (B,).
+
+    The SD3 pipeline casts latents and prompt embeddings to the transformer dtype, concatenates
+    CFG as [negative, positive] and passes `t.expand(B)` with t = sigma * 1000 in fp32.
+    """
+    c, h, w = config["in_channels"], geometry["height"] // 8, geometry["width"] // 8
+    text_len, joint, pooled = geometry["text_len"], config["joint_attention_dim"], config[
+        "pooled_projection_dim"
+    ]
+    if latents is None:
+        latents = torch.randn(batch, c, h, w, generator=gen)
+    pos_text = torch.randn(batch, text_len, joint, generator=gen)
+    pos_pooled = torch.randn(batch, pooled, generator=gen)
+    if cfg:
+        neg_text = torch.randn(batch, text_len, joint, generator=gen)
+        neg_pooled = torch.randn(batch, pooled, generator=gen)
+        text, pooled_proj = torch.cat([neg_text, pos_text]), torch.cat([neg_pooled, pos_pooled])
+        sample = torch.cat([latents, latents])
+    else:
+        text, pooled_proj, sample = pos_text, pos_pooled, latents
+    t = torch.tensor(sigma * 1000.0, dtype=torch.float32)
+    return Inputs(
+        kwargs=dict(
+            hidden_states=sample.to(dtype),
+            encoder_hidden_states=text.to(dtype),
+            pooled_projections=pooled_proj.to(dtype),
+            timestep=t.expand(sample.shape[0]).clone(),
+            return_dict=False,
+        ),
+        roles=dict(
+            hidden_states="latents",
+            encoder_hidden_states="cond",
+            pooled_projections="cond",
+            timestep="timestep",
+            return_dict="aux",
+        ),
+    )
+
+
+FAMILY = Family(
+    name="sd3",
+    title="SD3.5-Medium",
+    model_class="SD3Transformer2DModel",
+    block_classes=("JointTransformerBlock",),
+    presets={
+        # Three layers give every JointTransformerBlock kind: dual-attention, plain, and the
+        # last context_pre_only block.
+        "tiny": dict(sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=3,
+                     attention_head_dim=8, num_attention_heads=4, joint_attention_dim=32,
+                     caption_projection_dim=32, pooled_projection_dim=64, pos_embed_max_size=96,
+                     dual_attention_layers=(0,), qk_norm="rms_norm"),
+        # Real width; two dual-attention blocks, two plain ones, then the context_pre_only block.
+        "reduced": {**_MEDIUM, "num_layers": 5, "dual_attention_layers": (0, 1)},
+        "full": _MEDIUM,
+    },  # fmt: skip
+    variants={
+        "large": {
+            "reduced": dict(num_layers=5, num_attention_heads=38, caption_projection_dim=2432,
+                            pos_embed_max_size=192, dual_attention_layers=()),
+            "full": dict(num_layers=38, num_attention_heads=38, caption_projection_dim=2432,
+                         pos_embed_max_size=192, dual_attention_layers=()),
+        },
+    },  # fmt: skip
+    geometry={
+        "tiny": dict(height=128, width=128, text_len=12),
+        # 1024 x 1024 -> 128 x 128 x 16 latents; 77 CLIP + 256 T5 tokens.
+        "reduced": dict(height=1024, width=1024, text_len=333),
+        "full": dict(height=1024, width=1024, text_len=333),
+    },
+    make_inputs_fn=make_inputs,
+    timestep_presentation="t",
+    cfg_layout="batched",
+    # The SD3 Flow-GRPO recipe runs fp16 on both sides.
+    rollout_dtype="fp16",
+    input_dtype_policy={"latents": None, "cond": None, "timestep": None},
+    param_dtype_rules={},
+    engine_fp32_modules=(),
+    notes="No FSDP plan overrides; the engine's sgld patch group is the SD3-shaped one.",
+)
