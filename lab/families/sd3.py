@@ -1,4 +1,4 @@
-"""SD3.5 (diffusers SD3Transformer2DModel). Medium: 24 layers x 24 heads x 64; Large as a variant."""
+"""SD3.5 (diffusers SD3Transformer2DModel). Medium: 24 layers, 24 heads x 64; Large a variant."""
 
 from __future__ import annotations
 
@@ -9,6 +9,14 @@ import torch
 
 from lab.families._family import Family, Inputs
 
+_TINY = dict(
+    sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=3,
+    attention_head_dim=8, num_attention_heads=4, joint_attention_dim=32,
+    caption_projection_dim=32, pooled_projection_dim=64, pos_embed_max_size=96,
+    dual_attention_layers=(0,), qk_norm="rms_norm",
+)  # fmt: skip
+_LARGE = dict(num_attention_heads=38, caption_projection_dim=2432, pos_embed_max_size=192,
+              dual_attention_layers=())  # fmt: skip
 _MEDIUM = dict(
     sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24,
     attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096,
@@ -34,11 +42,19 @@ def make_inputs(
     CFG as [negative, positive] and passes `t.expand(B)` with t = sigma * 1000 in fp32.
     """
     c, h, w = config["in_channels"], geometry["height"] // 8, geometry["width"] // 8
-    text_len, joint, pooled = geometry["text_len"], config["joint_attention_dim"], config[
-        "pooled_projection_dim"
-    ]
+    text_len, joint, pooled = (
+        geometry["text_len"],
+        config["joint_attention_dim"],
+        config["pooled_projection_dim"],
+    )
+    # Always draw the noise, so the conditioning below is the same whether latents are given.
+    drawn = torch.randn(batch, c, h, w, generator=gen)
     if latents is None:
-        latents = torch.randn(batch, c, h, w, generator=gen)
+        latents = drawn
+    elif tuple(latents.shape) != tuple(drawn.shape):
+        raise ValueError(
+            f"sd3 make_inputs: latents shape {tuple(latents.shape)} != {tuple(drawn.shape)}."
+        )
     pos_text = torch.randn(batch, text_len, joint, generator=gen)
     pos_pooled = torch.randn(batch, pooled, generator=gen)
     if cfg:
@@ -48,7 +64,8 @@ def make_inputs(
         sample = torch.cat([latents, latents])
     else:
         text, pooled_proj, sample = pos_text, pos_pooled, latents
-    t = torch.tensor(sigma * 1000.0, dtype=torch.float32)
+    # The scheduler computes t = sigmas * 1000 in fp32.
+    t = torch.tensor(sigma, dtype=torch.float32) * 1000
     return Inputs(
         kwargs=dict(
             hidden_states=sample.to(dtype),
@@ -75,22 +92,14 @@ FAMILY = Family(
     presets={
         # Three layers give every JointTransformerBlock kind: dual-attention, plain, and the
         # last context_pre_only block.
-        "tiny": dict(sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=3,
-                     attention_head_dim=8, num_attention_heads=4, joint_attention_dim=32,
-                     caption_projection_dim=32, pooled_projection_dim=64, pos_embed_max_size=96,
-                     dual_attention_layers=(0,), qk_norm="rms_norm"),
+        "tiny": _TINY,
         # Real width; two dual-attention blocks, two plain ones, then the context_pre_only block.
         "reduced": {**_MEDIUM, "num_layers": 5, "dual_attention_layers": (0, 1)},
         "full": _MEDIUM,
-    },  # fmt: skip
+    },
     variants={
-        "large": {
-            "reduced": dict(num_layers=5, num_attention_heads=38, caption_projection_dim=2432,
-                            pos_embed_max_size=192, dual_attention_layers=()),
-            "full": dict(num_layers=38, num_attention_heads=38, caption_projection_dim=2432,
-                         pos_embed_max_size=192, dual_attention_layers=()),
-        },
-    },  # fmt: skip
+        "large": {"reduced": {**_LARGE, "num_layers": 5}, "full": {**_LARGE, "num_layers": 38}}
+    },
     geometry={
         "tiny": dict(height=128, width=128, text_len=12),
         # 1024 x 1024 -> 128 x 128 x 16 latents; 77 CLIP + 256 T5 tokens.

@@ -1,0 +1,26 @@
+"""Precision Lab: paired rollout-vs-trainer forwards of diffusers DiTs, module by module.
+
+Public API: family, families, Side, pair, pair_family, Result.
+"""
+
+from __future__ import annotations
+
+from lab.families import FAMILY_NAMES, Family, Inputs, families, family
+from lab.result import LayerDivergence, Result, Skipped
+from lab.run import pair, pair_family
+from lab.sides import PrecisionWarning, Side
+
+__all__ = [
+    "FAMILY_NAMES",
+    "Family",
+    "Inputs",
+    "LayerDivergence",
+    "PrecisionWarning",
+    "Result",
+    "Side",
+    "Skipped",
+    "families",
+    "family",
+    "pair",
+    "pair_family",
+]

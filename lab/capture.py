@@ -1,0 +1,129 @@
+"""Forward hooks on every module: each call's output tensors, keyed by exact module path."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ROOT = "<root>"
+"""Name used for the model itself (its named_modules() path is the empty string)."""
+
+
+@dataclass(frozen=True)
+class CallKey:
+    """One output tensor of one call of one module."""
+
+    module: str
+    call: int
+    output: str
+    """Index path inside the module's output: "" for a bare tensor, "0", "1", "sample", ..."""
+
+    @property
+    def label(self) -> str:
+        """Display name: `module[:output][#call]`."""
+        out = f":{self.output}" if self.output else ""
+        call = f"#{self.call}" if self.call else ""
+        return f"{self.module}{out}{call}"
+
+
+def flatten_output(output: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Yield (index path, leaf) for every leaf of a module output; None leaves are skipped."""
+    if output is None:
+        return
+    if isinstance(output, torch.Tensor):
+        yield prefix, output
+    elif isinstance(output, tuple | list):
+        for i, v in enumerate(output):
+            yield from flatten_output(v, f"{prefix}.{i}" if prefix else str(i))
+    elif isinstance(output, Mapping):
+        for k, v in output.items():
+            yield from flatten_output(v, f"{prefix}.{k}" if prefix else str(k))
+    elif dataclasses.is_dataclass(output) and not isinstance(output, type):
+        for f in dataclasses.fields(output):
+            yield from flatten_output(getattr(output, f.name), f"{prefix}.{f.name}" if prefix else f.name)
+    else:
+        yield prefix, output
+
+
+OnOutput = Callable[[str, int, torch.nn.Module, tuple, dict, Any], None]
+OnInput = Callable[[str, int, torch.nn.Module, tuple, dict], None]
+
+
+class ModuleHooks:
+    """Forward hooks on every (filtered) module that report each call with its call index.
+
+    `paused()` turns reporting off, for re-running modules from inside a hook.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        on_output: OnOutput,
+        *,
+        on_input: OnInput | None = None,
+        names_filter: Callable[[str], bool] | None = None,
+    ) -> None:
+        """Attach nothing yet; `attached()` installs and removes the hooks."""
+        self.model = model
+        self.on_output = on_output
+        self.on_input = on_input
+        self.names_filter = names_filter
+        self.calls: dict[str, int] = {}
+        self._paused = 0
+        self._pending: dict[str, list[int]] = {}
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Suspend reporting (nested re-runs of modules do not count as calls)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    @contextlib.contextmanager
+    def attached(self) -> Iterator[ModuleHooks]:
+        """Install the hooks for the duration of the block; always removes them."""
+        handles = []
+        self.calls = {}
+        try:
+            for name, module in self.model.named_modules():
+                label = name or ROOT
+                if self.names_filter is not None and not self.names_filter(label):
+                    continue
+                handles.append(
+                    module.register_forward_pre_hook(self._pre(label), with_kwargs=True)
+                )
+                handles.append(
+                    module.register_forward_hook(self._post(label), with_kwargs=True, always_call=False)
+                )
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _pre(self, label: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            if self._paused:
+                return
+            call = self.calls.get(label, 0)
+            self.calls[label] = call + 1
+            self._pending.setdefault(label, []).append(call)
+            if self.on_input is not None:
+                self.on_input(label, call, module, args, kwargs)
+
+        return hook
+
+    def _post(self, label: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if self._paused:
+                return
+            call = self._pending[label].pop()
+            self.on_output(label, call, module, args, kwargs, output)
+
+        return hook

@@ -1,0 +1,260 @@
+"""Result / LayerDivergence / Skipped: what a paired forward found, with to_json / from_json."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lab.capture import ROOT
+from lab.metrics import ULP_BIN_LABELS, PairMetrics
+
+SCHEMA = "precision-lab/result/1"
+
+
+@dataclass(frozen=True)
+class LayerDivergence:
+    """One paired output tensor: a module call's output on both sides and their metrics."""
+
+    order: int
+    """Position in forward completion order (children finish before their parents)."""
+    module: str
+    call: int
+    output: str
+    module_class: str
+    dtype_a: str
+    dtype_b: str
+    shape: tuple[int, ...]
+    metrics: PairMetrics
+
+    @property
+    def diverges(self) -> bool:
+        """Any element differs (a NaN on one side only counts as a difference)."""
+        m = self.metrics
+        return m.max_abs_diff > 0 or m.nonfinite_a != m.nonfinite_b or m.bitexact_frac < 1.0
+
+    def label(self) -> str:
+        """Display name: `module[:output][#call]`."""
+        out = f":{self.output}" if self.output else ""
+        call = f"#{self.call}" if self.call else ""
+        return f"{self.module}{out}{call}"
+
+    def row(self) -> dict[str, Any]:
+        """Flat dict for the table."""
+        m = dataclasses.asdict(self.metrics)
+        hist = m.pop("ulp_hist")
+        return {
+            "order": self.order,
+            "module": self.module,
+            "call": self.call,
+            "output": self.output,
+            "module_class": self.module_class,
+            "dtype_a": self.dtype_a,
+            "dtype_b": self.dtype_b,
+            "shape": "x".join(str(s) for s in self.shape),
+            **m,
+            "ulp_hist": list(hist),
+        }
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A pair that could not be compared, and why (shown in summaries, never dropped)."""
+
+    module: str
+    call: int
+    output: str
+    reason: str
+
+
+@dataclass
+class Result:
+    """Everything one paired forward found; the first side is the reference."""
+
+    mode: str
+    side_a: dict[str, Any]
+    side_b: dict[str, Any]
+    rows: list[LayerDivergence]
+    skipped: list[Skipped] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Family, preset, seed, device, autocast policies, versions, timings (seconds)."""
+
+    # ---- views --------------------------------------------------------------------------
+
+    def table(self) -> Any:
+        """One row per paired output tensor, in forward completion order (a pandas DataFrame).
+
+        Columns: order, module, call, output, module_class, dtype_a, dtype_b, shape,
+        mean_abs_diff, max_abs_diff, rel_max, max_ulp, bitexact_frac, cosine_dist,
+        rounding_only, max_abs_diff_rounded, nonfinite_a, nonfinite_b, degenerate, ...
+        """
+        import pandas as pd
+
+        return pd.DataFrame([r.row() for r in self.rows])
+
+    def first_divergence(self) -> LayerDivergence | None:
+        """The first module output (in completion order) that differs; None at parity."""
+        return next((r for r in self.rows if r.diverges), None)
+
+    @property
+    def first_divergent_module(self) -> str | None:
+        """Module path of `first_divergence()`, or None."""
+        row = self.first_divergence()
+        return row.module if row is not None else None
+
+    def root_rows(self) -> list[LayerDivergence]:
+        """Rows of the model's own outputs (first call), the main output first."""
+        return [r for r in self.rows if r.module == ROOT and r.call == 0]
+
+    def output_metrics(self) -> dict[str, Any]:
+        """The seed's output-level metrics from the model's main output, plus every output.
+
+        Returns:
+            model_output_mean_abs_diff, model_output_max_abs_diff, model_output_rel_max (main
+            output), and "outputs": {output index: {metric: value}} for each root output.
+        """
+        roots = self.root_rows()
+        out: dict[str, Any] = {"outputs": {}}
+        for r in roots:
+            out["outputs"][r.output or "0"] = {
+                "mean_abs_diff": r.metrics.mean_abs_diff,
+                "max_abs_diff": r.metrics.max_abs_diff,
+                "rel_max": r.metrics.rel_max,
+                "max_ulp": r.metrics.max_ulp,
+                "bitexact_frac": r.metrics.bitexact_frac,
+                "dtype_a": r.dtype_a,
+                "dtype_b": r.dtype_b,
+            }
+        if roots:
+            main = roots[0].metrics
+            out["model_output_mean_abs_diff"] = main.mean_abs_diff
+            out["model_output_max_abs_diff"] = main.max_abs_diff
+            out["model_output_rel_max"] = main.rel_max
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """Headline numbers: counts, bit-exact rows, first divergence, output metrics."""
+        first = self.first_divergence()
+        n_exact = sum(1 for r in self.rows if not r.diverges)
+        return {
+            "family": self.meta.get("family"),
+            "preset": self.meta.get("preset"),
+            "mode": self.mode,
+            "side_a": self.side_a.get("name"),
+            "side_b": self.side_b.get("name"),
+            "pairs": len(self.rows),
+            "bitexact_pairs": n_exact,
+            "skipped": len(self.skipped),
+            "degenerate_pairs": sum(1 for r in self.rows if r.metrics.degenerate),
+            "max_ulp": max((r.metrics.max_ulp for r in self.rows), default=0.0),
+            "first_divergent_module": first.label() if first is not None else None,
+            **{k: v for k, v in self.output_metrics().items() if k != "outputs"},
+        }
+
+    def describe(self) -> str:
+        """A few human lines for a notebook or a log."""
+        s = self.summary()
+        lines = [
+            f"{s['family'] or 'model'} [{s['preset'] or '?'}], {self.mode}: "
+            f"{self.side_a.get('name')} (reference) vs {self.side_b.get('name')} (candidate)",
+            f"  paired outputs: {s['pairs']}, bit-exact: {s['bitexact_pairs']}, "
+            f"skipped: {s['skipped']}, degenerate: {s['degenerate_pairs']}, max ULP: {s['max_ulp']:g}",
+            f"  first divergent module: {s['first_divergent_module']}",
+        ]
+        if "model_output_rel_max" in s:
+            lines.append(
+                "  model_output_mean_abs_diff={:.3e} max_abs_diff={:.3e} rel_max={:.3e}".format(
+                    s["model_output_mean_abs_diff"],
+                    s["model_output_max_abs_diff"],
+                    s["model_output_rel_max"],
+                )
+            )
+        for sk in self.skipped[:5]:
+            lines.append(f"  skipped {sk.module}#{sk.call}:{sk.output}: {sk.reason}")
+        return "\n".join(lines)
+
+    # ---- JSON ---------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON document (schema in README, "Result JSON")."""
+        return {
+            "schema": SCHEMA,
+            "mode": self.mode,
+            "side_a": self.side_a,
+            "side_b": self.side_b,
+            "meta": self.meta,
+            "summary": _clean(self.summary()),
+            "ulp_bins": list(ULP_BIN_LABELS),
+            "rows": [_clean(r.row()) for r in self.rows],
+            "skipped": [dataclasses.asdict(s) for s in self.skipped],
+        }
+
+    def to_json(self, path: str | Path) -> Path:
+        """Write `to_dict()` to `path` (parents created). Returns the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1, allow_nan=True))
+        return path
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Result:
+        """Rebuild a Result from `to_dict()` output.
+
+        Raises:
+            ValueError: On a document of another schema.
+        """
+        if data.get("schema") != SCHEMA:
+            raise ValueError(
+                f"Result.from_dict: schema {data.get('schema')!r} is not {SCHEMA!r}; "
+                "was this file written by Result.to_json?"
+            )
+        metric_fields = {f.name for f in dataclasses.fields(PairMetrics)}
+        rows = []
+        for r in data["rows"]:
+            m = {k: r[k] for k in metric_fields if k != "ulp_hist"}
+            m["ulp_hist"] = tuple(r["ulp_hist"])
+            rows.append(
+                LayerDivergence(
+                    order=r["order"],
+                    module=r["module"],
+                    call=r["call"],
+                    output=r["output"],
+                    module_class=r["module_class"],
+                    dtype_a=r["dtype_a"],
+                    dtype_b=r["dtype_b"],
+                    shape=tuple(int(s) for s in r["shape"].split("x")) if r["shape"] else (),
+                    metrics=PairMetrics(**m),
+                )
+            )
+        return cls(
+            mode=data["mode"],
+            side_a=data["side_a"],
+            side_b=data["side_b"],
+            rows=rows,
+            skipped=[Skipped(**s) for s in data.get("skipped", [])],
+            meta=data.get("meta", {}),
+        )
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> Result:
+        """Read a file written by `to_json`."""
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _clean(value: Any) -> Any:
+    """JSON-ready copy: tuples become lists (NaN/Inf floats are written as NaN/Infinity)."""
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+def results_table(results: Sequence[Result]) -> Any:
+    """One summary row per Result (for sweeps and overlays), as a pandas DataFrame."""
+    import pandas as pd
+
+    return pd.DataFrame([r.summary() for r in results])

@@ -1,0 +1,492 @@
+"""pair(): model + inputs + two sides -> Result, comparing every module output as it is produced."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from lab.capture import ROOT, ModuleHooks, flatten_output
+from lab.devices import resolve_device
+from lab.errors import DegenerateOutputError, NonFiniteOutputError, PairError
+from lab.families import Inputs
+from lab.metrics import decode_stats, pair_stats
+from lab.precision.dtypes import dtype_name, parse_dtype
+from lab.precision.input_policy import apply_input_dtype_policy
+from lab.result import LayerDivergence, Result, Skipped
+from lab.sides import Side
+from lab.weights import WeightView
+
+Mode = Literal["propagated", "local"]
+MODES: tuple[str, ...] = ("propagated", "local")
+
+_SDPA_BACKENDS = {
+    "flash": "FLASH_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+    "math": "MATH",
+}
+
+
+# ---- one side's forward context ----------------------------------------------------------
+
+
+def _sdpa_context(backend: str) -> contextlib.AbstractContextManager:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if backend == "default":
+        # Every kernel allowed, torch's own priority: what an unpinned forward would pick.
+        return sdpa_kernel(
+            [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+             SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]  # fmt: skip
+        )
+    return sdpa_kernel(getattr(SDPBackend, _SDPA_BACKENDS[backend]))
+
+
+def _autocast_context(side: Side, device: torch.device) -> contextlib.AbstractContextManager:
+    if not side.autocast:
+        # Switch off any autocast active around us (an outer side in local mode).
+        return torch.autocast(device.type, enabled=False)
+    from lab.precision.autocast import autocast_context
+
+    dtype = parse_dtype(side.resolved_autocast_dtype, where=f"Side({side.name!r}).autocast_dtype")
+    return autocast_context(side.resolved_autocast_policy, device, dtype)
+
+
+@contextlib.contextmanager
+def side_context(side: Side, device: torch.device) -> Iterator[None]:
+    """Autocast and attention kernel of one side (weights are `WeightView`'s job)."""
+    with _sdpa_context(side.attention_backend), _autocast_context(side, device):
+        yield
+
+
+def check_side_device(side: Side, device: torch.device) -> None:
+    """Refuse a side whose device or attention kernel cannot run where the model lives.
+
+    Raises:
+        ValueError: CUDA asked for without a GPU, a side on another device than the model, or
+            a CUDA-only attention kernel on CPU.
+    """
+    want = resolve_device(side.device)
+    if want.type != device.type:
+        raise ValueError(
+            f"Side({side.name!r}).device is {side.device!r} but the model is on {device}. Build "
+            f"the model with device={side.device!r} or use side.replace(device={device.type!r})."
+        )
+    if device.type == "cpu" and side.attention_backend in ("efficient", "cudnn"):
+        raise ValueError(
+            f"Side({side.name!r}).attention_backend={side.attention_backend!r} has no CPU kernel; "
+            "on CPU use 'default', 'math' or 'flash'."
+        )
+
+
+# ---- pairing ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Pending:
+    order: int
+    module: str
+    call: int
+    output: str
+    module_class: str
+    dtype_a: torch.dtype
+    dtype_b: torch.dtype
+    shape: tuple[int, ...]
+    stats: torch.Tensor
+    hist: torch.Tensor
+
+
+class _Collector:
+    """Compares leaves as they arrive; keeps only the small on-device stat vectors."""
+
+    def __init__(self, module_classes: dict[str, str]) -> None:
+        self.module_classes = module_classes
+        self.pending: list[_Pending] = []
+        self.skipped: list[Skipped] = []
+
+    def compare(self, order: int, key: tuple[str, int, str], a: Any, b: Any) -> None:
+        module, call, output = key
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_complex() \
+                and b.is_complex():  # fmt: skip
+            # RoPE tables are complex in some families: compare real and imaginary parts.
+            a, b = torch.view_as_real(a), torch.view_as_real(b)
+        reason = _why_not_comparable(a, b)
+        if reason:
+            self.skipped.append(Skipped(module, call, output, reason))
+            return
+        stats, hist = pair_stats(a, b)
+        self.pending.append(
+            _Pending(order, module, call, output, self.module_classes.get(module, "?"),
+                     a.dtype, b.dtype, tuple(a.shape), stats, hist)  # fmt: skip
+        )
+
+    def rows(self) -> list[LayerDivergence]:
+        if not self.pending:
+            return []
+        # One host transfer for every pair of the run.
+        stats = torch.stack([p.stats for p in self.pending]).cpu()
+        hists = torch.stack([p.hist for p in self.pending]).cpu()
+        rows = [
+            LayerDivergence(
+                order=p.order,
+                module=p.module,
+                call=p.call,
+                output=p.output,
+                module_class=p.module_class,
+                dtype_a=dtype_name(p.dtype_a),
+                dtype_b=dtype_name(p.dtype_b),
+                shape=p.shape,
+                metrics=decode_stats(stats[i], hists[i], p.dtype_a, p.dtype_b),
+            )
+            for i, p in enumerate(self.pending)
+        ]
+        return sorted(rows, key=lambda r: r.order)
+
+
+def _why_not_comparable(a: Any, b: Any) -> str | None:
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return f"non-tensor output ({type(a).__name__} vs {type(b).__name__})"
+    if not (a.is_floating_point() and b.is_floating_point()):
+        if a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b):
+            return f"non-floating output ({a.dtype}), identical on both sides"
+        return f"non-floating output ({a.dtype} vs {b.dtype}), differs between sides"
+    if a.shape != b.shape:
+        return f"shape differs: {tuple(a.shape)} vs {tuple(b.shape)}"
+    return None
+
+
+def _clone_tree(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, list):
+        return [_clone_tree(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_clone_tree(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _clone_tree(v) for k, v in value.items()}
+    return value
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+def pair(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    side_a: Side,
+    side_b: Side,
+    mode: Mode = "propagated",
+    *,
+    names_filter: Callable[[str], bool] | None = None,
+    check_outputs: bool = True,
+    meta: dict[str, Any] | None = None,
+) -> Result:
+    """Run the same weights and inputs under two sides and compare every module output.
+
+    `propagated`: each side runs its own forward, so differences accumulate as in the real
+    system. `local`: during side A's forward, each module is re-run under side B on the exact
+    inputs side A gave it, which shows which op introduces the error. Side A's activations
+    are held until side B's matching output arrives; each pair is reduced to a few numbers on
+    the device and dropped, so memory never holds every activation of both sides. The model,
+    autocast, SDPA kernel selection and parameter dtypes are all restored afterwards.
+
+    Args:
+        model: An fp32 master model (from `Family.build` or `Family.load`).
+        inputs: The pipeline's tensors, tagged by role (each side applies its own policy).
+        side_a: The reference side (rollout by default convention).
+        side_b: The candidate side.
+        mode: "propagated" or "local".
+        names_filter: Capture only modules whose path (ROOT for the model) passes this.
+        check_outputs: Raise on non-finite or all-zero model outputs (the error carries the
+            Result as `.result`).
+        meta: Extra fields for `Result.meta` (family, preset, seed, ...).
+
+    Returns:
+        The Result, rows in forward completion order.
+
+    Raises:
+        ValueError: Unknown mode, a side that cannot run on this device, bad rules.
+        NonFiniteOutputError: NaN/Inf in a side's model output (check_outputs).
+        DegenerateOutputError: Both model outputs all zero or constant (check_outputs).
+        PairError: A side's forward failed (out of memory, dtype error); `.result` holds the
+            pairs compared before the failure.
+    """
+    if mode not in MODES:
+        raise ValueError(f"pair: unknown mode {mode!r}. Known: {', '.join(MODES)}.")
+    device = _model_device(model)
+    for side in (side_a, side_b):
+        check_side_device(side, device)
+    view_a = WeightView(model, side_a)
+    view_b = WeightView(model, side_b, cache=(mode == "local"))
+    inputs_a = apply_input_dtype_policy(
+        side_a.input_dtype_policy, inputs.to(device), side_a.forward_dtype
+    )
+    inputs_b = apply_input_dtype_policy(
+        side_b.input_dtype_policy, inputs.to(device), side_b.forward_dtype
+    )
+    module_classes = {(n or ROOT): type(m).__name__ for n, m in model.named_modules()}
+    collector = _Collector(module_classes)
+    timings: dict[str, float] = {}
+    result_meta = {
+        **(meta or {}),
+        "device": str(device),
+        "autocast_policy_a": side_a.resolved_autocast_policy,
+        "autocast_policy_b": side_b.resolved_autocast_policy,
+        "param_dtypes_a": view_a.plan.dtype_counts(),
+        "param_dtypes_b": view_b.plan.dtype_counts(),
+        "versions": _versions(),
+    }
+
+    def partial() -> Result:
+        return Result(mode, side_a.to_dict(), side_b.to_dict(), collector.rows(),
+                      list(collector.skipped), {**result_meta, "timings_s": dict(timings)})  # fmt: skip
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            if mode == "propagated":
+                _run_propagated(model, inputs_a, inputs_b, side_a, side_b, view_a, view_b,
+                                device, collector, names_filter, timings)  # fmt: skip
+            else:
+                _run_local(model, inputs_a, inputs_b, side_a, side_b, view_a, view_b, device,
+                           collector, names_filter, timings)  # fmt: skip
+    except (torch.cuda.OutOfMemoryError, RuntimeError, ValueError, TypeError) as err:
+        result = partial()
+        side = side_a.name if not timings.get("a_s") else side_b.name
+        hint = ""
+        if isinstance(err, torch.cuda.OutOfMemoryError):
+            hint = (" Out of GPU memory: use a smaller preset, names_filter to capture fewer "
+                    "modules, or mode='propagated' (local mode caches side B's weights).")  # fmt: skip
+        raise PairError(
+            f"pair: side {side!r} failed after {len(result.rows)} compared pair(s): "
+            f"{type(err).__name__}: {err}.{hint} The pairs compared so far are in err.result.",
+            result,
+        ) from err
+    finally:
+        model.train(was_training)
+    result = partial()
+    if check_outputs:
+        _check_outputs(result, side_a, side_b)
+    return result
+
+
+def _run_propagated(model, inputs_a, inputs_b, side_a, side_b, view_a, view_b, device,
+                    collector, names_filter, timings) -> None:  # fmt: skip
+    store: dict[tuple[str, int, str], torch.Tensor] = {}
+    order: dict[tuple[str, int, str], int] = {}
+
+    def on_a(label: str, call: int, module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        for idx, leaf in flatten_output(output):
+            key = (label, call, idx)
+            order[key] = len(order)
+            # Cloned: a later in-place op of the forward must not edit what we compare.
+            store[key] = leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf
+
+    def on_b(label: str, call: int, module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        for idx, leaf in flatten_output(output):
+            key = (label, call, idx)
+            if key not in store:
+                collector.skipped.append(Skipped(label, call, idx, f"only on side {side_b.name!r}"))
+                continue
+            collector.compare(order[key], key, store.pop(key), leaf)
+
+    start = time.perf_counter()
+    with ModuleHooks(model, on_a, names_filter=names_filter).attached(), view_a.applied(), \
+            side_context(side_a, device):  # fmt: skip
+        model(**inputs_a.kwargs)
+    _sync(device)
+    timings["a_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    with ModuleHooks(model, on_b, names_filter=names_filter).attached(), view_b.applied(), \
+            side_context(side_b, device):  # fmt: skip
+        model(**inputs_b.kwargs)
+    _sync(device)
+    timings["b_s"] = time.perf_counter() - start
+    for (module, call, idx) in sorted(store, key=order.__getitem__):
+        collector.skipped.append(Skipped(module, call, idx, f"only on side {side_a.name!r}"))
+
+
+def _run_local(model, inputs_a, inputs_b, side_a, side_b, view_a, view_b, device, collector,
+               names_filter, timings) -> None:  # fmt: skip
+    # Pass 1: side B's own forward, recording only the dtypes each module call receives, so the
+    # re-runs below hand B side A's values in the dtypes B's forward would have handed it.
+    b_dtypes: dict[tuple[str, int], Any] = {}
+
+    def record_dtypes(label: str, call: int, module: Any, args: tuple, kwargs: dict) -> None:
+        b_dtypes[(label, call)] = (_dtype_tree(args), _dtype_tree(kwargs))
+
+    start = time.perf_counter()
+    with ModuleHooks(model, lambda *a: None, on_input=record_dtypes,
+                     names_filter=names_filter).attached(), view_b.applied(), \
+            side_context(side_b, device):  # fmt: skip
+        model(**inputs_b.kwargs)
+    _sync(device)
+    timings["b_s"] = time.perf_counter() - start
+
+    saved: list[tuple[tuple, dict]] = []
+    counter = [0]
+    hooks: ModuleHooks
+
+    def on_input(label: str, call: int, module: Any, args: tuple, kwargs: dict) -> None:
+        # Cloned (and cast): the module may edit its inputs in place before B re-runs it.
+        want = b_dtypes.get((label, call))
+        if want is None:
+            saved.append((_clone_tree(args), _clone_tree(kwargs)))
+        else:
+            saved.append((_cast_tree(args, want[0]), _cast_tree(kwargs, want[1])))
+
+    def on_output(label: str, call: int, module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        a_args, a_kwargs = saved.pop()
+        with hooks.paused(), view_b.applied(module), side_context(side_b, device):
+            try:
+                out_b = module(*a_args, **a_kwargs)
+            except (RuntimeError, ValueError, TypeError) as err:
+                for idx, _ in flatten_output(output):
+                    collector.skipped.append(
+                        Skipped(label, call, idx, f"side {side_b.name!r} re-run failed: {err}")
+                    )
+                return
+        leaves_b = dict(flatten_output(out_b))
+        for idx, leaf in flatten_output(output):
+            order = counter[0]
+            counter[0] += 1
+            if idx not in leaves_b:
+                collector.skipped.append(Skipped(label, call, idx, f"only on side {side_a.name!r}"))
+                continue
+            collector.compare(order, (label, call, idx), leaf, leaves_b[idx])
+
+    hooks = ModuleHooks(model, on_output, on_input=on_input, names_filter=names_filter)
+    start = time.perf_counter()
+    with hooks.attached(), view_a.applied(), side_context(side_a, device):
+        model(**inputs_a.kwargs)
+    _sync(device)
+    timings["a_s"] = time.perf_counter() - start
+
+
+def _dtype_tree(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    if isinstance(value, list | tuple):
+        return [_dtype_tree(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _dtype_tree(v) for k, v in value.items()}
+    return None
+
+
+def _cast_tree(value: Any, dtypes: Any) -> Any:
+    """Clone `value`, casting floating tensors to the dtype at the same place in `dtypes`."""
+    if isinstance(value, torch.Tensor):
+        want = dtypes if isinstance(dtypes, torch.dtype) else None
+        if want is not None and value.is_floating_point() and want.is_floating_point:
+            return value.detach().to(want, copy=True)
+        return value.detach().clone()
+    if isinstance(value, list | tuple):
+        subs = dtypes if isinstance(dtypes, list) and len(dtypes) == len(value) else [None] * len(value)
+        out = [_cast_tree(v, d) for v, d in zip(value, subs, strict=True)]
+        return out if isinstance(value, list) else tuple(out)
+    if isinstance(value, dict):
+        subs = dtypes if isinstance(dtypes, dict) else {}
+        return {k: _cast_tree(v, subs.get(k)) for k, v in value.items()}
+    return value
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _check_outputs(result: Result, side_a: Side, side_b: Side) -> None:
+    roots = result.root_rows()
+    if not roots:
+        return
+    for name, attr in ((side_a.name, "nonfinite_a"), (side_b.name, "nonfinite_b")):
+        bad = [r for r in roots if getattr(r.metrics, attr)]
+        if bad:
+            first = next((r for r in result.rows if getattr(r.metrics, attr)), bad[0])
+            raise NonFiniteOutputError(
+                f"pair: side {name!r} produced {getattr(bad[0].metrics, attr)} NaN/Inf value(s) "
+                f"in its model output; the first module with non-finite output is "
+                f"{first.label()!r} ({first.module_class}). Check that side's dtypes (fp16 "
+                "overflows above 65504) and inputs. The Result is in err.result; pass "
+                "check_outputs=False to get it returned.",
+                result,
+            )
+    main = roots[0].metrics
+    if main.degenerate:
+        what = "all zero" if main.max_abs_a == 0 and main.max_abs_b == 0 else "constant"
+        raise DegenerateOutputError(
+            f"pair: both sides' model outputs are {what}, so their agreement proves nothing "
+            "(zero-initialised output layers, as some checkpoints ship them?). Use seeded random "
+            "weights (Family.build) or real weights. The Result is in err.result; pass "
+            "check_outputs=False to get it returned.",
+            result,
+        )
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"torch": torch.__version__}
+    with contextlib.suppress(md.PackageNotFoundError):
+        out["diffusers"] = md.version("diffusers")
+    return out
+
+
+def pair_family(
+    family_name: str,
+    preset: str = "tiny",
+    *,
+    seed: int = 0,
+    device: str = "cpu",
+    mode: Mode = "propagated",
+    batch: int = 1,
+    cfg: bool = False,
+    sigma: float = 0.75,
+    variant: str | None = None,
+    rollout: dict[str, Any] | None = None,
+    trainer: dict[str, Any] | None = None,
+    checkpoint: str | None = None,
+) -> Result:
+    """Build (or load) a family model and pair its rollout side against its trainer side.
+
+    Args:
+        family_name: One of `lab.families()`.
+        preset: "tiny", "reduced" or "full".
+        seed: Weight and input seed.
+        device: "cpu" or "cuda".
+        mode: "propagated" or "local".
+        batch: Samples per forward.
+        cfg: Use the family's CFG layout (the positive forward is paired).
+        sigma: The step's flow-matching sigma.
+        variant: A family variant (e.g. sd3 "large").
+        rollout: Field overrides for `Side.rollout(family)` (e.g. {"attention_backend": "math"}).
+        trainer: Field overrides for `Side.trainer(family)`.
+        checkpoint: A local diffusers checkpoint directory to load instead of seeded weights.
+
+    Returns:
+        The Result, with family, preset, seed and sigma in its meta.
+    """
+    from lab.families import family as get_family
+
+    fam = get_family(family_name)
+    resolve_device(device)
+    side_a = Side.rollout(fam, device=device, **(rollout or {}))
+    side_b = Side.trainer(fam, device=device, **(trainer or {}))
+    if checkpoint:
+        model = fam.load(checkpoint, device=device)
+    else:
+        model = fam.build(preset, seed, variant=variant, device=device,
+                          expert=fam.expert_for_sigma(sigma))  # fmt: skip
+    inputs = fam.make_inputs(preset, seed, batch, cfg, variant=variant, sigma=sigma, device=device)
+    meta = dict(family=family_name, preset=preset, seed=seed, sigma=sigma, batch=batch, cfg=cfg,
+                variant=variant, checkpoint=checkpoint, expert=fam.expert_for_sigma(sigma))  # fmt: skip
+    return pair(model, inputs, side_a, side_b, mode, meta=meta)
