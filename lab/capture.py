@@ -45,7 +45,9 @@ def flatten_output(output: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
             yield from flatten_output(v, f"{prefix}.{k}" if prefix else str(k))
     elif dataclasses.is_dataclass(output) and not isinstance(output, type):
         for f in dataclasses.fields(output):
-            yield from flatten_output(getattr(output, f.name), f"{prefix}.{f.name}" if prefix else f.name)
+            yield from flatten_output(
+                getattr(output, f.name), f"{prefix}.{f.name}" if prefix else f.name
+            )
     else:
         yield prefix, output
 
@@ -96,11 +98,11 @@ class ModuleHooks:
                 label = name or ROOT
                 if self.names_filter is not None and not self.names_filter(label):
                     continue
+                handles.append(module.register_forward_pre_hook(self._pre(label), with_kwargs=True))
                 handles.append(
-                    module.register_forward_pre_hook(self._pre(label), with_kwargs=True)
-                )
-                handles.append(
-                    module.register_forward_hook(self._post(label), with_kwargs=True, always_call=False)
+                    module.register_forward_hook(
+                        self._post(label), with_kwargs=True, always_call=False
+                    )
                 )
             yield self
         finally:

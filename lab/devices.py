@@ -14,7 +14,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as err:
-        raise ValueError(f"device {device!r} is not a torch device name; use 'cpu' or 'cuda'.") from err
+        raise ValueError(
+            f"device {device!r} is not a torch device name; use 'cpu' or 'cuda'."
+        ) from err
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(

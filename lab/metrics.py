@@ -51,13 +51,11 @@ def coarser_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
     return a if _MANTISSA_BITS[a] <= _MANTISSA_BITS[b] else b
 
 
-def _ordered_bits(x: torch.Tensor) -> torch.Tensor:
-    """Map floats to integers (as float64) whose difference counts representable values."""
+def _sign_magnitude(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sign bit and magnitude bits of each float, as int64."""
     bits = x.view(_INT_VIEW[x.dtype]).to(torch.int64)
     width = torch.finfo(x.dtype).bits
-    magnitude = bits & ((1 << (width - 1)) - 1)
-    # +0.0 and -0.0 both map to 0; float64 keeps int16/int32 magnitudes exact.
-    return torch.where(bits < 0, -magnitude, magnitude).to(torch.float64)
+    return bits < 0, bits & ((1 << (width - 1)) - 1)
 
 
 def ulp_distance(reference: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
@@ -77,10 +75,19 @@ def ulp_distance(reference: torch.Tensor, candidate: torch.Tensor) -> torch.Tens
             f"ulp_distance: needs equal shape and dtype, got {tuple(reference.shape)} "
             f"{reference.dtype} vs {tuple(candidate.shape)} {candidate.dtype}."
         )
-    return (_ordered_bits(reference) - _ordered_bits(candidate)).abs()
+    sign_a, mag_a = _sign_magnitude(reference)
+    sign_b, mag_b = _sign_magnitude(candidate)
+    # Same sign: the magnitudes' difference, exact in int64 for every dtype. Opposite signs: the
+    # steps down to zero on one side plus up from it on the other (+0 and -0 are both zero),
+    # summed in float64 so fp64 magnitudes cannot overflow.
+    same = (mag_a - mag_b).abs().to(torch.float64)
+    across = mag_a.to(torch.float64) + mag_b.to(torch.float64)
+    return torch.where(sign_a == sign_b, same, across)
 
 
-def pair_stats(reference: torch.Tensor, candidate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_stats(
+    reference: torch.Tensor, candidate: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """All per-pair statistics as one float64 vector plus the ULP histogram, on-device.
 
     Non-finite elements (on either side) are excluded from the difference statistics and
@@ -138,8 +145,8 @@ def pair_stats(reference: torch.Tensor, candidate: torch.Tensor) -> tuple[torch.
             _max(rounded_diff),
             _degenerate(a_f),
             _degenerate(b_f),
-            a_f.sum() / max(numel, 1),
-            b_f.sum() / max(numel, 1),
+            a_f.sum() / finite.sum().clamp(min=1),
+            b_f.sum() / finite.sum().clamp(min=1),
         ]
     )
     edges = torch.tensor(ULP_BIN_EDGES, dtype=torch.float64, device=a64.device)
@@ -170,6 +177,7 @@ class PairMetrics:
     """Both sides all-zero or constant: agreement here is not evidence of parity."""
     ulp_hist: tuple[int, ...]
     mean_a: float
+    """Mean of the reference over the elements finite on both sides."""
     mean_b: float
     max_abs_a: float
     max_abs_b: float

@@ -161,7 +161,8 @@ class Result:
             f"{s['family'] or 'model'} [{s['preset'] or '?'}], {self.mode}: "
             f"{self.side_a.get('name')} (reference) vs {self.side_b.get('name')} (candidate)",
             f"  paired outputs: {s['pairs']}, bit-exact: {s['bitexact_pairs']}, "
-            f"skipped: {s['skipped']}, degenerate: {s['degenerate_pairs']}, max ULP: {s['max_ulp']:g}",
+            f"skipped: {s['skipped']}, degenerate: {s['degenerate_pairs']}, "
+            f"max ULP: {s['max_ulp']:g}",
             f"  first divergent module: {s['first_divergent_module']}",
         ]
         if "model_output_rel_max" in s:

@@ -41,8 +41,12 @@ def _sdpa_context(backend: str) -> contextlib.AbstractContextManager:
     if backend == "default":
         # Every kernel allowed, torch's own priority: what an unpinned forward would pick.
         return sdpa_kernel(
-            [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-             SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]  # fmt: skip
+            [
+                SDPBackend.FLASH_ATTENTION,
+                SDPBackend.EFFICIENT_ATTENTION,
+                SDPBackend.CUDNN_ATTENTION,
+                SDPBackend.MATH,
+            ]
         )
     return sdpa_kernel(getattr(SDPBackend, _SDPA_BACKENDS[backend]))
 
@@ -54,6 +58,9 @@ def _autocast_context(side: Side, device: torch.device) -> contextlib.AbstractCo
     from lab.precision.autocast import autocast_context
 
     dtype = parse_dtype(side.resolved_autocast_dtype, where=f"Side({side.name!r}).autocast_dtype")
+    if dtype == torch.float32:
+        # Autocast to fp32 changes nothing an fp32 forward would not do by itself.
+        return torch.autocast(device.type, enabled=False)
     return autocast_context(side.resolved_autocast_policy, device, dtype)
 
 
@@ -110,9 +117,19 @@ class _Collector:
         self.skipped: list[Skipped] = []
 
     def compare(self, order: int, key: tuple[str, int, str], a: Any, b: Any) -> None:
+        # Called from inside a side's forward: the metrics must not run under its autocast.
+        device_type = a.device.type if isinstance(a, torch.Tensor) else "cpu"
+        with torch.autocast(device_type, enabled=False):
+            self._compare(order, key, a, b)
+
+    def _compare(self, order: int, key: tuple[str, int, str], a: Any, b: Any) -> None:
         module, call, output = key
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_complex() \
-                and b.is_complex():  # fmt: skip
+        if (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.is_complex()
+            and b.is_complex()
+        ):
             # RoPE tables are complex in some families: compare real and imaginary parts.
             a, b = torch.view_as_real(a), torch.view_as_real(b)
         reason = _why_not_comparable(a, b)
@@ -121,8 +138,18 @@ class _Collector:
             return
         stats, hist = pair_stats(a, b)
         self.pending.append(
-            _Pending(order, module, call, output, self.module_classes.get(module, "?"),
-                     a.dtype, b.dtype, tuple(a.shape), stats, hist)  # fmt: skip
+            _Pending(
+                order,
+                module,
+                call,
+                output,
+                self.module_classes.get(module, "?"),
+                a.dtype,
+                b.dtype,
+                tuple(a.shape),
+                stats,
+                hist,
+            )
         )
 
     def rows(self) -> list[LayerDivergence]:
@@ -246,26 +273,56 @@ def pair(
     }
 
     def partial() -> Result:
-        return Result(mode, side_a.to_dict(), side_b.to_dict(), collector.rows(),
-                      list(collector.skipped), {**result_meta, "timings_s": dict(timings)})  # fmt: skip
+        return Result(
+            mode,
+            side_a.to_dict(),
+            side_b.to_dict(),
+            collector.rows(),
+            list(collector.skipped),
+            {**result_meta, "timings_s": dict(timings)},
+        )
 
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             if mode == "propagated":
-                _run_propagated(model, inputs_a, inputs_b, side_a, side_b, view_a, view_b,
-                                device, collector, names_filter, timings)  # fmt: skip
+                _run_propagated(
+                    model,
+                    inputs_a,
+                    inputs_b,
+                    side_a,
+                    side_b,
+                    view_a,
+                    view_b,
+                    device,
+                    collector,
+                    names_filter,
+                    timings,
+                )
             else:
-                _run_local(model, inputs_a, inputs_b, side_a, side_b, view_a, view_b, device,
-                           collector, names_filter, timings)  # fmt: skip
+                _run_local(
+                    model,
+                    inputs_a,
+                    inputs_b,
+                    side_a,
+                    side_b,
+                    view_a,
+                    view_b,
+                    device,
+                    collector,
+                    names_filter,
+                    timings,
+                )
     except (torch.cuda.OutOfMemoryError, RuntimeError, ValueError, TypeError) as err:
         result = partial()
         side = side_a.name if not timings.get("a_s") else side_b.name
         hint = ""
         if isinstance(err, torch.cuda.OutOfMemoryError):
-            hint = (" Out of GPU memory: use a smaller preset, names_filter to capture fewer "
-                    "modules, or mode='propagated' (local mode caches side B's weights).")  # fmt: skip
+            hint = (
+                " Out of GPU memory: use a smaller preset, names_filter to capture fewer "
+                "modules, or mode='propagated' (local mode caches side B's weights)."
+            )
         raise PairError(
             f"pair: side {side!r} failed after {len(result.rows)} compared pair(s): "
             f"{type(err).__name__}: {err}.{hint} The pairs compared so far are in err.result.",
@@ -279,8 +336,19 @@ def pair(
     return result
 
 
-def _run_propagated(model, inputs_a, inputs_b, side_a, side_b, view_a, view_b, device,
-                    collector, names_filter, timings) -> None:  # fmt: skip
+def _run_propagated(
+    model,
+    inputs_a,
+    inputs_b,
+    side_a,
+    side_b,
+    view_a,
+    view_b,
+    device,
+    collector,
+    names_filter,
+    timings,
+) -> None:
     store: dict[tuple[str, int, str], torch.Tensor] = {}
     order: dict[tuple[str, int, str], int] = {}
 
@@ -300,23 +368,40 @@ def _run_propagated(model, inputs_a, inputs_b, side_a, side_b, view_a, view_b, d
             collector.compare(order[key], key, store.pop(key), leaf)
 
     start = time.perf_counter()
-    with ModuleHooks(model, on_a, names_filter=names_filter).attached(), view_a.applied(), \
-            side_context(side_a, device):  # fmt: skip
+    with (
+        ModuleHooks(model, on_a, names_filter=names_filter).attached(),
+        view_a.applied(),
+        side_context(side_a, device),
+    ):
         model(**inputs_a.kwargs)
     _sync(device)
     timings["a_s"] = time.perf_counter() - start
     start = time.perf_counter()
-    with ModuleHooks(model, on_b, names_filter=names_filter).attached(), view_b.applied(), \
-            side_context(side_b, device):  # fmt: skip
+    with (
+        ModuleHooks(model, on_b, names_filter=names_filter).attached(),
+        view_b.applied(),
+        side_context(side_b, device),
+    ):
         model(**inputs_b.kwargs)
     _sync(device)
     timings["b_s"] = time.perf_counter() - start
-    for (module, call, idx) in sorted(store, key=order.__getitem__):
+    for module, call, idx in sorted(store, key=order.__getitem__):
         collector.skipped.append(Skipped(module, call, idx, f"only on side {side_a.name!r}"))
 
 
-def _run_local(model, inputs_a, inputs_b, side_a, side_b, view_a, view_b, device, collector,
-               names_filter, timings) -> None:  # fmt: skip
+def _run_local(
+    model,
+    inputs_a,
+    inputs_b,
+    side_a,
+    side_b,
+    view_a,
+    view_b,
+    device,
+    collector,
+    names_filter,
+    timings,
+) -> None:
     # Pass 1: side B's own forward, recording only the dtypes each module call receives, so the
     # re-runs below hand B side A's values in the dtypes B's forward would have handed it.
     b_dtypes: dict[tuple[str, int], Any] = {}
@@ -325,9 +410,13 @@ def _run_local(model, inputs_a, inputs_b, side_a, side_b, view_a, view_b, device
         b_dtypes[(label, call)] = (_dtype_tree(args), _dtype_tree(kwargs))
 
     start = time.perf_counter()
-    with ModuleHooks(model, lambda *a: None, on_input=record_dtypes,
-                     names_filter=names_filter).attached(), view_b.applied(), \
-            side_context(side_b, device):  # fmt: skip
+    with (
+        ModuleHooks(
+            model, lambda *a: None, on_input=record_dtypes, names_filter=names_filter
+        ).attached(),
+        view_b.applied(),
+        side_context(side_b, device),
+    ):
         model(**inputs_b.kwargs)
     _sync(device)
     timings["b_s"] = time.perf_counter() - start
@@ -390,7 +479,11 @@ def _cast_tree(value: Any, dtypes: Any) -> Any:
             return value.detach().to(want, copy=True)
         return value.detach().clone()
     if isinstance(value, list | tuple):
-        subs = dtypes if isinstance(dtypes, list) and len(dtypes) == len(value) else [None] * len(value)
+        subs = (
+            dtypes
+            if isinstance(dtypes, list) and len(dtypes) == len(value)
+            else [None] * len(value)
+        )
         out = [_cast_tree(v, d) for v, d in zip(value, subs, strict=True)]
         return out if isinstance(value, list) else tuple(out)
     if isinstance(value, dict):
@@ -484,9 +577,19 @@ def pair_family(
     if checkpoint:
         model = fam.load(checkpoint, device=device)
     else:
-        model = fam.build(preset, seed, variant=variant, device=device,
-                          expert=fam.expert_for_sigma(sigma))  # fmt: skip
+        model = fam.build(
+            preset, seed, variant=variant, device=device, expert=fam.expert_for_sigma(sigma)
+        )
     inputs = fam.make_inputs(preset, seed, batch, cfg, variant=variant, sigma=sigma, device=device)
-    meta = dict(family=family_name, preset=preset, seed=seed, sigma=sigma, batch=batch, cfg=cfg,
-                variant=variant, checkpoint=checkpoint, expert=fam.expert_for_sigma(sigma))  # fmt: skip
+    meta = dict(
+        family=family_name,
+        preset=preset,
+        seed=seed,
+        sigma=sigma,
+        batch=batch,
+        cfg=cfg,
+        variant=variant,
+        checkpoint=checkpoint,
+        expert=fam.expert_for_sigma(sigma),
+    )
     return pair(model, inputs, side_a, side_b, mode, meta=meta)

@@ -35,7 +35,9 @@ class Inputs:
     def __post_init__(self) -> None:
         missing = sorted(set(self.kwargs) - set(self.roles))
         if missing:
-            raise ValueError(f"Inputs: no role given for {missing}; every kwarg needs one of {ROLES}.")
+            raise ValueError(
+                f"Inputs: no role given for {missing}; every kwarg needs one of {ROLES}."
+            )
         bad = {k: r for k, r in self.roles.items() if r not in ROLES}
         if bad:
             raise ValueError(f"Inputs: unknown roles {bad}; allowed: {ROLES}.")
@@ -48,7 +50,9 @@ class Inputs:
         """Copy with some kwargs replaced (their roles are kept)."""
         unknown = sorted(set(kwargs) - set(self.kwargs))
         if unknown:
-            raise ValueError(f"Inputs.replace_kwargs: unknown kwargs {unknown}; have {list(self.kwargs)}.")
+            raise ValueError(
+                f"Inputs.replace_kwargs: unknown kwargs {unknown}; have {list(self.kwargs)}."
+            )
         return replace(self, kwargs={**self.kwargs, **kwargs})
 
     def to(self, device: torch.device | str) -> Inputs:
@@ -133,13 +137,16 @@ class Family:
         """
         if preset not in self.presets:
             raise ValueError(
-                f"family {self.name!r}: unknown preset {preset!r}. Known: {', '.join(self.presets)}."
+                f"family {self.name!r}: unknown preset {preset!r}. "
+                f"Known: {', '.join(self.presets)}."
             )
         cfg = dict(self.presets[preset])
         if variant is not None:
             if variant not in self.variants:
                 known = ", ".join(self.variants) or "none"
-                raise ValueError(f"family {self.name!r}: unknown variant {variant!r}. Known: {known}.")
+                raise ValueError(
+                    f"family {self.name!r}: unknown variant {variant!r}. Known: {known}."
+                )
             cfg.update(self.variants[variant].get(preset, {}))
         return cfg
 
@@ -215,8 +222,25 @@ class Family:
                     f"family {self.name!r}: {str(path)!r} holds no config.json (nor transformer/"
                     "config.json). Point load() at a directory written by save_pretrained()."
                 )
-        model = self.model_cls().from_pretrained(str(path), torch_dtype=torch.float32)
-        model = model.to(resolve_device(device)).eval()
+        cls = self.model_cls()
+        dev = resolve_device(device)
+        # Built from config on the target device, then filled from the safetensors files in fp32:
+        # diffusers' from_pretrained would need accelerate for its keep-in-fp32 path, and the
+        # lab wants an fp32 master regardless (sides cast from it).
+        with dev:
+            model = cls.from_config(cls.load_config(str(path)))
+        state = _read_safetensors(path)
+        missing, unexpected = model.load_state_dict(
+            {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()},
+            strict=False,
+        )
+        if missing or unexpected:
+            raise ValueError(
+                f"family {self.name!r}: checkpoint {str(path)!r} does not fit "
+                f"{self.model_class}: missing {sorted(missing)[:5]}, unexpected "
+                f"{sorted(unexpected)[:5]}. Is it a {self.title} transformer directory?"
+            )
+        model = model.eval()
         if self.prepare_model is not None:
             self.prepare_model(model)
         return model
@@ -280,3 +304,19 @@ class Family:
         return {"t": sigma * 1000.0, "t/1000": sigma, "sigma": sigma, "1-sigma": 1.0 - sigma}[
             self.timestep_presentation
         ]
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a diffusers checkpoint directory (single file or sharded index)."""
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"{str(path)!r} holds no .safetensors weights; save with save_pretrained("
+            "safe_serialization=True)."
+        )
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state

@@ -1,4 +1,4 @@
-"""Cosmos3 (diffusers Cosmos3OmniTransformer). Nano: 36 MoT layers x 32 heads x 128, T2I packed forward."""
+"""Cosmos3 (diffusers Cosmos3OmniTransformer). Nano: 36 MoT layers, 32 heads x 128; packed T2I."""
 
 from __future__ import annotations
 
@@ -10,6 +10,17 @@ import torch
 
 from lab.families._family import Family, Inputs
 
+# Qwen3/Nano style at toy width; mRoPE sections 4/2/2 sum to head_dim // 2, and
+# patch_latent_dim = 2 * 2 * latent_channel.
+_TINY = dict(
+    attention_bias=False, head_dim=16, hidden_size=64, intermediate_size=128,
+    num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, rms_norm_eps=1e-6,
+    rope_theta=5e6, rope_axes_dim=(4, 2, 2), latent_channel=4, latent_patch_size=2,
+    patch_latent_dim=16, base_fps=24, enable_fps_modulation=True,
+    unified_3d_mrope_reset_spatial_ids=True, unified_3d_mrope_temporal_modality_margin=15000,
+    timestep_scale=0.001, vocab_size=128, hidden_act="silu", qk_norm_for_text=True,
+    use_und_k_norm_for_gen=False, sound_gen=False, action_gen=False,
+)  # fmt: skip
 # Every number is the class default of Cosmos3OmniTransformer in diffusers 0.42.1, which its docs
 # page loads as `from_pretrained("nvidia/Cosmos3-Nano", subfolder="transformer")`: the Qwen3-VL-8B
 # text backbone (4096 wide, 36 layers, 32 query / 8 key-value heads of 128, SwiGLU 12288, vocab
@@ -44,7 +55,7 @@ _FPS = 24.0
 
 
 def _text_mrope_ids(und_len: int, float_positions: bool) -> torch.Tensor:
-    """Text mRoPE ids: `arange(und_len)` on all 3 axes (`get_3d_mrope_ids_text_tokens`, offset 0)."""
+    """Text mRoPE ids: `arange(und_len)` on all 3 axes, as `get_3d_mrope_ids_text_tokens`."""
     dtype = torch.float32 if float_positions else torch.long
     return torch.arange(und_len, dtype=dtype).unsqueeze(0).expand(3, -1).contiguous()
 
@@ -109,9 +120,9 @@ def _packed_statics(
 
 
 def _draw_input_ids(n: int, vocab_size: int, gen: torch.Generator) -> torch.Tensor:
-    """A chat-templated prompt of `n` tokens: random ids, then eos and <|vision_start|> stand-ins."""
+    """A chat-templated prompt of `n` ids: random, then eos and <|vision_start|> stand-ins."""
     if n < 3:
-        raise ValueError(f"cosmos3: a prompt needs at least 3 tokens (text, eos, vision start), got {n}.")
+        raise ValueError(f"cosmos3: a prompt needs 3+ tokens (text, eos, vision start), got {n}.")
     body = torch.randint(0, vocab_size, (n - 2,), generator=gen, dtype=torch.long)
     return torch.cat([body, torch.tensor([vocab_size - 2, vocab_size - 1], dtype=torch.long)])
 
@@ -133,7 +144,7 @@ def make_inputs(
     gen: torch.Generator,
     dtype: torch.dtype,
     sigma: float,
-    latents: torch.Tensor | None,
+    latents: torch.Tensor | list[torch.Tensor] | None,
 ) -> Inputs:
     """Packed single-sample T2I statics, vision_tokens [(1, C, 1, H/16, W/16)], t (n_noisy,).
 
@@ -230,20 +241,11 @@ FAMILY = Family(
     model_class="Cosmos3OmniTransformer",
     block_classes=("Cosmos3VLTextMoTDecoderLayer",),
     presets={
-        # Qwen3/Nano style at toy width; mRoPE sections 4/2/2 sum to head_dim // 2, and
-        # patch_latent_dim = 2 * 2 * latent_channel.
-        "tiny": dict(attention_bias=False, head_dim=16, hidden_size=64, intermediate_size=128,
-                     num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                     rms_norm_eps=1e-6, rope_theta=5e6, rope_axes_dim=(4, 2, 2), latent_channel=4,
-                     latent_patch_size=2, patch_latent_dim=16, base_fps=24,
-                     enable_fps_modulation=True, unified_3d_mrope_reset_spatial_ids=True,
-                     unified_3d_mrope_temporal_modality_margin=15000, timestep_scale=0.001,
-                     vocab_size=128, hidden_act="silu", qk_norm_for_text=True,
-                     use_und_k_norm_for_gen=False, sound_gen=False, action_gen=False),
+        "tiny": _TINY,
         # Real Nano width (embedding and lm_head included) with two MoT decoder layers.
         "reduced": {**_NANO, "num_hidden_layers": 2},
         "full": _NANO,
-    },  # fmt: skip
+    },
     variants={
         # The tiny entry is the Nemotron flavour of the tiny preset. The Edge checkpoint's own
         # widths are not in the diffusers tree, so reduced/full "edge" is the Edge block

@@ -10,6 +10,15 @@ import torch
 
 from lab.families._family import Family, Inputs
 
+# heads * head_dim > hidden_size as in the real model; RoPE rotates 2*3*4 = 24 of the 32 head
+# channels (real: 96 of 128), keeping the partial-rotary pass-through; the real latent channel
+# counts (24 video, 32 audio).
+_TINY = dict(
+    num_attention_heads=2, attention_head_dim=32, hidden_size=48, num_layers=2,
+    num_refiner_layers=2, ffn_dim=96, in_channels=24, audio_in_channels=32, patch_size=(1, 2, 2),
+    text_dim=64, freq_dim=256, time_embed_hidden_dim=48, time_embed_dim=24, rope_freq_dim=4,
+    rope_theta=10000.0, norm_eps=1e-5, qk_norm_eps=1e-5, final_norm_eps=1e-5,
+)  # fmt: skip
 # The class defaults of MiniMaxH3Transformer3DModel in diffusers 0.42.1 (its docstring: the
 # released checkpoint): 5376 wide, 56 heads x 128 (7168 > 5376), SwiGLU 14336, Qwen3-VL text
 # features of 5120, 24-channel video and 32-channel audio latents.
@@ -30,6 +39,8 @@ _VAE_SPATIAL, _VAE_FRAMES_PER_CHUNK, _VAE_LATENTS_PER_CHUNK = 16, 17, 5
 _VIDEO_SHIFT, _AUDIO_SHIFT = 12.0, 3.0
 """The two MiniMaxH3Scheduler shifts of MiniMaxH3SetTimestepsStep."""
 _ROPE_FRAME_RESCALE, _ROPE_FRAMES_PER_LATENT, _ROPE_SPATIAL_SCALE = 5.0 / 3.0, (1, 4, 4, 4, 4), 32
+_KEEP_IN_FP32 = ("proj_in", "audio_proj_in", "time_embedder", "proj_out", "audio_proj_out", "rope")
+"""MiniMaxH3Transformer3DModel._keep_in_fp32_modules (the checkpoint's own mixed precision)."""
 
 
 def _patchify(latents: torch.Tensor, patch_size: tuple[int, int, int]) -> torch.Tensor:
@@ -37,7 +48,8 @@ def _patchify(latents: torch.Tensor, patch_size: tuple[int, int, int]) -> torch.
     pt, ph, pw = patch_size
     b, c, f, h, w = latents.shape
     if f % pt or h % ph or w % pw:
-        raise ValueError(f"minimax_h3: latents {tuple(latents.shape)} not divisible by {patch_size}.")
+        shape = tuple(latents.shape)
+        raise ValueError(f"minimax_h3: latents {shape} not divisible by the patch {patch_size}.")
     latents = latents.reshape(b, c, f // pt, pt, h // ph, ph, w // pw, pw)
     return latents.permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(-1, c * pt * ph * pw).contiguous()
 
@@ -82,7 +94,8 @@ def _packed_layout(
     position_ids[:num_text, 0] = torch.arange(num_text, dtype=torch.float64)
     sqrt_area = np.sqrt(lh * lw)
     h_grid, w_grid = _spatial_grid(lh, ph, sqrt_area), _spatial_grid(lw, pw, sqrt_area)
-    frame_grid = torch.stack([g.reshape(-1) for g in torch.meshgrid(h_grid, w_grid, indexing="ij")], -1)
+    grids = torch.meshgrid(h_grid, w_grid, indexing="ij")
+    frame_grid = torch.stack([g.reshape(-1) for g in grids], dim=-1)
     audio_time = float(num_text) + torch.arange(num_audio, dtype=torch.float64)
     position_ids[audio_start:video_start, 0] = audio_time.repeat(_AUDIO_CHANNELS)
     position_ids[audio_start:video_start, 2] = torch.cat(
@@ -116,13 +129,13 @@ def _step_times(sigma: float) -> tuple[float, float]:
 
     Both MiniMaxH3Scheduler grids shift the same base point u of `linspace(1, 0, n)` in fp32
     (`s * u / (1 + (s - 1) * u)`, video s = 12, audio s = 3); u is recovered from the video sigma
-    and pushed through the audio shift. fp32 as the scheduler computes it.
+    and pushed through the audio shift in fp32, as the scheduler computes it. The video t is
+    exact; the audio t is within ~2 fp32 ulp of the audio schedule's own entry (several fp32 u
+    share one video sigma, so sigma alone does not pin the grid point).
     """
-    u = sigma / (_VIDEO_SHIFT - (_VIDEO_SHIFT - 1.0) * sigma)
-    base = torch.tensor(u, dtype=torch.float32)
-    sigma_audio = _AUDIO_SHIFT * base / (1 + (_AUDIO_SHIFT - 1) * base)
-    t_video = 1.0 - torch.tensor(sigma, dtype=torch.float32)
-    return float(t_video), float(1.0 - sigma_audio)
+    u = torch.tensor(sigma / (_VIDEO_SHIFT - (_VIDEO_SHIFT - 1.0) * sigma), dtype=torch.float32)
+    sigma_audio = _AUDIO_SHIFT * u / (1 + (_AUDIO_SHIFT - 1) * u)
+    return float(1.0 - torch.tensor(sigma, dtype=torch.float32)), float(1.0 - sigma_audio)
 
 
 def _row_timesteps(
@@ -146,8 +159,9 @@ def _latent_sizes(geometry: Mapping[str, Any]) -> tuple[int, int, int, int]:
     frames = geometry["frames"]
     if frames % _VAE_FRAMES_PER_CHUNK != _VAE_LATENTS_PER_CHUNK:
         raise ValueError(f"minimax_h3: frames must be 17 * n + 5, got {frames}.")
-    latent_frames = (frames - _VAE_LATENTS_PER_CHUNK) // _VAE_FRAMES_PER_CHUNK * _VAE_LATENTS_PER_CHUNK + 2
-    num_audio = int(round(frames / _FPS * _AUDIO_LATENTS_PER_SECOND))
+    chunks = (frames - _VAE_LATENTS_PER_CHUNK) // _VAE_FRAMES_PER_CHUNK
+    latent_frames = chunks * _VAE_LATENTS_PER_CHUNK + 2
+    num_audio = round(frames / _FPS * _AUDIO_LATENTS_PER_SECOND)
     lh, lw = geometry["height"] // _VAE_SPATIAL, geometry["width"] // _VAE_SPATIAL
     return latent_frames, lh, lw, num_audio
 
@@ -156,7 +170,8 @@ def _as_rows(x: torch.Tensor, batch: int, rows: int, width: int, what: str) -> t
     """Given rows as (rows, width) or (batch, rows, width): check and return them 3-D, fp32."""
     x = x[None] if x.ndim == 2 else x
     if tuple(x.shape) != (batch, rows, width):
-        raise ValueError(f"minimax_h3: {what} must be ({batch}, {rows}, {width}), got {tuple(x.shape)}.")
+        want = (batch, rows, width)
+        raise ValueError(f"minimax_h3: {what} must be {want}, got {tuple(x.shape)}.")
     return x.to(torch.float32)
 
 
@@ -171,7 +186,7 @@ def make_inputs(
     sigma: float,
     latents: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None,
 ) -> Inputs:
-    """Packed rows: video (B, F*h*w, 96) and audio (B, 2*A, 32) fp32, text (B, L, 5120), t.
+    """Packed rows: video (B, F*h*w, C*4) and audio (B, 2*A, 32) fp32, text (B, L, text_dim), t.
 
     MiniMaxH3 denoises one packed `[text | audio | video]` sequence per request; the video and
     audio rows stay fp32 (the model casts to its fp32 input projections), the text features are
@@ -187,8 +202,8 @@ def make_inputs(
     """
     if cfg:
         raise ValueError(
-            "minimax_h3: cfg=True, but MiniMax-H3 is guidance-distilled: guidance is baked into the "
-            "weights and every step runs exactly one forward (no negative prompt)."
+            "minimax_h3: cfg=True, but MiniMax-H3 is guidance-distilled: guidance is baked into "
+            "the weights and every step runs exactly one forward (no negative prompt)."
         )
     patch_size = tuple(config["patch_size"])
     frames, lh, lw, num_audio = _latent_sizes(geometry)
@@ -201,7 +216,8 @@ def make_inputs(
     if video is None:
         video = torch.randn(batch, config["in_channels"], frames, lh, lw, generator=gen)
     if video.ndim == 5:
-        video = _patchify(video.to(torch.float32), patch_size).reshape(video.shape[0], -1, video_width)
+        rows = _patchify(video.to(torch.float32), patch_size)
+        video = rows.reshape(video.shape[0], -1, video_width)
     video = _as_rows(video, batch, n_video, video_width, "video rows")
     if audio is None:
         audio = torch.randn(batch, n_audio, config["audio_in_channels"], generator=gen)
@@ -238,7 +254,8 @@ def init_weights(model: torch.nn.Module) -> None:
 
     t in [0, 1] enters a 256-channel sinusoid unscaled (max frequency 1), so its features are
     ~(cos 1, sin t*f) and a default-initialised Linear barely propagates them: at random init,
-    halving t moves the output by 4e-4. After the x30 scale, by 3.5% (video) / 7% (audio).
+    halving t moves the tiny model's output by ~4e-4, after the x30 scale by several percent.
+    Applied to every preset (seeded weights only, never to a loaded checkpoint).
     """
     model.time_embedder.linear_1.weight.mul_(30.0)
 
@@ -253,18 +270,11 @@ FAMILY = Family(
         "MiniMaxH3AdaLayerNormOut",
     ),
     presets={
-        # heads * head_dim > hidden_size as in the real model; RoPE rotates 2*3*4 = 24 of the 32
-        # head channels (real: 96 of 128), keeping the partial-rotary pass-through; the real
-        # latent channel counts (24 video, 32 audio).
-        "tiny": dict(num_attention_heads=2, attention_head_dim=32, hidden_size=48, num_layers=2,
-                     num_refiner_layers=2, ffn_dim=96, in_channels=24, audio_in_channels=32,
-                     patch_size=(1, 2, 2), text_dim=64, freq_dim=256, time_embed_hidden_dim=48,
-                     time_embed_dim=24, rope_freq_dim=4, rope_theta=10000.0, norm_eps=1e-5,
-                     qk_norm_eps=1e-5, final_norm_eps=1e-5),
+        "tiny": _TINY,
         # Real width; two blocks and the two refiner blocks.
         "reduced": {**_H3, "num_layers": 2},
         "full": _H3,
-    },  # fmt: skip
+    },
     geometry={
         # 22 frames (17n+5), 64 x 96 -> 7 x 4 x 6 latents -> 42 video rows; 37 audio latents x 2
         # channels = 74 rows; 8 text rows: seq 124.
@@ -283,10 +293,7 @@ FAMILY = Family(
     input_dtype_policy={"latents": None, "cond": None, "timestep": None},
     # The record's FSDP plan: input and output heads and the timestep MLP in fp32.
     param_dtype_rules={"*proj_in.*": "fp32", "*time_embedder.*": "fp32", "*proj_out.*": "fp32"},
-    # MiniMaxH3Transformer3DModel._keep_in_fp32_modules (the checkpoint's own mixed precision).
-    engine_fp32_modules=(
-        "proj_in", "audio_proj_in", "time_embedder", "proj_out", "audio_proj_out", "rope"
-    ),  # fmt: skip
+    engine_fp32_modules=_KEEP_IN_FP32,
     init_weights=init_weights,
     notes=(
         "t = 1 - sigma (1 = clean), passed as distinct values plus per-row indices; video and "

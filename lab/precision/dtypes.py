@@ -40,10 +40,19 @@ def parse_dtype(dtype_name: str | torch.dtype, *, where: str = "dtype") -> torch
     allowed = ", ".join(repr(n) for n in DTYPES)
     hint = ""
     if isinstance(bad, str):
-        aliases = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
-                   "float": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16",
-                   "torch.float32": "fp32"}
-        guess = aliases.get(bad.lower()) or next(iter(difflib.get_close_matches(bad, DTYPES, 1)), None)
+        aliases = {
+            "bfloat16": "bf16",
+            "float16": "fp16",
+            "half": "fp16",
+            "float32": "fp32",
+            "float": "fp32",
+            "torch.bfloat16": "bf16",
+            "torch.float16": "fp16",
+            "torch.float32": "fp32",
+        }
+        guess = aliases.get(bad.lower()) or next(
+            iter(difflib.get_close_matches(bad, DTYPES, 1)), None
+        )
         if guess:
             hint = f" Did you mean {guess!r}?"
     raise ValueError(f"{where}: Unsupported dtype {bad!r}.{hint} Allowed: {allowed}.")

@@ -1,4 +1,4 @@
-"""input_dtype_policy at the model boundary (latents / cond / timestep), as in seed 000 section 2."""
+"""input_dtype_policy at the model boundary (latents / cond / timestep), seed 000 section 2."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from lab.precision.dtypes import DTYPES, parse_dtype
 
 if TYPE_CHECKING:
-    from lab.families import Inputs
+    pass
 
 POLICY_KEYS: tuple[str, ...] = ("latents", "cond", "timestep")
 POLICY_VALUES: tuple[str | None, ...] = ("default", *DTYPES, None)

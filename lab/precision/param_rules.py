@@ -1,4 +1,4 @@
-"""compile_param_dtype_maps: ordered glob rules -> per-wrap maps, as FSDP2 would claim parameters."""
+"""compile_param_dtype_maps: ordered glob rules -> per-wrap maps, claimed as FSDP2 claims them."""
 
 from __future__ import annotations
 
@@ -112,9 +112,7 @@ def resolve_param_dtypes(
     return {names[0]: chosen.get(pid, default) for pid, names in names_by_param.items()}
 
 
-def explain_rules(
-    model: torch.nn.Module, patterns: Mapping[str, str]
-) -> list[RuleMatch]:
+def explain_rules(model: torch.nn.Module, patterns: Mapping[str, str]) -> list[RuleMatch]:
     """What each rule matches (names, elements, how many it still decides), in rule order.
 
     Raises:

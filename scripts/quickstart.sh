@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The main job: the quickstart notebook through papermill on the tiny preset.
+# Writes runs/quickstart/{01_quickstart.ipynb,results.json,divergence_by_layer.png}.
+# Extra arguments go to papermill, e.g.: bash scripts/quickstart.sh -p family wan2_2
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
+out=${OUT_DIR:-runs/quickstart}
+mkdir -p "$out"
+.venv/bin/python -m papermill notebooks/01_quickstart.ipynb "$out/01_quickstart.ipynb" \
+  -p preset tiny -p out_dir "$out" "$@"
+.venv/bin/python - "$out/results.json" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))["summary"]
+print(f"{s['family']} [{s['preset']}]: {s['pairs']} paired outputs, first divergence "
+      f"{s['first_divergent_module']}, model_output_rel_max={s.get('model_output_rel_max'):.3e}")
+PY
+echo "wrote $out/results.json and $out/divergence_by_layer.png"

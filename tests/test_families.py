@@ -1,0 +1,151 @@
+"""Contract tests over every registered family (a new family is covered by its registry line)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import lab
+from lab.families import FAMILY_NAMES, PRESETS
+
+
+@pytest.fixture(scope="module", params=FAMILY_NAMES)
+def family_name(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def test_registry_lists_every_family() -> None:
+    assert set(lab.families()) == {
+        "sd3", "qwen_image", "wan2_2", "ltx2", "cosmos3", "minimax_h3", "flux",
+    }  # fmt: skip
+
+
+def test_unknown_family_names_choices_and_fix() -> None:
+    with pytest.raises(ValueError, match=r"Unknown family 'wan22'.*Did you mean 'wan2_2'.*Known:"):
+        lab.family("wan22")
+
+
+def test_unknown_preset_lists_known(family_name: str) -> None:
+    with pytest.raises(ValueError, match=r"unknown preset 'huge'.*tiny, reduced, full"):
+        lab.family(family_name).build("huge")
+
+
+def test_presets_are_valid_class_configs(family_name: str) -> None:
+    fam = lab.family(family_name)
+    assert tuple(fam.presets) == PRESETS
+    params = inspect.signature(fam.model_cls().__init__).parameters
+    for preset in PRESETS:
+        unknown = set(fam.config(preset)) - set(params)
+        assert not unknown, f"{family_name}/{preset}: not __init__ arguments: {unknown}"
+
+
+def test_tiny_builds_deterministically_and_runs(family_name: str) -> None:
+    fam = lab.family(family_name)
+    a, b = fam.build("tiny", seed=0), fam.build("tiny", seed=0)
+    c = fam.build("tiny", seed=1)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert any(not torch.equal(sa[k], sc[k]) for k in sa if sa[k].is_floating_point())
+    inputs = fam.make_inputs("tiny", seed=0, dtype="fp32")
+    again = fam.make_inputs("tiny", seed=0, dtype="fp32")
+    for key, value in inputs.kwargs.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, again.kwargs[key]), key
+    with torch.no_grad():
+        out = a(**inputs.kwargs)
+    leaves = [t for t in _tensors(out)]
+    assert leaves, "the forward returned no tensor"
+    for t in leaves:
+        assert torch.isfinite(t).all()
+        assert t.abs().max() > 0 and t.amax() != t.amin(), "degenerate output"
+
+
+def test_every_block_class_present_in_tiny(family_name: str) -> None:
+    fam = lab.family(family_name)
+    model = fam.build("tiny", 0)
+    classes = {type(m).__name__ for m in model.modules()}
+    for block in fam.block_classes:
+        assert block in classes, f"{family_name} tiny lacks {block}"
+
+
+def test_roles_cover_the_boundary(family_name: str) -> None:
+    fam = lab.family(family_name)
+    inputs = fam.make_inputs("tiny", 0)
+    assert inputs.keys_with_role("latents"), "no latents role"
+    assert inputs.keys_with_role("timestep"), "no timestep role"
+    assert inputs.sigma == 0.75
+
+
+def test_save_and_load_roundtrip(family_name: str, tmp_path) -> None:
+    fam = lab.family(family_name)
+    model = fam.build("tiny", seed=3)
+    model.save_pretrained(tmp_path / "ckpt")
+    loaded = fam.load(tmp_path / "ckpt")
+    sd, sl = model.state_dict(), loaded.state_dict()
+    assert set(sd) == set(sl)
+    assert all(torch.equal(sd[k], sl[k]) for k in sd)
+    inputs = fam.make_inputs("tiny", seed=0, dtype="fp32")
+    with torch.no_grad():
+        for x, y in zip(
+            _tensors(model(**inputs.kwargs)), _tensors(loaded(**inputs.kwargs)), strict=True
+        ):
+            assert torch.equal(x, y)
+
+
+def test_load_missing_checkpoint_names_path(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"holds no config\.json"):
+        lab.family("sd3").load(tmp_path / "nothing")
+
+
+@pytest.mark.parametrize("preset", ["reduced", "full"])
+def test_real_size_presets_build_on_meta(family_name: str, preset: str) -> None:
+    fam = lab.family(family_name)
+    model = fam.build(preset, device="meta")
+    inputs = fam.make_inputs(preset, device="meta", dtype="fp32")
+    n_params = sum(p.numel() for p in model.parameters())
+    assert n_params > 10_000_000, "reduced/full should be real width"
+    assert inputs.keys_with_role("latents")
+
+
+def test_real_shapes_match_the_record() -> None:
+    sd3 = lab.family("sd3").make_inputs("full", device="meta", dtype="fp32")
+    assert tuple(sd3.kwargs["hidden_states"].shape) == (1, 16, 128, 128)
+    assert sd3.kwargs["encoder_hidden_states"].shape[1] == 333
+    wan = lab.family("wan2_2").make_inputs("full", device="meta", dtype="fp32")
+    assert tuple(wan.kwargs["hidden_states"].shape) == (1, 16, 21, 60, 104)
+
+
+def test_wan_experts_switch_at_boundary() -> None:
+    wan = lab.family("wan2_2")
+    assert wan.expert_for_sigma(0.9) == "high_noise"
+    assert wan.expert_for_sigma(0.875) == "high_noise"
+    assert wan.expert_for_sigma(0.5) == "low_noise"
+    hi, lo = wan.build("tiny", 0, expert="high_noise"), wan.build("tiny", 0, expert="low_noise")
+    assert not torch.equal(hi.proj_out.weight, lo.proj_out.weight)
+    with pytest.raises(ValueError, match="unknown expert 'mid'"):
+        wan.build("tiny", 0, expert="mid")
+
+
+def test_cuda_without_gpu_is_a_clear_error() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match=r"device 'cuda' asked for.*no CUDA GPU.*device='cpu'"):
+        lab.family("sd3").build("tiny", device="cuda")
+
+
+def test_make_inputs_bad_values() -> None:
+    fam = lab.family("sd3")
+    with pytest.raises(ValueError, match="Unsupported dtype 'float8'"):
+        fam.make_inputs("tiny", dtype="float8")
+    with pytest.raises(ValueError, match="sigma must lie in"):
+        fam.make_inputs("tiny", sigma=1.5)
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        fam.make_inputs("tiny", batch=0)
+
+
+def _tensors(out):
+    from lab.capture import flatten_output
+
+    return [t for _, t in flatten_output(out) if isinstance(t, torch.Tensor)]

@@ -1,0 +1,213 @@
+"""pair(): identical sides are bit-exact, runs are deterministic, nothing leaks, errors teach."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import lab
+from lab.capture import ROOT
+from lab.errors import DegenerateOutputError, NonFiniteOutputError, PairError
+from lab.families import FAMILY_NAMES
+
+
+@pytest.fixture(scope="module")
+def built() -> dict:
+    return {}
+
+
+def _model_inputs(built: dict, name: str):
+    if name not in built:
+        fam = lab.family(name)
+        built[name] = (fam, fam.build("tiny", 0), fam.make_inputs("tiny", 0))
+    return built[name]
+
+
+@pytest.mark.parametrize("family_name", FAMILY_NAMES)
+@pytest.mark.parametrize("side_name", ["rollout", "trainer"])
+def test_identical_sides_give_zero_ulp(built: dict, family_name: str, side_name: str) -> None:
+    fam, model, inputs = _model_inputs(built, family_name)
+    side = getattr(lab.Side, side_name)(fam)
+    result = lab.pair(model, inputs, side, side)
+    table = result.table()
+
+    assert len(table) > 20, "too few modules captured: the hooks never fired"
+    assert (table["max_ulp"] == 0).all()
+    assert (table["bitexact_frac"] == 1.0).all()
+    assert result.first_divergence() is None
+    assert not result.skipped or all("identical" in s.reason for s in result.skipped)
+    out = result.output_metrics()
+    assert out["model_output_max_abs_diff"] == 0.0
+    assert (table["module"] == ROOT).any()
+
+
+@pytest.mark.parametrize("family_name", FAMILY_NAMES)
+def test_rollout_vs_fp32_reference_diverges_and_is_deterministic(
+    built: dict, family_name: str
+) -> None:
+    fam, model, inputs = _model_inputs(built, family_name)
+    a, b = lab.Side.rollout(fam), lab.Side.fp32_reference(fam)
+    first = lab.pair(model, inputs, a, b)
+    second = lab.pair(model, inputs, a, b)
+
+    assert first.first_divergence() is not None, "bf16/fp16 vs fp32 must differ somewhere"
+    assert first.output_metrics()["model_output_rel_max"] > 0
+    t1, t2 = first.table(), second.table()
+    assert t1.drop(columns=["ulp_hist"]).equals(t2.drop(columns=["ulp_hist"]))
+    assert list(t1["ulp_hist"]) == list(t2["ulp_hist"])
+
+
+def test_pair_leaves_model_untouched(built: dict) -> None:
+    fam, model, inputs = _model_inputs(built, "wan2_2")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    dtypes = {k: v.dtype for k, v in model.state_dict().items()}
+    rollout, trainer = lab.Side.rollout(fam), lab.Side.trainer(fam)
+    lab.pair(model, inputs, rollout, trainer)
+    lab.pair(model, inputs, rollout, trainer, mode="local")
+
+    after = model.state_dict()
+    assert all(after[k].dtype == dtypes[k] for k in after)
+    assert all(torch.equal(before[k], after[k]) for k in after)
+    assert not any(
+        m._forward_hooks or m._forward_pre_hooks
+        for m in model.modules()
+        if m is not model.blocks[0].norm2
+    )
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_result_json_roundtrip(built: dict, tmp_path) -> None:
+    fam, model, inputs = _model_inputs(built, "flux")
+    result = lab.pair(
+        model,
+        inputs,
+        lab.Side.rollout(fam),
+        lab.Side.trainer(fam),
+        meta={"family": "flux", "preset": "tiny"},
+    )
+    path = result.to_json(tmp_path / "r.json")
+    back = lab.Result.from_json(path)
+
+    assert back.table().equals(result.table())
+    assert back.summary() == result.summary()
+    assert back.side_b == result.side_b
+    assert back.meta["family"] == "flux"
+
+
+def test_local_mode_pairs_every_module_with_fewer_ulps(built: dict) -> None:
+    fam, model, inputs = _model_inputs(built, "sd3")
+    a, b = lab.Side.rollout(fam), lab.Side.fp32_reference(fam)
+    prop = lab.pair(model, inputs, a, b, "propagated")
+    local = lab.pair(model, inputs, a, b, "local")
+
+    assert len(local.rows) == len(prop.rows)
+    assert not local.skipped
+    # Local mode feeds every module the reference side's own inputs, so deep blocks see far
+    # less error than after propagation.
+    deep = [r for r in prop.rows if r.module == "transformer_blocks.2"]
+    deep_local = [r for r in local.rows if r.module == "transformer_blocks.2"]
+    assert deep and deep_local
+    assert max(r.metrics.rel_max for r in deep_local) < max(r.metrics.rel_max for r in deep)
+
+
+def test_names_filter_limits_capture(built: dict) -> None:
+    fam, model, inputs = _model_inputs(built, "sd3")
+    side = lab.Side.rollout(fam)
+    result = lab.pair(
+        model, inputs, side, side, names_filter=lambda n: n.startswith("transformer_blocks.0")
+    )
+    assert result.rows and all(r.module.startswith("transformer_blocks.0") for r in result.rows)
+
+
+def test_unknown_mode_and_bad_side_fields() -> None:
+    fam = lab.family("sd3")
+    with pytest.raises(ValueError, match="unknown mode 'fast'"):
+        lab.pair(
+            torch.nn.Linear(2, 2),
+            fam.make_inputs("tiny"),
+            lab.Side.rollout(fam),
+            lab.Side.rollout(fam),
+            mode="fast",
+        )
+    with pytest.raises(ValueError, match=r"unknown keys \['latent'\]"):
+        lab.Side.trainer(fam, input_dtype_policy={"latent": "fp32"})
+    with pytest.raises(ValueError, match=r"Unsupported dtype 'bfloat16'. Did you mean 'bf16'"):
+        lab.Side.trainer(fam, forward_dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['autocst'\]"):
+        lab.Side.trainer(fam).replace(autocst=True)
+    with pytest.raises(ValueError, match="unknown backend 'flashy'"):
+        lab.Side.trainer(fam, attention_backend="flashy")
+
+
+def test_rule_matching_nothing_is_named(built: dict) -> None:
+    fam, model, inputs = _model_inputs(built, "wan2_2")
+    trainer = lab.Side.trainer(fam, param_dtype_rules={"*norm_2*": "fp32"})
+    with pytest.raises(ValueError, match=r"'\*norm_2\*' did not match any parameter"):
+        lab.pair(model, inputs, lab.Side.rollout(fam), trainer)
+
+
+def test_cuda_side_without_gpu(built: dict) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    fam, model, inputs = _model_inputs(built, "sd3")
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        lab.pair(model, inputs, lab.Side.rollout(fam), lab.Side.trainer(fam, device="cuda"))
+
+
+def test_forward_dtype_mismatch_warns() -> None:
+    fam = lab.family("wan2_2")
+    with pytest.warns(lab.PrecisionWarning, match="must be set to the same value"):
+        lab.Side.trainer(fam).replace(forward_dtype="fp16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", lab.PrecisionWarning)
+        lab.Side.trainer(fam)
+
+
+def test_rules_cast_parameters_on_trainer_side(built: dict) -> None:
+    fam, model, inputs = _model_inputs(built, "wan2_2")
+    trainer = lab.Side.trainer(fam)
+    seen = {}
+
+    def spy(module, args, output):
+        seen["dtype"] = module.weight.dtype
+
+    handle = model.blocks[0].norm2.register_forward_hook(spy)
+    try:
+        lab.pair(model, inputs, lab.Side.rollout(fam), trainer)
+    finally:
+        handle.remove()
+    assert seen["dtype"] == torch.float32
+    assert model.blocks[0].attn1.to_q.weight.dtype == torch.float32  # master untouched
+
+
+def test_nonfinite_output_is_an_error_with_partial_result(built: dict) -> None:
+    fam, model, inputs = _model_inputs(built, "sd3")
+    bad = inputs.replace_kwargs(hidden_states=inputs.kwargs["hidden_states"] * float("inf"))
+    side = lab.Side.rollout(fam)
+    with pytest.raises(NonFiniteOutputError, match=r"NaN/Inf.*first module with non-finite") as err:
+        lab.pair(model, bad, side, side)
+    assert err.value.result is not None and err.value.result.rows
+
+
+def test_all_zero_output_is_degenerate() -> None:
+    fam = lab.family("sd3")
+    model = fam.build("tiny", 0)
+    with torch.no_grad():
+        model.proj_out.weight.zero_()
+        model.proj_out.bias.zero_()
+    side = lab.Side.rollout(fam)
+    with pytest.raises(DegenerateOutputError, match="all zero"):
+        lab.pair(model, fam.make_inputs("tiny"), side, side)
+
+
+def test_failing_forward_keeps_partial_result(built: dict) -> None:
+    fam, model, inputs = _model_inputs(built, "sd3")
+    broken = inputs.replace_kwargs(
+        encoder_hidden_states=inputs.kwargs["encoder_hidden_states"][..., :5]
+    )
+    side = lab.Side.rollout(fam)
+    with pytest.raises(PairError, match="failed after") as err:
+        lab.pair(model, broken, side, side)
+    assert err.value.result is not None
