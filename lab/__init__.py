@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from lab.families import FAMILY_NAMES, Family, Inputs, families, family
 from lab.result import LayerDivergence, Result, Skipped
-from lab.run import pair, pair_family
+from lab.run import forward_side, pair, pair_family
 from lab.sides import PrecisionWarning, Side
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "Skipped",
     "families",
     "family",
+    "forward_side",
     "pair",
     "pair_family",
 ]

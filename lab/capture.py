@@ -52,6 +52,15 @@ def flatten_output(output: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
         yield prefix, output
 
 
+def depth_filter(max_depth: int) -> Callable[[str], bool]:
+    """A names_filter keeping the model and modules at most `max_depth` levels below it.
+
+    `blocks` is depth 0 and `blocks.3` depth 1, so depth 1 keeps every block's output: the
+    capture a full-size model can afford when every module's activation would not fit.
+    """
+    return lambda name: name == ROOT or name.count(".") <= max_depth
+
+
 OnOutput = Callable[[str, int, torch.nn.Module, tuple, dict, Any], None]
 OnInput = Callable[[str, int, torch.nn.Module, tuple, dict], None]
 

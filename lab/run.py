@@ -91,6 +91,29 @@ def check_side_device(side: Side, device: torch.device) -> None:
         )
 
 
+def forward_side(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    side: Side,
+    *,
+    view: WeightView | None = None,
+) -> Any:
+    """One plain forward of `model` as `side` runs it: input policy, weights, autocast, kernel.
+
+    Nothing is captured and the model is restored afterwards. Pass a `WeightView` built once
+    for (model, side) to skip re-planning the dtypes on every call (e.g. per denoising step).
+
+    Raises:
+        ValueError: The side cannot run where the model lives (see `check_side_device`).
+    """
+    device = _model_device(model)
+    check_side_device(side, device)
+    view = view if view is not None else WeightView(model, side)
+    cast = apply_input_dtype_policy(side.input_dtype_policy, inputs.to(device), side.forward_dtype)
+    with torch.no_grad(), view.applied(), side_context(side, device):
+        return model(**cast.kwargs)
+
+
 # ---- pairing ------------------------------------------------------------------------------
 
 
@@ -548,6 +571,7 @@ def pair_family(
     rollout: dict[str, Any] | None = None,
     trainer: dict[str, Any] | None = None,
     checkpoint: str | None = None,
+    capture_depth: int | None = None,
 ) -> Result:
     """Build (or load) a family model and pair its rollout side against its trainer side.
 
@@ -564,6 +588,8 @@ def pair_family(
         rollout: Field overrides for `Side.rollout(family)` (e.g. {"attention_backend": "math"}).
         trainer: Field overrides for `Side.trainer(family)`.
         checkpoint: A local diffusers checkpoint directory to load instead of seeded weights.
+        capture_depth: Capture only modules this many levels deep (1 = every block's output);
+            None captures every module.
 
     Returns:
         The Result, with family, preset, seed and sigma in its meta.
@@ -592,4 +618,8 @@ def pair_family(
         checkpoint=checkpoint,
         expert=fam.expert_for_sigma(sigma),
     )
-    return pair(model, inputs, side_a, side_b, mode, meta=meta)
+    from lab.capture import depth_filter
+
+    names_filter = depth_filter(capture_depth) if capture_depth is not None else None
+    meta["capture_depth"] = capture_depth
+    return pair(model, inputs, side_a, side_b, mode, meta=meta, names_filter=names_filter)
