@@ -78,14 +78,15 @@ def test_pair_leaves_model_untouched(built: dict) -> None:
     assert not torch.is_autocast_enabled("cpu")
 
 
-def test_result_json_roundtrip(built: dict, tmp_path) -> None:
-    fam, model, inputs = _model_inputs(built, "flux")
+@pytest.mark.parametrize("family_name", FAMILY_NAMES)
+def test_result_json_roundtrip(built: dict, family_name: str, tmp_path) -> None:
+    fam, model, inputs = _model_inputs(built, family_name)
     result = lab.pair(
         model,
         inputs,
         lab.Side.rollout(fam),
         lab.Side.trainer(fam),
-        meta={"family": "flux", "preset": "tiny"},
+        meta={"family": family_name, "preset": "tiny"},
     )
     path = result.to_json(tmp_path / "r.json")
     back = lab.Result.from_json(path)
@@ -93,7 +94,8 @@ def test_result_json_roundtrip(built: dict, tmp_path) -> None:
     assert back.table().equals(result.table())
     assert back.summary() == result.summary()
     assert back.side_b == result.side_b
-    assert back.meta["family"] == "flux"
+    assert back.meta["family"] == family_name
+    assert back.first_divergent_module == result.first_divergent_module
 
 
 def test_local_mode_pairs_every_module_with_fewer_ulps(built: dict) -> None:
