@@ -65,10 +65,30 @@ def _autocast_context(side: Side, device: torch.device) -> contextlib.AbstractCo
 
 
 @contextlib.contextmanager
-def side_context(side: Side, device: torch.device) -> Iterator[None]:
-    """Autocast and attention kernel of one side (weights are `WeightView`'s job)."""
-    with _sdpa_context(side.attention_backend), _autocast_context(side, device):
+def side_context(
+    side: Side, device: torch.device, root: torch.nn.Module | None = None
+) -> Iterator[None]:
+    """Autocast, attention kernel and (on `root`) engine op semantics of one side.
+
+    Weights are `WeightView`'s job. With `root`, every module under it runs the forward the
+    side's engine_ops / op_switches ask for (or its class's own, undoing an outer side's).
+    """
+    from lab.precision.engine_ops import ops_applied
+
+    with contextlib.ExitStack() as stack:
+        if root is not None:
+            stack.enter_context(ops_applied(root, side.engine_ops, side.op_switches))
+        stack.enter_context(_sdpa_context(side.attention_backend))
+        stack.enter_context(_autocast_context(side, device))
         yield
+
+
+def side_inputs(inputs: Inputs, side: Side, device: torch.device) -> Inputs:
+    """The inputs as `side` hands them to its DiT: policy at the boundary, then op switches."""
+    from lab.precision.engine_ops import transform_inputs
+
+    cast = apply_input_dtype_policy(side.input_dtype_policy, inputs.to(device), side.forward_dtype)
+    return transform_inputs(cast, side.op_switches)
 
 
 def check_side_device(side: Side, device: torch.device) -> None:
@@ -109,8 +129,8 @@ def forward_side(
     device = _model_device(model)
     check_side_device(side, device)
     view = view if view is not None else WeightView(model, side)
-    cast = apply_input_dtype_policy(side.input_dtype_policy, inputs.to(device), side.forward_dtype)
-    with torch.no_grad(), view.applied(), side_context(side, device):
+    cast = side_inputs(inputs, side, device)
+    with torch.no_grad(), view.applied(), side_context(side, device, model):
         return model(**cast.kwargs)
 
 
@@ -276,12 +296,8 @@ def pair(
         check_side_device(side, device)
     view_a = WeightView(model, side_a)
     view_b = WeightView(model, side_b, cache=(mode == "local"))
-    inputs_a = apply_input_dtype_policy(
-        side_a.input_dtype_policy, inputs.to(device), side_a.forward_dtype
-    )
-    inputs_b = apply_input_dtype_policy(
-        side_b.input_dtype_policy, inputs.to(device), side_b.forward_dtype
-    )
+    inputs_a = side_inputs(inputs, side_a, device)
+    inputs_b = side_inputs(inputs, side_b, device)
     module_classes = {(n or ROOT): type(m).__name__ for n, m in model.named_modules()}
     collector = _Collector(module_classes)
     timings: dict[str, float] = {}
@@ -394,7 +410,7 @@ def _run_propagated(
     with (
         ModuleHooks(model, on_a, names_filter=names_filter).attached(),
         view_a.applied(),
-        side_context(side_a, device),
+        side_context(side_a, device, model),
     ):
         model(**inputs_a.kwargs)
     _sync(device)
@@ -403,7 +419,7 @@ def _run_propagated(
     with (
         ModuleHooks(model, on_b, names_filter=names_filter).attached(),
         view_b.applied(),
-        side_context(side_b, device),
+        side_context(side_b, device, model),
     ):
         model(**inputs_b.kwargs)
     _sync(device)
@@ -438,7 +454,7 @@ def _run_local(
             model, lambda *a: None, on_input=record_dtypes, names_filter=names_filter
         ).attached(),
         view_b.applied(),
-        side_context(side_b, device),
+        side_context(side_b, device, model),
     ):
         model(**inputs_b.kwargs)
     _sync(device)
@@ -458,7 +474,7 @@ def _run_local(
 
     def on_output(label: str, call: int, module: Any, args: Any, kwargs: Any, output: Any) -> None:
         a_args, a_kwargs = saved.pop()
-        with hooks.paused(), view_b.applied(module), side_context(side_b, device):
+        with hooks.paused(), view_b.applied(module), side_context(side_b, device, module):
             try:
                 out_b = module(*a_args, **a_kwargs)
             except (RuntimeError, ValueError, TypeError) as err:
@@ -478,7 +494,7 @@ def _run_local(
 
     hooks = ModuleHooks(model, on_output, on_input=on_input, names_filter=names_filter)
     start = time.perf_counter()
-    with hooks.attached(), view_a.applied(), side_context(side_a, device):
+    with hooks.attached(), view_a.applied(), side_context(side_a, device, model):
         model(**inputs_a.kwargs)
     _sync(device)
     timings["a_s"] = time.perf_counter() - start

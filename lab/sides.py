@@ -67,6 +67,10 @@ class Side:
     input_dtype_policy: Mapping[str, str | None] = field(default_factory=lambda: dict(PASSTHROUGH))
     """Keys "latents", "cond", "timestep"; values "default", a dtype name, or None."""
     attention_backend: Literal["default", "flash", "efficient", "cudnn", "math"] = "default"
+    engine_ops: tuple[str, ...] = ()
+    """Engine rounding-point patch groups ("sgld", "qwen_image", "wan"), later ones win."""
+    op_switches: Mapping[str, Any] = field(default_factory=dict)
+    """Single engine behaviours, e.g. {"drop_identity_mask": True, "positions_dtype": "latent"}."""
     device: str = "cpu"
 
     def __post_init__(self) -> None:
@@ -95,6 +99,11 @@ class Side:
             )
         if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"{where}.device: {self.device!r} is not 'cpu', 'cuda' or 'cuda:N'.")
+        from lab.precision.engine_ops import check_engine_ops
+
+        object.__setattr__(self, "engine_ops", tuple(self.engine_ops))
+        check_engine_ops(self.engine_ops, dict(self.op_switches), where=f"{where}.engine_ops")
+        object.__setattr__(self, "op_switches", _frozen(self.op_switches))
         object.__setattr__(self, "input_dtype_policy", _frozen(policy))
         object.__setattr__(self, "param_dtype_rules", _frozen(self.param_dtype_rules))
         object.__setattr__(self, "keep_fp32_modules", tuple(self.keep_fp32_modules))
@@ -126,6 +135,7 @@ class Side:
             rollout_precision=dtype,
             param_dtype=dtype,
             keep_fp32_modules=family.engine_fp32_modules,
+            engine_ops=family.engine_ops,
             cast_buffers=True,
             autocast=False,
             input_dtype_policy=dict(
@@ -216,6 +226,8 @@ class Side:
         out["input_dtype_policy"] = dict(self.input_dtype_policy)
         out["keep_fp32_modules"] = list(self.keep_fp32_modules)
         out["fsdp_wrap_classes"] = list(self.fsdp_wrap_classes)
+        out["engine_ops"] = list(self.engine_ops)
+        out["op_switches"] = dict(self.op_switches)
         return out
 
     @classmethod

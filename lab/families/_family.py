@@ -115,6 +115,8 @@ class Family:
     """The trainer's FSDP plan param_dtype_patterns (ordered globs, later wins)."""
     engine_fp32_modules: tuple[str, ...] = ()
     """Module-name components the engine keeps in fp32 when it loads at rollout_dtype."""
+    engine_ops: tuple[str, ...] = ()
+    """Engine patch groups the family's rollout runs with (lab.precision.engine_ops)."""
     variants: Mapping[str, Mapping[str, Mapping[str, Any]]] = field(default_factory=dict)
     """Named variants: variant -> preset -> config overrides (e.g. sd3 "large")."""
     experts: tuple[str, ...] = ()

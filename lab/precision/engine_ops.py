@@ -1,0 +1,196 @@
+"""Rollout-engine op semantics on one side: patch groups and switches, per instance, reversible.
+
+A patch group ("sgld", "qwen_image", "wan") names where sglang-diffusion's fused ops round,
+as module-class -> replacement-forward factories. Switches are single behaviours a side can
+turn on (drop an all-True attention mask, LTX positions in the latent's dtype, ...). Both are
+applied by `ops_applied(root, groups, switches)`: every module in `root` gets the forward its
+side asks for as an *instance* attribute (or loses an outer side's one), and everything is
+restored on exit, so nothing leaks into the other side, a nested re-run, or the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from lab.families import Inputs
+
+ForwardFactory = Callable[[torch.nn.Module], Callable[..., Any]]
+"""Given a module instance, return the forward to run instead of its class's."""
+
+
+@dataclass(frozen=True)
+class PatchGroup:
+    """One engine patch group: module class name -> replacement forward factory."""
+
+    name: str
+    description: str
+    forwards: Mapping[str, ForwardFactory] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One engine behaviour a side can choose; `values[0]` is the stock behaviour."""
+
+    name: str
+    description: str
+    values: tuple[Any, ...]
+    forwards: Mapping[Any, Mapping[str, ForwardFactory]] = field(default_factory=dict)
+    """Per switch value: module class name -> forward factory (module-level switches)."""
+    transform_inputs: Callable[[Inputs, Any], Inputs] | None = None
+    """Input-level switches rewrite the kwargs after the side's input_dtype_policy."""
+
+
+PATCH_GROUPS: dict[str, PatchGroup] = {}
+SWITCHES: dict[str, Switch] = {}
+
+
+def register_group(group: PatchGroup) -> PatchGroup:
+    """Add a patch group to the registry (module import time)."""
+    PATCH_GROUPS[group.name] = group
+    return group
+
+
+def register_switch(switch: Switch) -> Switch:
+    """Add a switch to the registry (module import time)."""
+    SWITCHES[switch.name] = switch
+    return switch
+
+
+def check_engine_ops(
+    groups: tuple[str, ...], switches: Mapping[str, Any], *, where: str = "engine_ops"
+) -> None:
+    """Validate group names and switch names/values.
+
+    Raises:
+        ValueError: An unknown group, switch or switch value, listing the known ones.
+    """
+    _load_definitions()
+    unknown = [g for g in groups if g not in PATCH_GROUPS]
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown patch group(s) {unknown}. Known: {', '.join(PATCH_GROUPS)}."
+        )
+    for name, value in switches.items():
+        if name not in SWITCHES:
+            raise ValueError(f"{where}: unknown op switch {name!r}. Known: {', '.join(SWITCHES)}.")
+        if value not in SWITCHES[name].values:
+            allowed = ", ".join(repr(v) for v in SWITCHES[name].values)
+            raise ValueError(f"{where}[{name!r}]: unknown value {value!r}. Allowed: {allowed}.")
+
+
+def _forward_for(
+    module: torch.nn.Module, groups: tuple[str, ...], switches: Mapping[str, Any]
+) -> ForwardFactory | None:
+    cls = type(module).__name__
+    chosen = None
+    # Later groups win over earlier ones (a family group appends after the CLI group);
+    # module-level switches win over groups.
+    for g in groups:
+        chosen = PATCH_GROUPS[g].forwards.get(cls, chosen)
+    for name, value in switches.items():
+        chosen = SWITCHES[name].forwards.get(value, {}).get(cls, chosen)
+    return chosen
+
+
+@contextlib.contextmanager
+def ops_applied(
+    root: torch.nn.Module, groups: tuple[str, ...], switches: Mapping[str, Any]
+) -> Iterator[None]:
+    """Give every module in `root` the forward this side asks for; restore all on exit."""
+    _load_definitions()
+    saved: list[tuple[torch.nn.Module, Any]] = []
+    missing = object()
+    try:
+        for module in root.modules():
+            factory = _forward_for(module, groups, switches)
+            current = module.__dict__.get("forward", missing)
+            if factory is None and current is missing:
+                continue
+            saved.append((module, current))
+            if factory is None:
+                # An outer side's patch: this side runs the class's own forward.
+                del module.__dict__["forward"]
+            else:
+                module.forward = factory(module)
+        yield
+    finally:
+        for module, previous in reversed(saved):
+            if previous is missing:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous
+
+
+def transform_inputs(inputs: Inputs, switches: Mapping[str, Any]) -> Inputs:
+    """Apply the input-level switches (after the side's input_dtype_policy)."""
+    _load_definitions()
+    for name, value in switches.items():
+        switch = SWITCHES[name]
+        if switch.transform_inputs is not None and value != switch.values[0]:
+            inputs = switch.transform_inputs(inputs, value)
+    return inputs
+
+
+# ---- input-level switches -------------------------------------------------------------------
+
+
+def _drop_identity_mask(inputs: Inputs, value: Any) -> Inputs:
+    kwargs = dict(inputs.kwargs)
+    for key, tensor in inputs.kwargs.items():
+        if (
+            "mask" in key
+            and isinstance(tensor, torch.Tensor)
+            and tensor.dtype == torch.bool
+            and bool(tensor.all())
+        ):
+            kwargs[key] = None
+    neg = _drop_identity_mask(inputs.negative, value) if inputs.negative is not None else None
+    return replace(inputs, kwargs=kwargs, negative=neg)
+
+
+def _positions_in_latent_dtype(inputs: Inputs, value: Any) -> Inputs:
+    latents = [inputs.kwargs[k] for k in inputs.keys_with_role("latents")]
+    dtype = next((t.dtype for t in latents if isinstance(t, torch.Tensor)), None)
+    if dtype is None:
+        return inputs
+    kwargs = dict(inputs.kwargs)
+    for key in ("video_coords", "audio_coords"):
+        if isinstance(kwargs.get(key), torch.Tensor):
+            kwargs[key] = kwargs[key].to(dtype)
+    neg = (
+        _positions_in_latent_dtype(inputs.negative, value) if inputs.negative is not None else None
+    )
+    return replace(inputs, kwargs=kwargs, negative=neg)
+
+
+register_switch(
+    Switch(
+        name="drop_identity_mask",
+        description="Drop an all-True boolean attention mask (bitwise no-op; unlocks flash).",
+        values=(False, True),
+        transform_inputs=_drop_identity_mask,
+    )
+)
+register_switch(
+    Switch(
+        name="positions_dtype",
+        description="LTX-2.3 RoPE positions: 'fp32' (diffusers) or 'latent' (native forward: "
+        "the latent's dtype, e.g. bf16).",
+        values=("fp32", "latent"),
+        transform_inputs=_positions_in_latent_dtype,
+    )
+)
+
+
+def _load_definitions() -> None:
+    """Import the modules that register the family patch groups (once)."""
+    import importlib
+
+    with contextlib.suppress(ModuleNotFoundError):
+        importlib.import_module("lab.precision.engine_groups")
