@@ -7,6 +7,7 @@ the stacked vectors into numbers once, at the end.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,7 @@ ULP_BIN_LABELS: tuple[str, ...] = (
 
 STAT_FIELDS: tuple[str, ...] = (
     "numel", "finite", "sum_abs_diff", "max_abs_diff", "max_abs_a", "max_abs_b", "max_ulp",
-    "bitexact", "dot", "norm2_a", "norm2_b", "nonfinite_a", "nonfinite_b",
+    "bitexact", "sum_sq_diff", "norm2_a", "norm2_b", "nonfinite_a", "nonfinite_b",
     "max_abs_diff_rounded", "degenerate_a", "degenerate_b", "mean_a", "mean_b",
 )  # fmt: skip
 _N = len(STAT_FIELDS)
@@ -88,10 +89,11 @@ def ulp_distance(reference: torch.Tensor, candidate: torch.Tensor) -> torch.Tens
 def pair_stats(
     reference: torch.Tensor, candidate: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """All per-pair statistics as one float64 vector plus the ULP histogram, on-device.
+    """All statistics of one pair as a float64 vector plus its ULP histogram, on-device.
 
     Non-finite elements (on either side) are excluded from the difference statistics and
-    counted per side. Differences are taken in float64, ULPs in the coarser dtype.
+    counted per side. Differences are taken in fp32 (fp64 for fp64 tensors), ULPs in the
+    coarser dtype, counts and sums accumulated in float64.
 
     Args:
         reference: The first side's tensor (rollout by default).
@@ -103,55 +105,118 @@ def pair_stats(
     Raises:
         ValueError: On a shape mismatch or non-floating tensors.
     """
-    if reference.shape != candidate.shape:
-        raise ValueError(
-            f"pair_stats: shapes differ: {tuple(reference.shape)} vs {tuple(candidate.shape)}."
-        )
-    coarse = coarser_dtype(reference.dtype, candidate.dtype)
-    a64, b64 = reference.detach().to(torch.float64), candidate.detach().to(torch.float64)
-    fin_a, fin_b = torch.isfinite(a64), torch.isfinite(b64)
+    stats, hist = segment_stats([(reference, candidate)])
+    return stats[0], hist[0]
+
+
+def segment_stats(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pair_stats` of many pairs at once: a few vectorised passes instead of ~40 ops a pair.
+
+    Pairs are grouped by (coarser dtype, compute dtype), flattened into one buffer per group
+    and reduced per segment, so a hundred small activations cost about as much as one.
+
+    Returns:
+        (stats, histograms): float64 tensors shaped (len(pairs), len(STAT_FIELDS)) and
+        (len(pairs), len(ULP_BIN_EDGES)), in the order of `pairs`.
+
+    Raises:
+        ValueError: On a shape mismatch or a non-floating tensor, naming the pair's index.
+    """
+    if not pairs:
+        raise ValueError("segment_stats: no pairs given.")
+    device = pairs[0][0].device
+    stats = torch.zeros(len(pairs), _N, dtype=torch.float64, device=device)
+    hists = torch.zeros(len(pairs), len(ULP_BIN_EDGES), dtype=torch.float64, device=device)
+    groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
+    for i, (a, b) in enumerate(pairs):
+        if a.shape != b.shape:
+            raise ValueError(
+                f"pair_stats: pair {i}: shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}."
+            )
+        coarse = coarser_dtype(a.dtype, b.dtype)
+        compute = torch.float64 if torch.float64 in (a.dtype, b.dtype) else torch.float32
+        if a.numel() == 0:
+            stats[i, STAT_FIELDS.index("degenerate_a")] = 1.0
+            stats[i, STAT_FIELDS.index("degenerate_b")] = 1.0
+            continue
+        groups.setdefault((coarse, compute), []).append(i)
+    for (coarse, compute), index in groups.items():
+        group_stats, group_hist = _group_stats([pairs[i] for i in index], coarse, compute)
+        where = torch.tensor(index, device=device)
+        stats[where] = group_stats
+        hists[where] = group_hist
+    return stats, hists
+
+
+def _group_stats(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], coarse: torch.dtype, compute: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    f64 = torch.float64
+    device = pairs[0][0].device
+    sizes = [a.numel() for a, _ in pairs]
+    single = len(pairs) == 1
+
+    def flat(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        parts = [t.detach().reshape(-1).to(dtype) for t in tensors]
+        return parts[0] if single else torch.cat(parts)
+
+    a = flat([p[0] for p in pairs], compute)
+    b = flat([p[1] for p in pairs], compute)
+    lengths = torch.tensor(sizes, device=device)
+
+    def seg(x: torch.Tensor, op: str) -> torch.Tensor:
+        if single:
+            if op == "sum":
+                return x.sum(dtype=f64).reshape(1)
+            return (x.amax() if op == "max" else x.amin()).to(f64).reshape(1)
+        if op == "sum":
+            x = x.to(f64)
+        return torch.segment_reduce(x, op, lengths=lengths).to(f64)
+
+    fin_a, fin_b = torch.isfinite(a), torch.isfinite(b)
     finite = fin_a & fin_b
-    zero = torch.zeros((), dtype=torch.float64, device=a64.device)
-    a_f, b_f = torch.where(finite, a64, zero), torch.where(finite, b64, zero)
+    zero = torch.zeros((), dtype=compute, device=device)
+    a_f, b_f = torch.where(finite, a, zero), torch.where(finite, b, zero)
     diff = (b_f - a_f).abs()
-    ra, rb = reference.detach().to(coarse), candidate.detach().to(coarse)
-    ulp = torch.where(finite, ulp_distance(ra, rb), zero)
-    rounded_diff = torch.where(finite, (rb.to(torch.float64) - ra.to(torch.float64)).abs(), zero)
-    numel = reference.numel()
-
-    def _degenerate(x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == 0:
-            return torch.ones((), dtype=torch.float64, device=x.device)
-        return (x.amax() == x.amin()).to(torch.float64)
-
-    def _max(x: torch.Tensor) -> torch.Tensor:
-        return x.amax() if x.numel() else zero
-
-    stats = torch.stack(
-        [
-            torch.tensor(float(numel), dtype=torch.float64, device=a64.device),
-            finite.sum().to(torch.float64),
-            diff.sum(),
-            _max(diff),
-            _max(a_f.abs()),
-            _max(b_f.abs()),
-            _max(ulp),
-            ((a64 == b64) | (torch.isnan(a64) & torch.isnan(b64))).sum().to(torch.float64),
-            (a_f * b_f).sum(),
-            (a_f * a_f).sum(),
-            (b_f * b_f).sum(),
-            (~fin_a).sum().to(torch.float64),
-            (~fin_b).sum().to(torch.float64),
-            _max(rounded_diff),
-            _degenerate(a_f),
-            _degenerate(b_f),
-            a_f.sum() / finite.sum().clamp(min=1),
-            b_f.sum() / finite.sum().clamp(min=1),
-        ]
-    )
-    edges = torch.tensor(ULP_BIN_EDGES, dtype=torch.float64, device=a64.device)
-    bins = torch.bucketize(ulp[finite], edges, right=True) - 1
-    hist = torch.bincount(bins, minlength=len(ULP_BIN_EDGES)).to(torch.float64)
+    ra, rb = flat([p[0] for p in pairs], coarse), flat([p[1] for p in pairs], coarse)
+    ulp = torch.where(finite, ulp_distance(ra, rb), torch.zeros((), dtype=f64, device=device))
+    rounded = torch.where(finite, (rb.to(compute) - ra.to(compute)).abs(), zero)
+    count = seg(finite, "sum")
+    columns = {
+        "numel": lengths.to(f64),
+        "finite": count,
+        "sum_abs_diff": seg(diff, "sum"),
+        "max_abs_diff": seg(diff, "max"),
+        "max_abs_a": seg(a_f.abs(), "max"),
+        "max_abs_b": seg(b_f.abs(), "max"),
+        "max_ulp": seg(ulp, "max"),
+        "bitexact": seg((a == b) | (torch.isnan(a) & torch.isnan(b)), "sum"),
+        # |a - b|^2 rather than 2<a,b>: 1 - 2<a,b>/(|a|^2+|b|^2) equals |a-b|^2/(|a|^2+|b|^2)
+        # and the latter keeps its digits when the two tensors nearly agree.
+        "sum_sq_diff": seg(diff * diff, "sum"),
+        "norm2_a": seg(a_f * a_f, "sum"),
+        "norm2_b": seg(b_f * b_f, "sum"),
+        "nonfinite_a": seg(~fin_a, "sum"),
+        "nonfinite_b": seg(~fin_b, "sum"),
+        "max_abs_diff_rounded": seg(rounded, "max"),
+        "degenerate_a": (seg(a_f, "max") == seg(a_f, "min")).to(f64),
+        "degenerate_b": (seg(b_f, "max") == seg(b_f, "min")).to(f64),
+        "mean_a": seg(a_f, "sum") / count.clamp(min=1),
+        "mean_b": seg(b_f, "sum") / count.clamp(min=1),
+    }
+    stats = torch.stack([columns[name] for name in STAT_FIELDS], dim=1)
+    edges = torch.tensor(ULP_BIN_EDGES, dtype=f64, device=device)
+    bins = torch.bucketize(ulp, edges, right=True) - 1
+    n_bins = len(ULP_BIN_EDGES)
+    if single:
+        hist = torch.bincount(bins[finite], minlength=n_bins).to(f64).reshape(1, n_bins)
+    else:
+        segment = torch.repeat_interleave(torch.arange(len(pairs), device=device), lengths)
+        flat_bins = (segment * n_bins + bins)[finite]
+        hist = torch.bincount(flat_bins, minlength=len(pairs) * n_bins).to(f64)
+        hist = hist.reshape(len(pairs), n_bins)
     return stats, hist
 
 
@@ -190,14 +255,14 @@ def decode_stats(
     s = dict(zip(STAT_FIELDS, stats.tolist(), strict=True))
     finite = max(s["finite"], 1.0)
     denom = s["norm2_a"] + s["norm2_b"]
-    cosine = 1.0 - 2.0 * s["dot"] / denom if denom > 0 else 0.0
+    cosine = s["sum_sq_diff"] / denom if denom > 0 else 0.0
     return PairMetrics(
         numel=int(s["numel"]),
         mean_abs_diff=s["sum_abs_diff"] / finite,
         max_abs_diff=s["max_abs_diff"],
         rel_max=s["max_abs_diff"] / (s["max_abs_a"] + 1e-30),
         max_ulp=s["max_ulp"],
-        bitexact_frac=s["bitexact"] / max(s["numel"], 1.0),
+        bitexact_frac=s["bitexact"] / s["numel"] if s["numel"] else 1.0,
         cosine_dist=max(cosine, 0.0),
         rounding_only=bool(
             dtype_a != dtype_b and s["max_abs_diff"] > 0 and s["max_abs_diff_rounded"] == 0
@@ -205,7 +270,8 @@ def decode_stats(
         max_abs_diff_rounded=s["max_abs_diff_rounded"],
         nonfinite_a=int(s["nonfinite_a"]),
         nonfinite_b=int(s["nonfinite_b"]),
-        degenerate=bool(s["degenerate_a"] and s["degenerate_b"]),
+        # One element is trivially constant: only larger tensors can be degenerate.
+        degenerate=bool(s["numel"] > 1 and s["degenerate_a"] and s["degenerate_b"]),
         ulp_hist=tuple(int(v) for v in hist.tolist()),
         mean_a=s["mean_a"],
         mean_b=s["mean_b"],

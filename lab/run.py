@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from lab.capture import ROOT, ModuleHooks, flatten_output
 from lab.devices import resolve_device
 from lab.errors import DegenerateOutputError, NonFiniteOutputError, PairError
 from lab.families import Inputs
-from lab.metrics import decode_stats, pair_stats
+from lab.metrics import decode_stats, pair_stats, segment_stats
 from lab.precision.dtypes import dtype_name, parse_dtype
 from lab.precision.input_policy import apply_input_dtype_policy
 from lab.result import LayerDivergence, Result, Skipped
@@ -128,6 +129,11 @@ def forward_side(
     """
     device = _model_device(model)
     check_side_device(side, device)
+    if view is not None and (view.side != side or view.model is not model):
+        raise ValueError(
+            f"forward_side: the WeightView was made for Side({view.side.name!r}) on another "
+            f"model or side; build it as WeightView(model, side) for Side({side.name!r})."
+        )
     view = view if view is not None else WeightView(model, side)
     cast = side_inputs(inputs, side, device)
     with torch.no_grad(), view.applied(), side_context(side, device, model):
@@ -147,8 +153,15 @@ class _Pending:
     dtype_a: torch.dtype
     dtype_b: torch.dtype
     shape: tuple[int, ...]
-    stats: torch.Tensor
-    hist: torch.Tensor
+    stats: torch.Tensor | None = None
+    hist: torch.Tensor | None = None
+
+
+# Pairs below this many elements are cloned and reduced together in one segmented pass (the
+# per-op dispatch cost of ~40 small reductions would dwarf a tiny model's forward); larger ones
+# are reduced at once and dropped, so memory holds one big pair at a time.
+_DEFER_NUMEL = 1 << 20
+_FLUSH_NUMEL = 1 << 24
 
 
 class _Collector:
@@ -158,6 +171,8 @@ class _Collector:
         self.module_classes = module_classes
         self.pending: list[_Pending] = []
         self.skipped: list[Skipped] = []
+        self._batch: list[tuple[_Pending, torch.Tensor, torch.Tensor]] = []
+        self._batch_numel = 0
 
     def compare(self, order: int, key: tuple[str, int, str], a: Any, b: Any) -> None:
         # Called from inside a side's forward: the metrics must not run under its autocast.
@@ -179,23 +194,31 @@ class _Collector:
         if reason:
             self.skipped.append(Skipped(module, call, output, reason))
             return
-        stats, hist = pair_stats(a, b)
-        self.pending.append(
-            _Pending(
-                order,
-                module,
-                call,
-                output,
-                self.module_classes.get(module, "?"),
-                a.dtype,
-                b.dtype,
-                tuple(a.shape),
-                stats,
-                hist,
-            )
-        )
+        pending = _Pending(order, module, call, output, self.module_classes.get(module, "?"),
+                           a.dtype, b.dtype, tuple(a.shape))  # fmt: skip
+        self.pending.append(pending)
+        if a.numel() >= _DEFER_NUMEL:
+            pending.stats, pending.hist = pair_stats(a, b)
+            return
+        # Cloned: the forward may still edit these tensors in place before the flush.
+        self._batch.append((pending, a.detach().clone(), b.detach().clone()))
+        self._batch_numel += a.numel()
+        if self._batch_numel >= _FLUSH_NUMEL:
+            self.flush()
+
+    def flush(self) -> None:
+        """Reduce every deferred pair in one segmented pass."""
+        if not self._batch:
+            return
+        device_type = self._batch[0][1].device.type
+        with torch.autocast(device_type, enabled=False):
+            stats, hists = segment_stats([(a, b) for _, a, b in self._batch])
+        for i, (pending, _, _) in enumerate(self._batch):
+            pending.stats, pending.hist = stats[i], hists[i]
+        self._batch, self._batch_numel = [], 0
 
     def rows(self) -> list[LayerDivergence]:
+        self.flush()
         if not self.pending:
             return []
         # One host transfer for every pair of the run.
@@ -308,7 +331,7 @@ def pair(
         "autocast_policy_b": side_b.resolved_autocast_policy,
         "param_dtypes_a": view_a.plan.dtype_counts(),
         "param_dtypes_b": view_b.plan.dtype_counts(),
-        "versions": _versions(),
+        "versions": dict(_versions()),
     }
 
     def partial() -> Result:
@@ -321,6 +344,7 @@ def pair(
             {**result_meta, "timings_s": dict(timings)},
         )
 
+    phase = {"side": side_a.name}
     was_training = model.training
     model.eval()
     try:
@@ -338,6 +362,7 @@ def pair(
                     collector,
                     names_filter,
                     timings,
+                    phase,
                 )
             else:
                 _run_local(
@@ -352,10 +377,11 @@ def pair(
                     collector,
                     names_filter,
                     timings,
+                    phase,
                 )
-    except (torch.cuda.OutOfMemoryError, RuntimeError, ValueError, TypeError) as err:
+    except Exception as err:
         result = partial()
-        side = side_a.name if not timings.get("a_s") else side_b.name
+        side = phase["side"]
         hint = ""
         if isinstance(err, torch.cuda.OutOfMemoryError):
             hint = (
@@ -387,6 +413,7 @@ def _run_propagated(
     collector,
     names_filter,
     timings,
+    phase,
 ) -> None:
     store: dict[tuple[str, int, str], torch.Tensor] = {}
     order: dict[tuple[str, int, str], int] = {}
@@ -406,6 +433,7 @@ def _run_propagated(
                 continue
             collector.compare(order[key], key, store.pop(key), leaf)
 
+    phase["side"] = side_a.name
     start = time.perf_counter()
     with (
         ModuleHooks(model, on_a, names_filter=names_filter).attached(),
@@ -415,6 +443,7 @@ def _run_propagated(
         model(**inputs_a.kwargs)
     _sync(device)
     timings["a_s"] = time.perf_counter() - start
+    phase["side"] = side_b.name
     start = time.perf_counter()
     with (
         ModuleHooks(model, on_b, names_filter=names_filter).attached(),
@@ -440,6 +469,7 @@ def _run_local(
     collector,
     names_filter,
     timings,
+    phase,
 ) -> None:
     # Pass 1: side B's own forward, recording only the dtypes each module call receives, so the
     # re-runs below hand B side A's values in the dtypes B's forward would have handed it.
@@ -448,6 +478,7 @@ def _run_local(
     def record_dtypes(label: str, call: int, module: Any, args: tuple, kwargs: dict) -> None:
         b_dtypes[(label, call)] = (_dtype_tree(args), _dtype_tree(kwargs))
 
+    phase["side"] = side_b.name
     start = time.perf_counter()
     with (
         ModuleHooks(
@@ -477,6 +508,8 @@ def _run_local(
         with hooks.paused(), view_b.applied(module), side_context(side_b, device, module):
             try:
                 out_b = module(*a_args, **a_kwargs)
+            except torch.cuda.OutOfMemoryError:
+                raise
             except (RuntimeError, ValueError, TypeError) as err:
                 for idx, _ in flatten_output(output):
                     collector.skipped.append(
@@ -493,6 +526,7 @@ def _run_local(
             collector.compare(order, (label, call, idx), leaf, leaves_b[idx])
 
     hooks = ModuleHooks(model, on_output, on_input=on_input, names_filter=names_filter)
+    phase["side"] = side_a.name
     start = time.perf_counter()
     with hooks.attached(), view_a.applied(), side_context(side_a, device, model):
         model(**inputs_a.kwargs)
@@ -537,6 +571,13 @@ def _sync(device: torch.device) -> None:
 
 
 def _check_outputs(result: Result, side_a: Side, side_b: Side) -> None:
+    if not result.rows:
+        reasons = "; ".join(f"{s.module}: {s.reason}" for s in result.skipped[:3])
+        raise PairError(
+            f"pair: no module output could be compared ({len(result.skipped)} skipped"
+            f"{': ' + reasons if reasons else ''}). Check names_filter and the sides' dtypes.",
+            result,
+        )
     roots = result.root_rows()
     if not roots:
         return
@@ -564,6 +605,7 @@ def _check_outputs(result: Result, side_a: Side, side_b: Side) -> None:
         )
 
 
+@functools.cache
 def _versions() -> dict[str, str]:
     import importlib.metadata as md
 

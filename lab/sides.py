@@ -127,13 +127,15 @@ class Side:
         Loads like sglang-d: parameters and persistent buffers at `family.rollout_dtype`,
         except the modules the engine keeps in fp32; inputs cast as the engine's pipeline does.
         """
-        dtype = family.rollout_dtype
+        dtype = overrides.get("forward_dtype", family.rollout_dtype)
         fields: dict[str, Any] = dict(
             name="rollout",
-            master_dtype=dtype,
+            # The engine holds no master: each weight is loaded straight to its dtype, so the
+            # fp32 keeps are never rounded through bf16 first.
+            master_dtype="fp32",
             forward_dtype=dtype,
+            # For the engine side the forward dtype *is* --sglang-dit-precision.
             rollout_precision=dtype,
-            param_dtype=dtype,
             keep_fp32_modules=family.engine_fp32_modules,
             engine_ops=family.engine_ops,
             cast_buffers=True,
@@ -159,7 +161,6 @@ class Side:
             master_dtype="fp32",
             forward_dtype=dtype,
             rollout_precision=dtype,
-            param_dtype=dtype,
             param_dtype_rules=dict(family.param_dtype_rules),
             fsdp_wrap_classes=family.block_classes,
             cast_buffers=False,
@@ -176,7 +177,6 @@ class Side:
             master_dtype="fp32",
             forward_dtype="fp32",
             rollout_precision="fp32",
-            param_dtype="fp32",
             input_dtype_policy={"latents": "fp32", "cond": "fp32", "timestep": "fp32"},
         )
         return cls(**{**fields, **overrides})

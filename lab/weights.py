@@ -19,7 +19,7 @@ from lab.precision.param_rules import (
     ParamDtypeMaps,
     block_wraps,
     compile_param_dtype_maps,
-    resolve_param_dtypes,
+    ruled_param_dtypes,
 )
 from lab.sides import Side
 
@@ -78,10 +78,10 @@ def plan_weights(model: torch.nn.Module, side: Side) -> WeightPlan:
     if side.param_dtype_rules:
         wraps = block_wraps(model, side.fsdp_wrap_classes) if side.fsdp_wrap_classes else []
         maps = compile_param_dtype_maps(model, wraps, side.param_dtype_rules, default)
-        ruled = resolve_param_dtypes(model, side.param_dtype_rules, default)
-        for n, d in ruled.items():
-            if d != default:
-                dtypes[n] = d
+        # Every parameter a rule matched takes that rule's dtype, also when it equals the
+        # default: such a rule carves a parameter back out of keep_fp32_modules.
+        for n, d in ruled_param_dtypes(model, side.param_dtype_rules).items():
+            dtypes[n] = d
     buffers: dict[str, torch.dtype] = {}
     if side.cast_buffers:
         for mod_name, module in model.named_modules():

@@ -57,6 +57,78 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
         ),
         ("code", "", ['result.to_json(f"{out_dir}/results.json")\n', "result.table().head(25)"]),
     ],
+    "02_ratio_drift.ipynb": [
+        (
+            "markdown",
+            "",
+            [
+                "# Ratio drift: how far the rollout/trainer gap moves the PPO ratio off 1.0\n",
+                "\n",
+                "Samples a Flow-GRPO rollout (SDE noise inside the window), recomputes every step's\n",
+                "velocity and log-prob as the trainer, and plots the ratio drift per step, its\n",
+                "distribution, and |d log_prob| against the velocity gap (predicted beside measured).\n",
+                "Run headless: `papermill notebooks/02_ratio_drift.ipynb out.ipynb -p family sd3`.",
+            ],
+        ),
+        (
+            "code",
+            "",
+            ["from lab import drift_plots, plots\n", "from lab import trajectory"],
+        ),
+        (
+            "code",
+            "parameters",
+            [
+                'family: str = "sd3"  # one of lab.families()\n',
+                'preset: str = "tiny"  # tiny (CPU), reduced (real width, 2 blocks), full\n',
+                'device: str = "cpu"  # cpu or cuda\n',
+                "steps: int = 10  # denoising steps\n",
+                "sde_window: list = []  # [start, end) steps with SDE noise; [] = every step\n",
+                "noise_level: float = 0.7  # eta of the Flow-GRPO SDE\n",
+                'sde_type: str = "sde"  # sde (Flow-SDE) or cps\n',
+                "cfg_scale: float = 1.0  # guidance scale; > 1 runs CFG (not for flux, minimax_h3)\n",
+                "samples: int = 2  # samples per forward (cosmos3 takes 1)\n",
+                "prompts: int = 1  # prompts (seeds seed, seed+1, ...)\n",
+                "seed: int = 0  # weight and first prompt seed\n",
+                "clip_range: float = 1e-4  # PPO clip range for clip_frac\n",
+                'out_dir: str = "runs/ratio_drift"  # where results.json and the PNGs go\n',
+                'rollout_overrides: dict = {}  # Side field overrides, e.g. {"attention_backend": "math"}\n',
+                'trainer_overrides: dict = {}  # e.g. {"autocast": False, "forward_dtype": "fp32"}',
+            ],
+        ),
+        (
+            "code",
+            "",
+            [
+                "traj = trajectory(family, preset, steps=steps, sde_window=sde_window or None,\n",
+                "                  noise_level=noise_level, sde_type=sde_type, cfg_scale=cfg_scale,\n",
+                "                  samples=samples, prompts=prompts, seed=seed, device=device,\n",
+                "                  clip_range=clip_range, rollout=rollout_overrides, trainer=trainer_overrides)\n",
+                "print(traj.describe())",
+            ],
+        ),
+        (
+            "code",
+            "",
+            ['plots.save_figure(drift_plots.plot_ratio_drift(traj), f"{out_dir}/ratio_drift.png")'],
+        ),
+        (
+            "code",
+            "",
+            [
+                'plots.save_figure(drift_plots.plot_ratio_histogram(traj), f"{out_dir}/ratio_hist.png")'
+            ],
+        ),
+        (
+            "code",
+            "",
+            [
+                "plots.save_figure(drift_plots.plot_logprob_vs_velocity_gap(traj),\n",
+                '                  f"{out_dir}/logprob_vs_velocity_gap.png")',
+            ],
+        ),
+        ("code", "", ['traj.to_json(f"{out_dir}/results.json")\n', "traj.per_step()"]),
+    ],
 }
 
 

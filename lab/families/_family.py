@@ -69,6 +69,8 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         return [_map_tensors(v, fn) for v in value]
     if isinstance(value, tuple):
         return tuple(_map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
     return value
 
 

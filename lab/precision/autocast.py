@@ -272,9 +272,12 @@ def autocast_context(
                 f"autocast_context: autocast policy {policy!r} is torch's CPU autocast and does "
                 f"not apply to device {str(device)!r}. On CUDA use policy 'cuda'."
             )
-        return torch.autocast("cuda", dtype=dtype)
+        # No weight-cast cache: the lab swaps parameter .data between sides under one autocast
+        # region, and the cache is keyed by tensor object, so it would hand one side the other's
+        # cast. Values are identical without it; only re-casting time is spent.
+        return torch.autocast("cuda", dtype=dtype, cache_enabled=False)
     if policy == "cpu":
-        return torch.autocast("cpu", dtype=dtype)
+        return torch.autocast("cpu", dtype=dtype, cache_enabled=False)
     return CudaAutocastEmulation(dtype)
 
 

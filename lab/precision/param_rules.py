@@ -112,6 +112,18 @@ def resolve_param_dtypes(
     return {names[0]: chosen.get(pid, default) for pid, names in names_by_param.items()}
 
 
+def ruled_param_dtypes(
+    model: torch.nn.Module, patterns: Mapping[str, str]
+) -> dict[str, torch.dtype]:
+    """The dtype of every parameter some rule matched (canonical names), unmatched ones absent.
+
+    Raises:
+        ValueError: A pattern matching nothing, or an unsupported dtype name.
+    """
+    chosen, names_by_param, _ = _expand_rules(model, patterns, type(model).__name__)
+    return {names_by_param[pid][0]: dtype for pid, dtype in chosen.items()}
+
+
 def explain_rules(model: torch.nn.Module, patterns: Mapping[str, str]) -> list[RuleMatch]:
     """What each rule matches (names, elements, how many it still decides), in rule order.
 

@@ -1,0 +1,440 @@
+"""Flow-GRPO's SDE step log-prob, each family's sigma schedule and CFG combination.
+
+The formulas are precision-facts.md section 7, in fp32 as Flow-GRPO computes them: the rollout's
+`log_prob_old` and the trainer's `log_prob_new` both come from `sde_step_with_logprob`, and the
+PPO ratio is exp(log_prob_new - log_prob_old). Everything here is a pure function of tensors
+except `sigma_schedule`, which asks each family's own diffusers scheduler for its grid.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from lab.families import Family
+
+SdeType = Literal["sde", "cps"]
+SDE_TYPES: tuple[str, ...] = ("sde", "cps")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplerSettings:
+    """How a family's pipeline builds its flow-matching sigma grid and reads the model output.
+
+    These belong on the Family record; they live here until the family files can take them.
+    """
+
+    scheduler: Literal["flow_match_euler", "minimax_h3"] = "flow_match_euler"
+    """Which diffusers scheduler class builds the grid."""
+    scheduler_config: Mapping[str, Any] = field(default_factory=dict)
+    """FlowMatchEulerDiscreteScheduler (or MiniMaxH3Scheduler) config kwargs."""
+    pipeline_sigmas: bool = False
+    """The pipeline passes sigmas = linspace(1, 1/N, N) (Flux, Qwen-Image, LTX-2), not the
+    scheduler's own timestep grid (SD3)."""
+    dynamic_shift: Mapping[str, float] | None = None
+    """calculate_shift constants (base_seq_len, max_seq_len, base_shift, max_shift) for mu, which
+    the pipeline computes from the packed latent token count (latents.shape[1])."""
+    cfg_rescale_to_pos_norm: bool = False
+    """Qwen-Image: rescale the guided velocity to the norm of the positive one (last dim)."""
+    velocity_sign: float = 1.0
+    """-1 where the model predicts the data-ward velocity (x0 = x + sigma v), so the diffusers
+    convention (x0 = x - sigma v) used by the SDE step is -output."""
+    notes: str = ""
+
+
+# Keyed by family name only because the family files are not ours to edit now: these fields
+# should move onto `Family` (see the report of issue 3).
+SAMPLER_SETTINGS: dict[str, SamplerSettings] = {
+    # StableDiffusion3Pipeline: the scheduler's own grid (no sigmas passed), shift 3.0 from
+    # stabilityai/stable-diffusion-3.5-medium scheduler_config.json; Flow-GRPO uses it as is.
+    "sd3": SamplerSettings(scheduler_config=dict(shift=3.0)),
+    # FluxPipeline: sigmas = linspace(1, 1/N, N), mu = calculate_shift(image_seq_len) with the
+    # FLUX.1-dev scheduler config (dynamic shifting, 256 -> 4096 tokens, shift 0.5 -> 1.15).
+    "flux": SamplerSettings(
+        scheduler_config=dict(
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=1.15,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
+            shift=3.0,
+        ),
+        pipeline_sigmas=True,
+        dynamic_shift=dict(base_seq_len=256, max_seq_len=4096, base_shift=0.5, max_shift=1.15),
+    ),
+    # QwenImagePipeline: as Flux, with Qwen/Qwen-Image's scheduler config (exponential dynamic
+    # shift 256 -> 8192 tokens, 0.5 -> 0.9, terminal sigma stretched to 0.02), plus true-CFG's
+    # rescale to the positive branch's norm.
+    "qwen_image": SamplerSettings(
+        scheduler_config=dict(
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=0.9,
+            base_image_seq_len=256,
+            max_image_seq_len=8192,
+            shift_terminal=0.02,
+            time_shift_type="exponential",
+        ),
+        pipeline_sigmas=True,
+        dynamic_shift=dict(base_seq_len=256, max_seq_len=8192, base_shift=0.5, max_shift=0.9),
+        cfg_rescale_to_pos_norm=True,
+    ),
+    # WanPipeline ships UniPCMultistepScheduler(flow_shift=...); Flow-GRPO's Wan recipes step
+    # FlowMatchEulerDiscreteScheduler with the same shift instead (the SDE needs an Euler grid).
+    # 12.0 is Wan2.2-T2V-A14B's sample_shift (wan/configs/wan_t2v_A14B.py); diffusers' Wan2.1
+    # docs use 3.0 at 480p and 5.0 at 720p. Pass shift= to sigma_schedule to try another.
+    "wan2_2": SamplerSettings(
+        scheduler_config=dict(shift=12.0),
+        notes="UniPC in the shipped pipeline; Euler with the same shift for the SDE.",
+    ),
+    # LTX2Pipeline: sigmas = linspace(1, 1/N, N), mu = calculate_shift(video tokens) with the
+    # pipeline's fallbacks (1024 -> 4096 tokens, 0.95 -> 2.05). shift_terminal 0.1 is the
+    # LTX-Video scheduler config's; check it against the LTX-2 checkpoint's scheduler_config.json.
+    # Video and audio share the grid (the pipeline deep-copies the scheduler). The pipeline's CFG
+    # (x0-space guidance, rescale 0.7, STG) is not modelled: velocity-space CFG as Flow-GRPO.
+    "ltx2": SamplerSettings(
+        scheduler_config=dict(
+            use_dynamic_shifting=True,
+            base_shift=0.95,
+            max_shift=2.05,
+            base_image_seq_len=1024,
+            max_image_seq_len=4096,
+            shift_terminal=0.1,
+        ),
+        pipeline_sigmas=True,
+        dynamic_shift=dict(base_seq_len=1024, max_seq_len=4096, base_shift=0.95, max_shift=2.05),
+    ),
+    # Cosmos3OmniPipeline ships UniPCMultistepScheduler on a Karras grid; the closest
+    # flow-matching scheduler is FlowMatchEulerDiscreteScheduler with Karras sigmas (starts at
+    # sigma 1, ends at 0), which gives the non-integer t = sigma * 1000 the RL recipe steps.
+    "cosmos3": SamplerSettings(
+        scheduler_config=dict(use_karras_sigmas=True),
+        notes="UniPC (Karras) in the shipped pipeline; Euler on a Karras grid for the SDE.",
+    ),
+    # MiniMaxH3Scheduler is itself a rectified-flow Euler scheduler: linspace(1, 0, N + 1)
+    # shifted by 12 (video). Its transformer predicts the data-ward velocity (sign -1). The
+    # audio rows run their own shift-3 grid in the pipeline; the SDE here steps every latent
+    # row with the video sigma (the model is still told the audio t by make_inputs).
+    "minimax_h3": SamplerSettings(
+        scheduler="minimax_h3",
+        scheduler_config=dict(shift=12.0),
+        velocity_sign=-1.0,
+        notes="Audio rows stepped on the video sigma grid (their own grid is shift 3).",
+    ),
+}
+
+
+def sampler_settings(family: Family | str) -> SamplerSettings:
+    """The family's `SamplerSettings` (default Euler, shift 1, for an unlisted family)."""
+    name = family if isinstance(family, str) else family.name
+    return SAMPLER_SETTINGS.get(name, SamplerSettings())
+
+
+# ---- sigma schedules ----------------------------------------------------------------------
+
+
+def calculate_shift(
+    image_seq_len: int, base_seq_len: float, max_seq_len: float, base_shift: float, max_shift: float
+) -> float:
+    """The pipelines' mu: linear in the packed latent token count (diffusers' calculate_shift)."""
+    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    return image_seq_len * m + (base_shift - m * base_seq_len)
+
+
+def check_sigma_schedule(sigmas: torch.Tensor, *, where: str = "sigma schedule") -> torch.Tensor:
+    """Check a flow-matching grid: 1-D, >= 3 entries, in [0, 1], strictly decreasing, ends at 0.
+
+    Returns:
+        The schedule as a 1-D fp32 CPU tensor.
+
+    Raises:
+        ValueError: Naming the first offending entry.
+    """
+    s = torch.as_tensor(sigmas).detach().to("cpu", torch.float32).flatten()
+    if s.numel() < 3:
+        raise ValueError(
+            f"{where}: needs steps + 1 >= 3 sigmas (at least 2 steps), got {s.numel()}: "
+            f"{s.tolist()}."
+        )
+    if not bool(torch.isfinite(s).all()) or float(s.max()) > 1.0 or float(s.min()) < 0.0:
+        raise ValueError(f"{where}: every sigma must be finite and in [0, 1], got {s.tolist()}.")
+    bad = (s[1:] >= s[:-1]).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(
+            f"{where}: sigmas must be strictly decreasing, but sigmas[{i}] = {float(s[i])!r} <= "
+            f"sigmas[{i + 1}] = {float(s[i + 1])!r}. A flow-matching sampler goes from ~1 "
+            "(noise) down to 0 (data)."
+        )
+    if float(s[-1]) != 0.0:
+        raise ValueError(f"{where}: the last sigma must be 0.0 (clean data), got {float(s[-1])!r}.")
+    return s
+
+
+def sigma_schedule(
+    family: Family | str,
+    steps: int,
+    *,
+    preset: str = "tiny",
+    variant: str | None = None,
+    shift: float | None = None,
+) -> torch.Tensor:
+    """The family pipeline's sigma grid for `steps` denoising steps, from its diffusers scheduler.
+
+    Flux, Qwen-Image and LTX-2 compute mu from the packed latent token count of `preset`'s
+    geometry, as their pipelines do from `latents.shape[1]`.
+
+    Args:
+        family: A Family or its name.
+        steps: Number of denoising steps (model evaluations), >= 2.
+        preset: Whose geometry sets the token count for dynamic shifting.
+        variant: A family variant (only matters if it changes the latent shape).
+        shift: Override the static shift (families without dynamic shifting).
+
+    Returns:
+        1-D fp32 CPU tensor of steps + 1 sigmas, sigmas[0] == 1.0, strictly decreasing to 0.0.
+
+    Raises:
+        ValueError: steps < 2, or a scheduler grid that is not strictly decreasing.
+    """
+    from lab.families import family as get_family
+
+    fam = get_family(family) if isinstance(family, str) else family
+    if not isinstance(steps, int) or steps < 2:
+        raise ValueError(
+            f"sigma_schedule({fam.name!r}): steps must be an int >= 2 (Flow-GRPO's sigma_max is "
+            f"sigmas[1]), got {steps!r}."
+        )
+    settings = sampler_settings(fam)
+    config = dict(settings.scheduler_config)
+    if shift is not None:
+        config["shift"] = float(shift)
+    if settings.scheduler == "minimax_h3":
+        from diffusers.schedulers.scheduling_minimax_h3 import MiniMaxH3Scheduler
+
+        sched = MiniMaxH3Scheduler(**config)
+        # Its grid counts the terminal 0 among the points: N + 1 points drive N evaluations.
+        sched.set_timesteps(steps + 1)
+        sigmas = sched.sigmas
+    else:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        sched = FlowMatchEulerDiscreteScheduler(**config)
+        kwargs: dict[str, Any] = {}
+        if settings.pipeline_sigmas:
+            kwargs["sigmas"] = torch.linspace(1.0, 1.0 / steps, steps).tolist()
+        if settings.dynamic_shift is not None:
+            inputs = fam.make_inputs(preset, 0, 1, False, variant=variant, sigma=1.0)
+            first = inputs.kwargs[inputs.keys_with_role("latents")[0]]
+            kwargs["mu"] = calculate_shift(first.shape[1], **settings.dynamic_shift)
+        sched.set_timesteps(steps, **kwargs)
+        sigmas = sched.sigmas
+    sigmas = check_sigma_schedule(sigmas, where=f"sigma_schedule({fam.name!r}, {steps})")
+    if sigmas.numel() != steps + 1:
+        raise ValueError(
+            f"sigma_schedule({fam.name!r}): the scheduler gave {sigmas.numel()} sigmas for "
+            f"{steps} steps (its shift collapsed duplicates); ask for fewer steps."
+        )
+    return sigmas
+
+
+# ---- the SDE step -------------------------------------------------------------------------
+
+
+def _per_sample(value: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A scalar or per-sample (B,) value as fp32, broadcastable against `like` (B, ...)."""
+    t = torch.as_tensor(value, dtype=torch.float32, device=like.device)
+    if t.ndim == 0:
+        return t
+    return t.reshape(-1, *([1] * (like.ndim - 1)))
+
+
+def sde_step_with_logprob(
+    model_output: torch.Tensor,
+    sample: torch.Tensor,
+    sigma: float | torch.Tensor,
+    sigma_prev: float | torch.Tensor,
+    sigma_max: float | torch.Tensor,
+    noise_level: float,
+    prev_sample: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    sde_type: SdeType = "sde",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One Flow-GRPO SDE step x_t -> x_prev and the log-density of x_prev, all in fp32.
+
+    "sde" (Flow-SDE): std = sqrt(sigma / (1 - sigma')) * eta with sigma' = sigma_max when
+    sigma == 1 (else sigma), mean = x (1 + std^2 dt / (2 sigma)) + v (1 + std^2 (1 - sigma) /
+    (2 sigma)) dt, noise scale std sqrt(-dt), Gaussian log-density. "cps": std = sigma_prev
+    sin(eta pi / 2), mean = x0 (1 - sigma_prev) + x1 sqrt(sigma_prev^2 - std^2) with x0 = x -
+    sigma v and x1 = x + (1 - sigma) v, noise scale std, log_prob = -(x_prev - mean)^2 (constants
+    dropped). Either way the log-prob is the MEAN over every non-batch dimension.
+
+    Args:
+        model_output: Velocity v (B, ...), diffusers convention (x0 = x - sigma v); cast to fp32.
+        sample: x_t (B, ...); cast to fp32.
+        sigma: sigmas[i] (float or (B,)).
+        sigma_prev: sigmas[i + 1] (< sigma).
+        sigma_max: sigmas[1], used in place of sigma when sigma == 1 (else 1 / 0).
+        noise_level: eta > 0 (Flow-GRPO's default 0.7).
+        prev_sample: x_prev to score (the trainer's recompute); None draws it.
+        generator: For the noise draw; the noise is drawn on `generator`'s device in fp32.
+        sde_type: "sde" or "cps".
+
+    Returns:
+        (prev_sample, log_prob (B,), prev_sample_mean, std_dev_t), all fp32.
+
+    Raises:
+        ValueError: Unknown sde_type, noise_level <= 0, sigma_prev >= sigma, or shape mismatch.
+    """
+    if sde_type not in SDE_TYPES:
+        raise ValueError(f"sde_step_with_logprob: unknown sde_type {sde_type!r}. Known: sde, cps.")
+    if not float(noise_level) > 0.0:
+        raise ValueError(
+            f"sde_step_with_logprob: noise_level must be > 0, got {noise_level!r}. Use "
+            "`euler_step` for a deterministic (ODE) step."
+        )
+    if tuple(model_output.shape) != tuple(sample.shape):
+        raise ValueError(
+            f"sde_step_with_logprob: model_output {tuple(model_output.shape)} and sample "
+            f"{tuple(sample.shape)} differ in shape."
+        )
+    v = model_output.to(torch.float32)
+    x = sample.to(torch.float32)
+    s = _per_sample(sigma, x)
+    s_prev = _per_sample(sigma_prev, x)
+    if bool((s_prev >= s).any()):
+        raise ValueError(
+            f"sde_step_with_logprob: sigma_prev {sigma_prev!r} must be < sigma {sigma!r} "
+            "(sigmas decrease towards the data)."
+        )
+    dt = s_prev - s
+    if sde_type == "sde":
+        s_max = torch.as_tensor(sigma_max, dtype=torch.float32, device=x.device)
+        std_dev_t = torch.sqrt(s / (1 - torch.where(s == 1, s_max, s))) * noise_level
+        mean = (
+            x * (1 + std_dev_t**2 / (2 * s) * dt) + v * (1 + std_dev_t**2 * (1 - s) / (2 * s)) * dt
+        )
+        scale = std_dev_t * torch.sqrt(-1 * dt)
+    else:
+        std_dev_t = s_prev * math.sin(noise_level * math.pi / 2)
+        x0 = x - s * v
+        x1 = x + v * (1 - s)
+        mean = x0 * (1 - s_prev) + x1 * torch.sqrt(s_prev**2 - std_dev_t**2)
+        scale = std_dev_t
+    if prev_sample is None:
+        noise = torch.randn(
+            x.shape,
+            generator=generator,
+            dtype=torch.float32,
+            device=generator.device if generator is not None else x.device,
+        ).to(x.device)
+        prev_sample = mean + scale * noise
+    else:
+        if tuple(prev_sample.shape) != tuple(x.shape):
+            raise ValueError(
+                f"sde_step_with_logprob: prev_sample {tuple(prev_sample.shape)} and sample "
+                f"{tuple(x.shape)} differ in shape."
+            )
+        prev_sample = prev_sample.to(torch.float32)
+    if sde_type == "sde":
+        log_prob = (
+            -((prev_sample.detach() - mean) ** 2) / (2 * scale**2)
+            - torch.log(scale)
+            - torch.log(torch.sqrt(2 * torch.as_tensor(math.pi)))
+        )
+    else:
+        log_prob = -((prev_sample.detach() - mean) ** 2)
+    log_prob = log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
+    return prev_sample, log_prob, mean, torch.as_tensor(std_dev_t, dtype=torch.float32)
+
+
+def euler_step(
+    model_output: torch.Tensor,
+    sample: torch.Tensor,
+    sigma: float | torch.Tensor,
+    sigma_prev: float | torch.Tensor,
+) -> torch.Tensor:
+    """The deterministic flow-matching step x + v (sigma_prev - sigma), in fp32 (ODE steps)."""
+    x = sample.to(torch.float32)
+    dt = _per_sample(sigma_prev, x) - _per_sample(sigma, x)
+    return x + model_output.to(torch.float32) * dt
+
+
+def mean_velocity_factor(
+    sigma: float, sigma_prev: float, std_dev_t: float, sde_type: SdeType = "sde"
+) -> float:
+    """D mean / d v of one step: how much a velocity gap moves the step's Gaussian mean.
+
+    "sde": (1 + std^2 (1 - sigma) / (2 sigma)) dt; "cps": (1 - sigma) sqrt(sigma_prev^2 - std^2)
+    - sigma (1 - sigma_prev).
+    """
+    if sde_type == "sde":
+        return (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * (sigma_prev - sigma)
+    return (1 - sigma) * math.sqrt(max(sigma_prev**2 - std_dev_t**2, 0.0)) - sigma * (
+        1 - sigma_prev
+    )
+
+
+def predicted_log_ratio(
+    velocity_gap: torch.Tensor,
+    sigma: float,
+    sigma_prev: float,
+    std_dev_t: float,
+    sde_type: SdeType = "sde",
+) -> torch.Tensor:
+    """Expected log_prob_new - log_prob_old per sample, from the velocity gap alone.
+
+    With dm = (v_new - v_old) * mean_velocity_factor, the measured log-ratio is
+    mean(z dm) / s - mean(dm^2) / (2 s^2) for the "sde" (s = std sqrt(-dt), z the step's noise),
+    whose expectation over z is -mean(dm^2) / (2 s^2); for "cps" it is -mean(dm^2).
+
+    Args:
+        velocity_gap: v_new - v_old, (B, ...), any float dtype (computed in fp32).
+        sigma: sigmas[i].
+        sigma_prev: sigmas[i + 1].
+        std_dev_t: The step's std_dev_t from `sde_step_with_logprob`.
+        sde_type: "sde" or "cps".
+
+    Returns:
+        (B,) fp32, <= 0.
+    """
+    dm = velocity_gap.to(torch.float32) * mean_velocity_factor(
+        sigma, sigma_prev, std_dev_t, sde_type
+    )
+    dims = tuple(range(1, dm.ndim))
+    if sde_type == "sde":
+        scale2 = std_dev_t**2 * (sigma - sigma_prev)
+        return -(dm**2).mean(dim=dims) / (2 * scale2)
+    return -(dm**2).mean(dim=dims)
+
+
+# ---- CFG ----------------------------------------------------------------------------------
+
+
+def combine_cfg(
+    family: Family | str, pos: torch.Tensor, neg: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """The guided velocity: neg + scale (pos - neg) when scale > 1, else pos (fp32).
+
+    Qwen-Image's true CFG then rescales each token's guided vector to the norm of pos over the
+    last dim, as QwenImagePipeline does.
+
+    Raises:
+        ValueError: scale > 1 without a negative branch.
+    """
+    pos = pos.to(torch.float32)
+    if not scale > 1.0:
+        return pos
+    if neg is None:
+        raise ValueError(f"combine_cfg: scale {scale!r} > 1 needs the negative branch, got None.")
+    guided = neg.to(torch.float32) + scale * (pos - neg.to(torch.float32))
+    if sampler_settings(family).cfg_rescale_to_pos_norm:
+        guided = guided * (
+            torch.norm(pos, dim=-1, keepdim=True) / torch.norm(guided, dim=-1, keepdim=True)
+        )
+    return guided
