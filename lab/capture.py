@@ -78,9 +78,17 @@ class ModuleHooks:
         *,
         on_input: OnInput | None = None,
         names_filter: Callable[[str], bool] | None = None,
+        prefix: str = "",
+        start_calls: dict[str, int] | None = None,
     ) -> None:
-        """Attach nothing yet; `attached()` installs and removes the hooks."""
+        """Attach nothing yet; `attached()` installs and removes the hooks.
+
+        `prefix` names `model`'s modules as paths under an outer model (for hooks on one
+        block); `start_calls` continues another forward's call counts.
+        """
         self.model = model
+        self.prefix = prefix
+        self.start_calls = dict(start_calls or {})
         self.on_output = on_output
         self.on_input = on_input
         self.names_filter = names_filter
@@ -101,10 +109,13 @@ class ModuleHooks:
     def attached(self) -> Iterator[ModuleHooks]:
         """Install the hooks for the duration of the block; always removes them."""
         handles = []
-        self.calls = {}
+        self.calls = dict(self.start_calls)
         try:
             for name, module in self.model.named_modules():
-                label = name or ROOT
+                if self.prefix:
+                    label = f"{self.prefix}.{name}" if name else self.prefix
+                else:
+                    label = name or ROOT
                 if self.names_filter is not None and not self.names_filter(label):
                     continue
                 handles.append(module.register_forward_pre_hook(self._pre(label), with_kwargs=True))

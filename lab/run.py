@@ -281,6 +281,7 @@ def pair(
     names_filter: Callable[[str], bool] | None = None,
     check_outputs: bool = True,
     meta: dict[str, Any] | None = None,
+    stream: bool = False,
 ) -> Result:
     """Run the same weights and inputs under two sides and compare every module output.
 
@@ -301,6 +302,10 @@ def pair(
         check_outputs: Raise on non-finite or all-zero model outputs (the error carries the
             Result as `.result`).
         meta: Extra fields for `Result.meta` (family, preset, seed, ...).
+        stream: Bound memory for full-size models (propagated mode): both sides cast their
+            weights block by block from the master, side A keeps only each block's inputs,
+            and each block is re-run under side A just before side B runs it, so at most one
+            block's activations per side are alive. Costs one extra pass of side A's blocks.
 
     Returns:
         The Result, rows in forward completion order.
@@ -317,8 +322,17 @@ def pair(
     device = _model_device(model)
     for side in (side_a, side_b):
         check_side_device(side, device)
-    view_a = WeightView(model, side_a)
-    view_b = WeightView(model, side_b, cache=(mode == "local"))
+    blocks = _block_classes(model, side_a, side_b) if stream else ()
+    if stream and mode != "propagated":
+        raise ValueError("pair: stream=True needs mode='propagated' (local mode re-runs blocks).")
+    if stream and not blocks:
+        raise ValueError(
+            f"pair: stream=True needs block classes; neither side names fsdp_wrap_classes and "
+            f"{type(model).__name__} declares no _no_split_modules. Set "
+            "side.replace(fsdp_wrap_classes=(...)) on one side."
+        )
+    view_a = WeightView(model, side_a, stream_classes=blocks)
+    view_b = WeightView(model, side_b, cache=(mode == "local"), stream_classes=blocks)
     inputs_a = side_inputs(inputs, side_a, device)
     inputs_b = side_inputs(inputs, side_b, device)
     module_classes = {(n or ROOT): type(m).__name__ for n, m in model.named_modules()}
@@ -332,6 +346,7 @@ def pair(
         "param_dtypes_a": view_a.plan.dtype_counts(),
         "param_dtypes_b": view_b.plan.dtype_counts(),
         "versions": dict(_versions()),
+        "stream": stream,
     }
 
     def partial() -> Result:
@@ -349,7 +364,23 @@ def pair(
     model.eval()
     try:
         with torch.no_grad():
-            if mode == "propagated":
+            if stream:
+                _run_streamed(
+                    model,
+                    inputs_a,
+                    inputs_b,
+                    side_a,
+                    side_b,
+                    view_a,
+                    view_b,
+                    device,
+                    collector,
+                    names_filter,
+                    timings,
+                    phase,
+                    blocks,
+                )
+            elif mode == "propagated":
                 _run_propagated(
                     model,
                     inputs_a,
@@ -532,6 +563,108 @@ def _run_local(
         model(**inputs_a.kwargs)
     _sync(device)
     timings["a_s"] = time.perf_counter() - start
+
+
+def _block_classes(model: torch.nn.Module, side_a: Side, side_b: Side) -> tuple[str, ...]:
+    declared = getattr(model, "_no_split_modules", None) or ()
+    return tuple(side_b.fsdp_wrap_classes or side_a.fsdp_wrap_classes or declared)
+
+
+def _run_streamed(
+    model,
+    inputs_a,
+    inputs_b,
+    side_a,
+    side_b,
+    view_a,
+    view_b,
+    device,
+    collector,
+    names_filter,
+    timings,
+    phase,
+    blocks,
+) -> None:
+    block_modules = {
+        (n or ROOT): m for n, m in model.named_modules() if id(m) in view_a._stream_ids
+    }
+    inner = {f"{b}.{n}" for b, m in block_modules.items() for n, _ in m.named_modules() if n}
+
+    def wanted(label: str) -> bool:
+        return names_filter is None or names_filter(label)
+
+    store: dict[tuple[str, int, str], Any] = {}
+    order: dict[tuple[str, int, str], int] = {}
+    block_inputs: dict[tuple[str, int], tuple[tuple, dict]] = {}
+
+    def keep(label: str, call: int, output: Any) -> None:
+        for idx, leaf in flatten_output(output):
+            key = (label, call, idx)
+            order.setdefault(key, len(order))
+            store[key] = leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf
+
+    def on_a_in(label: str, call: int, module: Any, args: tuple, kwargs: dict) -> None:
+        if label in block_modules:
+            block_inputs[(label, call)] = (_clone_tree(args), _clone_tree(kwargs))
+
+    def on_a_out(label: str, call: int, module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        if wanted(label):
+            keep(label, call, output)
+
+    # Pass A: every module outside the blocks, each block's output, and each block's inputs.
+    phase["side"] = side_a.name
+    start = time.perf_counter()
+    hooks_a = ModuleHooks(model, on_a_out, on_input=on_a_in, names_filter=lambda n: n not in inner)
+    with hooks_a.attached(), view_a.applied(), side_context(side_a, device, model):
+        model(**inputs_a.kwargs)
+    _sync(device)
+    timings["a_s"] = time.perf_counter() - start
+
+    hooks_b: ModuleHooks
+
+    def on_b_in(label: str, call: int, module: Any, args: tuple, kwargs: dict) -> None:
+        if label not in block_modules:
+            return
+        a_args, a_kwargs = block_inputs.pop((label, call))
+        # Re-run this block as side A from side A's own inputs to it, capturing inside it.
+        start_calls = dict(hooks_b.calls)
+        start_calls[label] = call
+        inner_hooks = ModuleHooks(
+            module,
+            lambda lb, c, m, a, k, out: keep(lb, c, out) if wanted(lb) else None,
+            names_filter=lambda n: n != label,
+            prefix=label,
+            start_calls=start_calls,
+        )
+        phase["side"] = side_a.name
+        with (
+            hooks_b.paused(),
+            inner_hooks.attached(),
+            view_a.applied(module),
+            side_context(side_a, device, module),
+        ):
+            module(*a_args, **a_kwargs)
+        phase["side"] = side_b.name
+
+    def on_b_out(label: str, call: int, module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        if not wanted(label):
+            return
+        for idx, leaf in flatten_output(output):
+            key = (label, call, idx)
+            if key not in store:
+                collector.skipped.append(Skipped(label, call, idx, f"only on side {side_b.name!r}"))
+                continue
+            collector.compare(order[key], key, store.pop(key), leaf)
+
+    phase["side"] = side_b.name
+    start = time.perf_counter()
+    hooks_b = ModuleHooks(model, on_b_out, on_input=on_b_in)
+    with hooks_b.attached(), view_b.applied(), side_context(side_b, device, model):
+        model(**inputs_b.kwargs)
+    _sync(device)
+    timings["b_s"] = time.perf_counter() - start
+    for module, call, idx in sorted(store, key=order.__getitem__):
+        collector.skipped.append(Skipped(module, call, idx, f"only on side {side_a.name!r}"))
 
 
 def _dtype_tree(value: Any) -> Any:

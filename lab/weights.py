@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -104,9 +105,22 @@ def _unique_named(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
 
 
 class WeightView:
-    """The tensors one side runs with, cast lazily from the master and cached if asked."""
+    """The tensors one side runs with, cast lazily from the master and cached if asked.
 
-    def __init__(self, model: torch.nn.Module, side: Side, *, cache: bool = False) -> None:
+    With `stream_classes`, the blocks of those classes are not cast when the view is applied:
+    each block's tensors are cast by a forward pre-hook right before it runs and dropped by a
+    forward hook right after, so the side never holds a second full copy of the weights, only
+    the master plus one block (what FSDP2's per-block all-gather holds).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        side: Side,
+        *,
+        cache: bool = False,
+        stream_classes: tuple[str, ...] = (),
+    ) -> None:
         """Plan the side's dtypes for `model` (validating its rules) without casting yet."""
         self.model = model
         self.side = side
@@ -125,11 +139,52 @@ class WeightView:
             if t is not None
         }
         self._module_names = {id(m): n for n, m in model.named_modules()}
+        self._stream_ids = _outermost(model, stream_classes)
 
     def _cast(self, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if master.dtype == dtype and self.plan.master_dtype in (dtype, master.dtype):
             return master
         return master.to(self.plan.master_dtype).to(dtype)
+
+    def _swap_in(self, root: torch.nn.Module, skip: set[int], undo: list[tuple[Any, ...]]) -> None:
+        """Swap this side's tensors into `root`, except inside modules whose id is in `skip`."""
+        prefix = self._module_names[id(root)]
+        seen: set[int] = set()
+        for mod_name, module in _named_modules_skipping(root, skip):
+            for param in module._parameters.values():
+                if param is None or id(param) in seen:
+                    continue
+                seen.add(id(param))
+                dtype = self.plan.param_dtypes[self._param_names[id(param)]]
+                tensor = self._cached.get(id(param))
+                if tensor is None:
+                    tensor = self._cast(self._masters[id(param)], dtype)
+                    if self.cache:
+                        self._cached[id(param)] = tensor
+                if tensor is not param.data:
+                    undo.append(("param", param, param.data))
+                    param.data = tensor
+            for buf_name, buf in list(module._buffers.items()):
+                full = ".".join(p for p in (prefix, mod_name, buf_name) if p)
+                if buf is None or full not in self._buffer_masters:
+                    continue
+                master = self._buffer_masters[full]
+                dtype = self.plan.buffer_dtypes.get(full)
+                # A side that does not cast buffers still restores the master's, in case an
+                # outer view (another side) cast them.
+                tensor = master if dtype is None else self._cast(master, dtype)
+                if tensor is not buf:
+                    undo.append(("buffer", module, buf_name, buf))
+                    module._buffers[buf_name] = tensor
+
+    @staticmethod
+    def _undo(undo: list[tuple[Any, ...]]) -> None:
+        for entry in reversed(undo):
+            if entry[0] == "param":
+                entry[1].data = entry[2]
+            else:
+                entry[1]._buffers[entry[2]] = entry[3]
+        undo.clear()
 
     @contextlib.contextmanager
     def applied(self, root: torch.nn.Module | None = None) -> Iterator[None]:
@@ -140,42 +195,56 @@ class WeightView:
         root = self.model if root is None else root
         if id(root) not in self._module_names:
             raise ValueError(f"WeightView: {type(root).__name__} is not a submodule of the model.")
-        prefix = self._module_names[id(root)]
-        swapped: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-        swapped_buffers: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
-        seen: set[int] = set()
+        streamed = [m for m in root.modules() if id(m) in self._stream_ids and m is not root]
+        undo: list[tuple[Any, ...]] = []
+        block_undo: list[list[tuple[Any, ...]]] = []
+        handles = []
+
+        def pre(module: torch.nn.Module, args: Any) -> None:
+            block_undo.append([])
+            self._swap_in(module, set(), block_undo[-1])
+
+        def post(module: torch.nn.Module, args: Any, output: Any) -> None:
+            self._undo(block_undo.pop())
+
         try:
-            for param in root.parameters():
-                if id(param) in seen:
-                    continue
-                seen.add(id(param))
-                name = self._param_names[id(param)]
-                dtype = self.plan.param_dtypes[name]
-                tensor = self._cached.get(id(param))
-                if tensor is None:
-                    tensor = self._cast(self._masters[id(param)], dtype)
-                    if self.cache:
-                        self._cached[id(param)] = tensor
-                if tensor is not param.data:
-                    swapped.append((param, param.data))
-                    param.data = tensor
-            for mod_name, module in root.named_modules():
-                for buf_name, buf in list(module._buffers.items()):
-                    full = ".".join(p for p in (prefix, mod_name, buf_name) if p)
-                    if buf is None or full not in self._buffer_masters:
-                        continue
-                    master = self._buffer_masters[full]
-                    dtype = self.plan.buffer_dtypes.get(full)
-                    # A side that does not cast buffers still restores the master's, in case an
-                    # outer view (another side) cast them.
-                    tensor = master if dtype is None else self._cast(master, dtype)
-                    if tensor is buf:
-                        continue
-                    swapped_buffers.append((module, buf_name, buf))
-                    module._buffers[buf_name] = tensor
+            self._swap_in(root, {id(m) for m in streamed}, undo)
+            for module in streamed:
+                handles.append(module.register_forward_pre_hook(pre, prepend=True))
+                handles.append(module.register_forward_hook(post))
             yield
         finally:
-            for param, data in reversed(swapped):
-                param.data = data
-            for module, buf_name, buf in reversed(swapped_buffers):
-                module._buffers[buf_name] = buf
+            for h in handles:
+                h.remove()
+            while block_undo:  # a block that raised never reached its post-hook
+                self._undo(block_undo.pop())
+            self._undo(undo)
+
+
+def _outermost(model: torch.nn.Module, classes: tuple[str, ...]) -> set[int]:
+    """Ids of the modules of `classes` not nested inside another such module."""
+    if not classes:
+        return set()
+    found: set[int] = set()
+
+    def visit(module: torch.nn.Module) -> None:
+        if type(module).__name__ in classes:
+            found.add(id(module))
+            return
+        for child in module.children():
+            visit(child)
+
+    for child in model.children():
+        visit(child)
+    return found
+
+
+def _named_modules_skipping(
+    root: torch.nn.Module, skip: set[int], prefix: str = ""
+) -> Iterator[tuple[str, torch.nn.Module]]:
+    """named_modules() of `root`, not descending into modules whose id is in `skip`."""
+    yield prefix, root
+    for name, child in root.named_children():
+        if id(child) in skip:
+            continue
+        yield from _named_modules_skipping(child, skip, f"{prefix}.{name}" if prefix else name)

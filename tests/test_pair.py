@@ -213,3 +213,52 @@ def test_failing_forward_keeps_partial_result(built: dict) -> None:
     with pytest.raises(PairError, match="failed after") as err:
         lab.pair(model, broken, side, side)
     assert err.value.result is not None
+
+
+@pytest.mark.parametrize("family_name", FAMILY_NAMES)
+def test_stream_mode_gives_the_same_rows(built: dict, family_name: str) -> None:
+    fam, model, inputs = _model_inputs(built, family_name)
+    a, b = lab.Side.rollout(fam), lab.Side.trainer(fam)
+    full = lab.pair(model, inputs, a, b)
+    streamed = lab.pair(model, inputs, a, b, stream=True)
+
+    key = ["module", "call", "output"]
+    t1 = full.table().set_index(key).sort_index()
+    t2 = streamed.table().set_index(key).sort_index()
+    assert t1.index.equals(t2.index)
+    for column in ("max_abs_diff", "max_ulp", "bitexact_frac", "dtype_a", "dtype_b"):
+        assert t1[column].equals(t2[column]), column
+    assert not streamed.skipped
+    assert streamed.meta["stream"] is True
+
+
+def test_stream_mode_casts_one_block_at_a_time(built: dict) -> None:
+    fam, model, inputs = _model_inputs(built, "wan2_2")
+    from lab.weights import WeightView
+
+    view = WeightView(model, lab.Side.rollout(fam), stream_classes=fam.block_classes)
+    seen = []
+
+    def spy(module, args):
+        seen.append(
+            (model.blocks[0].attn1.to_q.weight.dtype, model.blocks[1].attn1.to_q.weight.dtype)
+        )
+
+    handles = [blk.register_forward_pre_hook(spy) for blk in model.blocks]
+    try:
+        with view.applied():
+            assert model.blocks[0].attn1.to_q.weight.dtype == torch.float32  # not cast yet
+            assert model.proj_out.weight.dtype == torch.bfloat16  # outside the blocks: cast
+            lab.forward_side(model, inputs, lab.Side.rollout(fam))
+    finally:
+        for h in handles:
+            h.remove()
+    assert model.blocks[0].attn1.to_q.weight.dtype == torch.float32
+
+
+def test_stream_needs_block_classes() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    side = lab.Side(name="a")
+    inputs = lab.Inputs(kwargs={"input": torch.randn(2, 4)}, roles={"input": "latents"})
+    with pytest.raises(ValueError, match="stream=True needs block classes"):
+        lab.pair(model, inputs, side, side, stream=True)
