@@ -1,17 +1,39 @@
-"""matplotlib figures from a Result (a saved result.json is enough), nothing else."""
+"""matplotlib + plotly figures from a Result (a saved result.json is enough), nothing else.
+
+Every plot comes in both backends through one argument, `backend="matplotlib"` (a static
+Figure for reviews: PNG/SVG through `save_figure`) or `backend="plotly"` (an interactive
+go.Figure whose hover names the module, its class, both dtypes and the metrics):
+
+    plot_divergence_by_layer(result, metric)          one run across depth, by module kind
+    plot_steps_by_layers(results_per_step, metric)    steps x module outputs heatmap
+    plot_ulp_histogram(result, modules=None)          ULP distance counts, summed or per module
+    plot_overlay([baseline, candidate], metric)       the same metric across depth for each run
+
+`plot_divergence_by_layer_plotly` is `plot_divergence_by_layer(..., backend="plotly")` under
+the name issue 6 gives it. Every figure keeps the Result's side order: the first side is the
+reference, the second the candidate, and axis labels say which is which.
+"""
 
 from __future__ import annotations
 
+import difflib
+import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from matplotlib.figure import Figure
+    import pandas as pd
 
     from lab.result import Result
 
+Backend = Literal["matplotlib", "plotly"]
+BACKENDS: tuple[str, ...] = ("matplotlib", "plotly")
+
 # Floor for log-scale plots: a bit-exact row sits on it instead of vanishing from the axis.
 _FLOOR = 1e-12
+# Hover lines shown for every module output, after the plotted metric.
+_HOVER_METRICS: tuple[str, ...] = ("max_abs_diff", "rel_max", "max_ulp", "bitexact_frac")
 
 
 def module_kind(module_class: str) -> str:
@@ -30,9 +52,97 @@ def module_kind(module_class: str) -> str:
     return "other"
 
 
+# ---- shared helpers ---------------------------------------------------------------------
+
+
+def _check_backend(backend: str, where: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"{where}: unknown backend {backend!r}. Choose 'matplotlib' or 'plotly'.")
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _labelled_table(result: Result, metric: str, where: str) -> pd.DataFrame:
+    """`result.table()` plus `label` and `kind` columns, after checking `metric`.
+
+    Raises:
+        ValueError: For a Result without rows or a metric that is not a numeric column.
+    """
+    table = result.table()
+    if not len(table):
+        raise ValueError(f"{where}: the Result has no paired rows to plot.")
+    if metric not in table.columns or table[metric].dtype.kind not in "fiub":
+        numeric = [c for c in table.columns if table[c].dtype.kind in "fiu"]
+        close = difflib.get_close_matches(metric, numeric, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"{where}: unknown metric {metric!r}.{hint} Choose from {numeric}.")
+    table["label"] = [r.label() for r in result.rows]
+    table["kind"] = table["module_class"].map(module_kind)
+    return table
+
+
+def _hover_lines(table: pd.DataFrame, metric: str) -> list[str]:
+    """One hover text per row: label, class, dtypes (reference -> candidate), shape, metrics."""
+    texts = []
+    for row in table.itertuples(index=False):
+        lines = [
+            f"<b>{row.label}</b>",
+            f"class: {row.module_class} ({row.kind})",
+            f"dtype: {row.dtype_a} (ref) / {row.dtype_b} (cand), shape {row.shape}",
+            f"{metric}: {_fmt(getattr(row, metric))}",
+        ]
+        lines += [f"{m}: {_fmt(getattr(row, m))}" for m in _HOVER_METRICS if m != metric]
+        texts.append("<br>".join(lines))
+    return texts
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int | float):
+        v = float(value)
+        return f"{v:g}" if v == 0 or math.isnan(v) or v.is_integer() else f"{v:.3e}"
+    return str(value)
+
+
+def _title(result: Result) -> str:
+    meta = result.meta
+    return (
+        f"{meta.get('family', 'model')} [{meta.get('preset', '?')}], {result.mode}: "
+        f"{result.side_a.get('name')} (reference) vs {result.side_b.get('name')}"
+    )
+
+
+def _metric_axis(result: Result, metric: str) -> str:
+    return f"{metric} ({result.side_b.get('name')} vs {result.side_a.get('name')})"
+
+
+def _kind_colours(kinds: Sequence[str]) -> dict[str, str]:
+    """The same kind gets the same colour in both backends (matplotlib's tab10 hex codes)."""
+    tab10 = (
+        "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+        "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
+    )  # fmt: skip
+    return {k: tab10[i % 10] for i, k in enumerate(sorted(set(kinds)))}
+
+
+# ---- divergence across depth ------------------------------------------------------------
+
+
 def plot_divergence_by_layer(
-    result: Result, metric: str = "rel_max", *, title: str | None = None
-) -> Figure:
+    result: Result,
+    metric: str = "rel_max",
+    *,
+    title: str | None = None,
+    backend: Backend = "matplotlib",
+) -> Any:
     """Divergence of every paired output across depth, log scale, coloured by module kind.
 
     The x axis is forward completion order; the first divergent module is marked. Rows at
@@ -42,63 +152,434 @@ def plot_divergence_by_layer(
         result: A Result (or `Result.from_json(...)`).
         metric: Any numeric column of `result.table()` (rel_max, max_abs_diff, max_ulp, ...).
         title: Figure title; defaults to family, preset and the two sides.
+        backend: "matplotlib" (a Figure) or "plotly" (a go.Figure, one trace per module kind).
 
     Raises:
-        ValueError: For a metric that is not a numeric table column.
+        ValueError: For a metric that is not a numeric table column, or an unknown backend.
     """
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    table = result.table()
-    if not len(table):
-        raise ValueError("plot_divergence_by_layer: the Result has no paired rows to plot.")
-    if metric not in table.columns or table[metric].dtype.kind not in "fiub":
-        numeric = [c for c in table.columns if table[c].dtype.kind in "fiu"]
-        raise ValueError(
-            f"plot_divergence_by_layer: unknown metric {metric!r}. Choose from {numeric}."
-        )
-    fig, ax = plt.subplots(figsize=(11, 4.2), constrained_layout=True)
-    kinds = table["module_class"].map(module_kind)
-    x = range(len(table))
+    where = "plot_divergence_by_layer"
+    _check_backend(backend, where)
+    table = _labelled_table(result, metric, where)
     values = table[metric].astype(float).clip(lower=_FLOOR)
-    cmap = plt.get_cmap("tab10")
-    for i, kind in enumerate(sorted(kinds.unique())):
-        sel = (kinds == kind).to_numpy()
-        ax.scatter(
-            [xi for xi, s in zip(x, sel, strict=True) if s],
-            values[sel],
-            s=14,
-            color=cmap(i % 10),
-            label=kind,
-        )
+    colours = _kind_colours(table["kind"])
+    first = result.first_divergence()
+    first_pos = (
+        int((table["order"] == first.order).to_numpy().argmax()) if first is not None else None
+    )
+    title = title or _title(result)
+    if backend == "plotly":
+        import plotly.graph_objects as go
+
+        fig = go.Figure()
+        hover = _hover_lines(table, metric)
+        for kind in sorted(colours):
+            sel = (table["kind"] == kind).to_numpy().nonzero()[0]
+            fig.add_trace(
+                go.Scatter(
+                    x=sel.tolist(),
+                    y=values.iloc[sel].tolist(),
+                    mode="markers",
+                    name=kind,
+                    marker={"color": colours[kind], "size": 7},
+                    text=[hover[i] for i in sel],
+                    hovertemplate="%{text}<extra></extra>",
+                )
+            )
+        fig.add_hline(y=_FLOOR, line={"color": "#bbb", "dash": "dot", "width": 1})
+        fig.add_annotation(
+            x=0, y=math.log10(_FLOOR), text="bit-exact / zero", showarrow=False, yshift=8,
+            xanchor="left", font={"size": 9, "color": "#888"},
+        )  # fmt: skip
+        if first is not None:
+            fig.add_vline(x=first_pos, line={"color": "crimson", "dash": "dash", "width": 1})
+            fig.add_annotation(
+                x=first_pos, y=math.log10(values.iloc[first_pos]),
+                text=f"first divergence: {first.label()}", font={"color": "crimson", "size": 10},
+                arrowcolor="crimson", ax=40, ay=-30,
+            )  # fmt: skip
+        fig.update_yaxes(type="log", title=_metric_axis(result, metric), exponentformat="e")
+        fig.update_xaxes(title="module output, forward completion order")
+        fig.update_layout(title=title, template="plotly_white", height=420, hovermode="closest")
+        return fig
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(11, 4.2), constrained_layout=True)
+    for kind in sorted(colours):
+        sel = (table["kind"] == kind).to_numpy()
+        ax.scatter(sel.nonzero()[0], values[sel], s=14, color=colours[kind], label=kind)
     ax.set_yscale("log")
     ax.axhline(_FLOOR, color="0.8", lw=0.8, ls=":")
     ax.text(0, _FLOOR * 1.6, "bit-exact / zero", fontsize=7, color="0.5")
-    first = result.first_divergence()
     if first is not None:
-        pos = int((table["order"] == first.order).to_numpy().argmax())
-        ax.axvline(pos, color="crimson", lw=1, ls="--")
+        ax.axvline(first_pos, color="crimson", lw=1, ls="--")
         ax.annotate(
             f"first divergence: {first.label()}",
-            (pos, values.iloc[pos]),
+            (first_pos, values.iloc[first_pos]),
             xytext=(8, 12),
             textcoords="offset points",
             color="crimson",
             fontsize=8,
         )
     ax.set_xlabel("module output, forward completion order")
-    ax.set_ylabel(f"{metric} ({result.side_b.get('name')} vs {result.side_a.get('name')})")
-    meta = result.meta
-    ax.set_title(
-        title
-        or f"{meta.get('family', 'model')} [{meta.get('preset', '?')}], {result.mode}: "
-        f"{result.side_a.get('name')} (reference) vs {result.side_b.get('name')}"
-    )
-    ax.legend(fontsize=7, ncol=4, loc="upper left")
+    ax.set_ylabel(_metric_axis(result, metric))
+    ax.set_title(title)
+    fig.legend(fontsize=7, loc="outside right upper", title="module kind", title_fontsize=7)
     ax.grid(alpha=0.3, which="both", axis="y")
     return fig
+
+
+def plot_divergence_by_layer_plotly(
+    result: Result, metric: str = "rel_max", *, title: str | None = None
+) -> Any:
+    """`plot_divergence_by_layer(result, metric, backend="plotly")`: a plotly go.Figure.
+
+    Raises:
+        ValueError: For a metric that is not a numeric table column.
+    """
+    return plot_divergence_by_layer(result, metric, title=title, backend="plotly")
+
+
+# ---- steps x layers ---------------------------------------------------------------------
+
+
+def plot_steps_by_layers(
+    results: Sequence[Result] | Mapping[Any, Result],
+    metric: str = "rel_max",
+    *,
+    modules: Sequence[str] | None = None,
+    title: str | None = None,
+    backend: Backend = "matplotlib",
+) -> Any:
+    """Heatmap of one metric, module outputs (rows) x denoising steps (columns), log colour.
+
+    Module outputs are matched across steps by label (`module[:output][#call]`) and kept in
+    the first step's forward order; one missing at a step is left blank (grey), a bit-exact
+    one gets the colour below the scale (white), so zero is never confused with small.
+
+    Args:
+        results: One Result per step: a list (steps 0, 1, ...) or a mapping step -> Result,
+            such as `Trajectory.captures`.
+        metric: A numeric column of `Result.table()`.
+        modules: Keep only these module paths (or labels); None keeps every paired output.
+        title: Figure title; defaults to the first Result's family, preset and sides.
+        backend: "matplotlib" or "plotly".
+
+    Raises:
+        ValueError: No Result, an unknown metric or backend, or a module that matches nothing.
+    """
+    import numpy as np
+
+    where = "plot_steps_by_layers"
+    _check_backend(backend, where)
+    items = list(results.items()) if isinstance(results, Mapping) else list(enumerate(results))
+    if not items:
+        raise ValueError(f"{where}: no Results given; pass one Result per step.")
+    if isinstance(results, Mapping):
+        items.sort(key=lambda kv: kv[0])
+    tables = [(step, _labelled_table(r, metric, where)) for step, r in items]
+    labels: list[str] = []
+    info: dict[str, tuple[str, str, str]] = {}
+    for _, t in tables:
+        for lab_, cls, da, db in zip(
+            t["label"], t["module_class"], t["dtype_a"], t["dtype_b"], strict=True
+        ):
+            if lab_ not in info:
+                labels.append(lab_)
+                info[lab_] = (cls, da, db)
+    if modules is not None:
+        module_of = {lab_: lab_.split(":")[0].split("#")[0] for lab_ in labels}
+        unknown = [m for m in modules if m not in labels and m not in module_of.values()]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], labels, n=3)
+            raise ValueError(
+                f"{where}: modules {unknown} match no paired output. Nearest: {close}."
+            )
+        labels = [lab_ for lab_ in labels if lab_ in modules or module_of[lab_] in modules]
+    col = {lab_: j for j, lab_ in enumerate(labels)}
+    z = np.full((len(tables), len(labels)), np.nan)
+    for i, (_, t) in enumerate(tables):
+        for lab_, v in zip(t["label"], t[metric].astype(float), strict=True):
+            if lab_ in col:
+                z[i, col[lab_]] = v
+    positive = z[np.isfinite(z) & (z > 0)]
+    vmax = float(positive.max()) if positive.size else 1.0
+    # One decade under the smallest non-zero value: bit-exact cells sit below the scale.
+    vmin = float(positive.min()) / 10 if positive.size else vmax / 10
+    steps = [str(step) for step, _ in tables]
+    title = title or f"{metric} per step: {_title(items[0][1])}"
+    if backend == "plotly":
+        import plotly.graph_objects as go
+
+        hover = [
+            [
+                f"<b>{lab_}</b><br>class: {info[lab_][0]}<br>dtype: {info[lab_][1]} (ref) / "
+                f"{info[lab_][2]} (cand)<br>step: {steps[i]}<br>{metric}: "
+                + ("missing at this step" if math.isnan(z[i, j]) else _fmt(z[i, j]))
+                for j, lab_ in enumerate(labels)
+            ]
+            for i in range(len(tables))
+        ]
+        zmin = math.log10(vmin) - 0.5
+        zmax = math.log10(vmax) if vmax > vmin else math.log10(vmin) + 1
+        zlog = np.where(z > 0, np.log10(np.clip(z, vmin, None)), np.where(z == 0, zmin, np.nan))
+        cut = 0.5 / (zmax - zmin)
+        colorscale = [[0.0, "white"], [cut * 0.999, "white"]] + [
+            [cut + (1 - cut) * k / 8, c]
+            for k, c in enumerate(
+                ("#440154", "#472d7b", "#3b528b", "#2c728e", "#21918c",
+                 "#28ae80", "#5ec962", "#addc30", "#fde725")
+            )
+        ]  # fmt: skip
+        ticks = list(range(math.ceil(zmin + 0.5), math.floor(zmax) + 1))
+        fig = go.Figure(
+            go.Heatmap(
+                z=zlog.T.tolist(),
+                x=steps,
+                y=labels,
+                text=[list(col) for col in zip(*hover, strict=True)],
+                hovertemplate="%{text}<extra></extra>",
+                zmin=zmin,
+                zmax=zmax,
+                colorscale=colorscale,
+                colorbar={
+                    "title": metric,
+                    "tickvals": ticks,
+                    "ticktext": [f"1e{t}" for t in ticks],
+                },
+            )
+        )
+        fig.update_yaxes(
+            title="module output, forward order", tickfont={"size": 8}, autorange="reversed"
+        )
+        fig.update_xaxes(title="step", type="category")
+        fig.update_layout(title=title, template="plotly_white", height=160 + 14 * len(labels))
+        return fig
+
+    from matplotlib.colors import LogNorm
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(
+        figsize=(min(14.0, 4.5 + 0.4 * len(steps)), 1.5 + 0.13 * len(labels)),
+        constrained_layout=True,
+    )
+    cmap = plt.get_cmap("viridis").with_extremes(under="white", bad="0.85")
+    shown = np.where(z == 0, vmin / 2, z).T
+    mesh = ax.pcolormesh(
+        np.ma.masked_invalid(shown), cmap=cmap, norm=LogNorm(vmin=vmin, vmax=max(vmax, vmin * 10))
+    )
+    fig.colorbar(mesh, ax=ax, label=f"{metric} (white: bit-exact, grey: missing)", extend="min")
+    ax.set_yticks([j + 0.5 for j in range(len(labels))])
+    ax.set_yticklabels(labels, fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xticks([i + 0.5 for i in range(len(steps))])
+    ax.set_xticklabels(steps)
+    ax.set_xlabel("step")
+    ax.set_title(title, fontsize=9)
+    return fig
+
+
+# ---- ULP histogram ----------------------------------------------------------------------
+
+
+def plot_ulp_histogram(
+    result: Result,
+    modules: Sequence[str] | None = None,
+    *,
+    title: str | None = None,
+    backend: Backend = "matplotlib",
+) -> Any:
+    """Element counts per ULP-distance bin (0, 1, 2-3, 4-15, ...), log count axis.
+
+    ULPs are counted in the coarser dtype of each pair (see `lab.metrics.ulp_distance`), so
+    a bf16-vs-fp32 pair is measured in bf16 steps.
+
+    Args:
+        result: A Result (or `Result.from_json(...)`).
+        modules: None sums every paired output into one set of bars; otherwise one set of
+            bars per entry, an entry being a module path (its outputs and calls summed) or a
+            label `module[:output][#call]` (one paired output).
+        title: Figure title; defaults to family, preset and the two sides.
+        backend: "matplotlib" or "plotly".
+
+    Raises:
+        ValueError: No rows, an unknown backend, or a module that matches no paired output.
+    """
+    import numpy as np
+
+    from lab.metrics import ULP_BIN_LABELS
+
+    where = "plot_ulp_histogram"
+    _check_backend(backend, where)
+    table = _labelled_table(result, "max_ulp", where)
+    hists = np.array([list(h) for h in table["ulp_hist"]], dtype=float)
+    groups: list[tuple[str, str, np.ndarray]] = []  # name, hover header, counts per bin
+    if modules is None:
+        groups.append(
+            (f"all {len(table)} paired outputs", f"<b>all {len(table)} paired outputs</b>",
+             hists.sum(axis=0))
+        )  # fmt: skip
+    else:
+        for entry in modules:
+            sel = ((table["module"] == entry) | (table["label"] == entry)).to_numpy()
+            if not sel.any():
+                close = difflib.get_close_matches(entry, list(table["label"]), n=3)
+                raise ValueError(
+                    f"{where}: module {entry!r} matches no paired output. Nearest: {close}."
+                )
+            sub = table[sel]
+            header = (
+                f"<b>{entry}</b><br>class: {sub['module_class'].iloc[0]}<br>dtype: "
+                f"{'/'.join(sorted(set(sub['dtype_a'])))} (ref) / "
+                f"{'/'.join(sorted(set(sub['dtype_b'])))} (cand), {len(sub)} output(s)"
+            )
+            groups.append((entry, header, hists[sel].sum(axis=0)))
+    title = title or f"ULP distance: {_title(result)}"
+    if backend == "plotly":
+        import plotly.graph_objects as go
+
+        fig = go.Figure()
+        for name, header, counts in groups:
+            total = counts.sum() or 1.0
+            fig.add_trace(
+                go.Bar(
+                    x=list(ULP_BIN_LABELS),
+                    y=counts.tolist(),
+                    name=name,
+                    text=[
+                        f"{header}<br>ULP bin {b}: {int(c)} elements ({100 * c / total:.2f}%)"
+                        for b, c in zip(ULP_BIN_LABELS, counts, strict=True)
+                    ],
+                    textposition="none",
+                    hovertemplate="%{text}<extra></extra>",
+                )
+            )
+        fig.update_yaxes(type="log", title="elements")
+        fig.update_xaxes(title="ULP distance, coarser dtype of the pair", type="category")
+        fig.update_layout(title=title, template="plotly_white", barmode="group", height=380)
+        return fig
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 3.8), constrained_layout=True)
+    width = 0.8 / len(groups)
+    x = np.arange(len(ULP_BIN_LABELS))
+    for k, (name, _, counts) in enumerate(groups):
+        ax.bar(x + (k - (len(groups) - 1) / 2) * width, counts, width=width, label=name)
+    ax.set_yscale("log")
+    ax.set_xticks(x)
+    ax.set_xticklabels(ULP_BIN_LABELS, fontsize=8)
+    ax.set_xlabel("ULP distance, coarser dtype of the pair")
+    ax.set_ylabel("elements")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, which="both", axis="y")
+    return fig
+
+
+# ---- overlay of runs --------------------------------------------------------------------
+
+
+def plot_overlay(
+    runs: Sequence[Result] | Mapping[str, Result],
+    metric: str = "rel_max",
+    *,
+    title: str | None = None,
+    backend: Backend = "matplotlib",
+) -> Any:
+    """The same metric across depth for several runs of one model; the first is the baseline.
+
+    A fix shows as the candidate's line dropping below the baseline's. Module outputs are
+    matched by label and placed in the baseline's forward order; outputs only the later runs
+    have are appended on the right.
+
+    Args:
+        runs: At least two Results: a list (named "baseline", "candidate", "run 2", ...) or a
+            mapping name -> Result, such as {"before fix": r0, "after fix": r1}.
+        metric: A numeric column of `Result.table()`.
+        title: Figure title; defaults to the baseline's family and preset.
+        backend: "matplotlib" or "plotly" (hover gives each run's value and its ratio to the
+            baseline's).
+
+    Raises:
+        ValueError: Fewer than two runs, an unknown metric or backend.
+    """
+    where = "plot_overlay"
+    _check_backend(backend, where)
+    if isinstance(runs, Mapping):
+        named = [(str(k), v) for k, v in runs.items()]
+    else:
+        default = ["baseline", "candidate"]
+        named = [(default[i] if i < 2 else f"run {i}", r) for i, r in enumerate(runs)]
+    if len(named) < 2:
+        raise ValueError(f"{where}: got {len(named)} run(s); pass a baseline and a candidate.")
+    tables = [(name, _labelled_table(r, metric, where)) for name, r in named]
+    position: dict[str, int] = {}
+    for _, t in tables:
+        for lab_ in t["label"]:
+            position.setdefault(lab_, len(position))
+    base = dict(zip(tables[0][1]["label"], tables[0][1][metric].astype(float), strict=True))
+    baseline_result = named[0][1]
+    title = title or (
+        f"{metric}, {' vs '.join(n for n, _ in named)}: "
+        f"{baseline_result.meta.get('family', 'model')} [{baseline_result.meta.get('preset', '?')}]"
+    )
+    ylabel = _metric_axis(baseline_result, metric)
+    if backend == "plotly":
+        import plotly.graph_objects as go
+
+        fig = go.Figure()
+        for k, (name, t) in enumerate(tables):
+            hover = _hover_lines(t, metric)
+            if k:
+                hover = [
+                    f"{h}<br>vs {tables[0][0]}: {_ratio_text(v, base.get(lab_))}"
+                    for h, lab_, v in zip(hover, t["label"], t[metric].astype(float), strict=True)
+                ]
+            fig.add_trace(
+                go.Scatter(
+                    x=[position[lab_] for lab_ in t["label"]],
+                    y=t[metric].astype(float).clip(lower=_FLOOR).tolist(),
+                    mode="lines+markers",
+                    name=name,
+                    line={"width": 1},
+                    marker={"size": 5},
+                    text=[f"<b>{name}</b><br>{h}" for h in hover],
+                    hovertemplate="%{text}<extra></extra>",
+                )
+            )
+        fig.add_hline(y=_FLOOR, line={"color": "#bbb", "dash": "dot", "width": 1})
+        fig.update_yaxes(type="log", title=ylabel, exponentformat="e")
+        fig.update_xaxes(title="module output, baseline forward order")
+        fig.update_layout(title=title, template="plotly_white", height=420)
+        return fig
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(11, 4.2), constrained_layout=True)
+    for name, t in tables:
+        ax.plot(
+            [position[lab_] for lab_ in t["label"]],
+            t[metric].astype(float).clip(lower=_FLOOR),
+            marker="o",
+            ms=3,
+            lw=0.8,
+            label=name,
+        )
+    ax.set_yscale("log")
+    ax.axhline(_FLOOR, color="0.8", lw=0.8, ls=":")
+    ax.text(0, _FLOOR * 1.6, "bit-exact / zero", fontsize=7, color="0.5")
+    ax.set_xlabel("module output, baseline forward order")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both", axis="y")
+    return fig
+
+
+def _ratio_text(value: float, baseline: float | None) -> str:
+    if baseline is None:
+        return "not in the baseline"
+    if baseline == 0:
+        return "same (both zero)" if value == 0 else "was bit-exact"
+    return f"x{value / baseline:.3g}"
 
 
 def save_figure(fig: Any, path: str | Path, *, dpi: int = 130) -> Path:

@@ -1,0 +1,118 @@
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+import lab
+from lab.baselines import (
+    BASELINE_DIR,
+    compare_to_baseline,
+    list_baselines,
+    load_baseline,
+    save_baseline,
+)
+from lab.result import Result
+
+FP16_TRAINER = {"forward_dtype": "fp16", "rollout_precision": "fp16", "param_dtype": "fp16"}
+
+
+@pytest.fixture(scope="module")
+def result() -> Result:
+    return lab.pair_family("flux")
+
+
+@pytest.fixture(scope="module")
+def fp16_result() -> Result:
+    # The trainer in fp16 against a bf16 rollout: nearly every output drifts further.
+    return lab.pair_family("flux", trainer=FP16_TRAINER)
+
+
+def test_default_folder_is_data_baselines() -> None:
+    assert BASELINE_DIR == Path(lab.__file__).resolve().parent.parent / "data" / "baselines"
+
+
+def test_save_then_compare_the_same_run_finds_nothing_worse(result: Result, tmp_path: Path) -> None:
+    path = save_baseline(result, "flux_tiny", directory=tmp_path)
+    assert path == tmp_path / "flux_tiny.json" and path.is_file()
+    assert list_baselines(tmp_path) == ["flux_tiny"]
+    assert len(load_baseline("flux_tiny", directory=tmp_path).rows) == len(result.rows)
+
+    cmp = compare_to_baseline(result, "flux_tiny", directory=tmp_path)
+
+    assert cmp.baseline_name == "flux_tiny"
+    assert cmp.ok
+    assert len(cmp.table) == len(result.rows)
+    assert (cmp.table["status"] == "unchanged").all()
+    assert cmp.worse().empty and cmp.improved().empty
+    assert cmp.summary()["unchanged"] == len(result.rows) and not cmp.settings_differ
+    assert "0 worse" in cmp.describe() and "OK" in cmp.describe()
+
+
+def test_a_worse_candidate_lists_the_affected_modules(
+    result: Result, fp16_result: Result, tmp_path: Path
+) -> None:
+    save_baseline(result, "flux_tiny", directory=tmp_path)
+    cmp = compare_to_baseline(fp16_result, tmp_path / "flux_tiny.json")
+    worse = cmp.worse()
+
+    base = {r.label(): r.metrics.rel_max for r in result.rows}
+    cand = {r.label(): r.metrics.rel_max for r in fp16_result.rows}
+    assert base["x_embedder"] == 0 < cand["x_embedder"], "x_embedder should start to diverge"
+    assert not cmp.ok
+    assert "x_embedder" in set(worse["label"])
+    assert "<root>:0" in set(worse["label"])
+    # Exactly the rule: every listed row moved past factor x baseline, and nothing else did.
+    expected = {k for k in base if cand[k] > 2 * base[k]}
+    assert set(worse["label"]) == expected
+    assert worse["ratio"].iloc[0] == math.inf, "outputs that left bit-exactness come first"
+    assert "REGRESSED" in cmp.describe() and f"worse: {worse['label'].iloc[0]}:" in cmp.describe()
+
+    # The same pair the other way round is a fix: those outputs improved, none got worse.
+    back = compare_to_baseline(result, fp16_result)
+    assert back.ok and set(back.improved()["label"]) == expected
+
+
+def test_factor_and_atol_loosen_the_verdict(result: Result, fp16_result: Result) -> None:
+    strict = compare_to_baseline(fp16_result, result)
+    loose = compare_to_baseline(fp16_result, result, factor=1e6, atol=10.0)
+    assert len(loose.worse()) < len(strict.worse())
+    assert loose.ok
+    with pytest.raises(ValueError, match="factor must be a number >= 1"):
+        compare_to_baseline(result, result, factor=0.5)
+    with pytest.raises(ValueError, match=r"unknown metric 'relmax'\. Did you mean 'rel_max'"):
+        compare_to_baseline(result, result, metric="relmax")
+
+
+def test_missing_and_new_outputs_are_listed(result: Result) -> None:
+    blocks_only = lab.pair_family("flux", capture_depth=1)
+    cmp = compare_to_baseline(blocks_only, result)
+    assert cmp.summary()["missing"] == len(result.rows) - len(blocks_only.rows) > 0
+    assert not cmp.ok
+    assert set(compare_to_baseline(result, blocks_only).rows("new")["label"]) == set(
+        cmp.rows("missing")["label"]
+    )
+
+
+def test_another_model_is_refused_and_settings_are_listed(result: Result) -> None:
+    other = lab.pair_family("wan2_2")
+    with pytest.raises(
+        ValueError, match=r"different models: wan2_2 \[tiny\] \(WanTransformer3DModel\) vs flux"
+    ):
+        compare_to_baseline(other, result)
+    moved = Result(
+        result.mode, result.side_a, result.side_b, result.rows, meta={**result.meta, "seed": 7}
+    )
+    assert compare_to_baseline(moved, result).settings_differ == {"seed": (0, 7)}
+
+
+def test_names_and_overwrite_are_checked(result: Result, tmp_path: Path) -> None:
+    save_baseline(result, "flux_tiny", directory=tmp_path)
+    with pytest.raises(ValueError, match=r"exists\. Pass overwrite=True"):
+        save_baseline(result, "flux_tiny", directory=tmp_path)
+    save_baseline(result, "flux_tiny", directory=tmp_path, overwrite=True)
+    with pytest.raises(ValueError, match="not a plain file stem"):
+        save_baseline(result, "../escape", directory=tmp_path)
+    with pytest.raises(ValueError, match=r"Did you mean 'flux_tiny'\? Saved: \['flux_tiny'\]"):
+        load_baseline("flux_tine", directory=tmp_path)
