@@ -6,7 +6,6 @@ import contextlib
 import functools
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -15,10 +14,10 @@ from lab.capture import ROOT, ModuleHooks, flatten_output
 from lab.devices import resolve_device
 from lab.errors import DegenerateOutputError, NonFiniteOutputError, PairError
 from lab.families import Inputs
-from lab.metrics import decode_stats, pair_stats, segment_stats
-from lab.precision.dtypes import dtype_name, parse_dtype
+from lab.pairing import Collector
+from lab.precision.dtypes import parse_dtype
 from lab.precision.input_policy import apply_input_dtype_policy
-from lab.result import LayerDivergence, Result, Skipped
+from lab.result import Result, Skipped
 from lab.sides import Side
 from lab.weights import WeightView
 
@@ -143,116 +142,6 @@ def forward_side(
 # ---- pairing ------------------------------------------------------------------------------
 
 
-@dataclass
-class _Pending:
-    order: int
-    module: str
-    call: int
-    output: str
-    module_class: str
-    dtype_a: torch.dtype
-    dtype_b: torch.dtype
-    shape: tuple[int, ...]
-    stats: torch.Tensor | None = None
-    hist: torch.Tensor | None = None
-
-
-# Pairs below this many elements are cloned and reduced together in one segmented pass (the
-# per-op dispatch cost of ~40 small reductions would dwarf a tiny model's forward); larger ones
-# are reduced at once and dropped, so memory holds one big pair at a time.
-_DEFER_NUMEL = 1 << 20
-_FLUSH_NUMEL = 1 << 24
-
-
-class _Collector:
-    """Compares leaves as they arrive; keeps only the small on-device stat vectors."""
-
-    def __init__(self, module_classes: dict[str, str]) -> None:
-        self.module_classes = module_classes
-        self.pending: list[_Pending] = []
-        self.skipped: list[Skipped] = []
-        self._batch: list[tuple[_Pending, torch.Tensor, torch.Tensor]] = []
-        self._batch_numel = 0
-
-    def compare(self, order: int, key: tuple[str, int, str], a: Any, b: Any) -> None:
-        # Called from inside a side's forward: the metrics must not run under its autocast.
-        device_type = a.device.type if isinstance(a, torch.Tensor) else "cpu"
-        with torch.autocast(device_type, enabled=False):
-            self._compare(order, key, a, b)
-
-    def _compare(self, order: int, key: tuple[str, int, str], a: Any, b: Any) -> None:
-        module, call, output = key
-        if (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.is_complex()
-            and b.is_complex()
-        ):
-            # RoPE tables are complex in some families: compare real and imaginary parts.
-            a, b = torch.view_as_real(a), torch.view_as_real(b)
-        reason = _why_not_comparable(a, b)
-        if reason:
-            self.skipped.append(Skipped(module, call, output, reason))
-            return
-        pending = _Pending(order, module, call, output, self.module_classes.get(module, "?"),
-                           a.dtype, b.dtype, tuple(a.shape))  # fmt: skip
-        self.pending.append(pending)
-        if a.numel() >= _DEFER_NUMEL:
-            pending.stats, pending.hist = pair_stats(a, b)
-            return
-        # Cloned: the forward may still edit these tensors in place before the flush.
-        self._batch.append((pending, a.detach().clone(), b.detach().clone()))
-        self._batch_numel += a.numel()
-        if self._batch_numel >= _FLUSH_NUMEL:
-            self.flush()
-
-    def flush(self) -> None:
-        """Reduce every deferred pair in one segmented pass."""
-        if not self._batch:
-            return
-        device_type = self._batch[0][1].device.type
-        with torch.autocast(device_type, enabled=False):
-            stats, hists = segment_stats([(a, b) for _, a, b in self._batch])
-        for i, (pending, _, _) in enumerate(self._batch):
-            pending.stats, pending.hist = stats[i], hists[i]
-        self._batch, self._batch_numel = [], 0
-
-    def rows(self) -> list[LayerDivergence]:
-        self.flush()
-        if not self.pending:
-            return []
-        # One host transfer for every pair of the run.
-        stats = torch.stack([p.stats for p in self.pending]).cpu()
-        hists = torch.stack([p.hist for p in self.pending]).cpu()
-        rows = [
-            LayerDivergence(
-                order=p.order,
-                module=p.module,
-                call=p.call,
-                output=p.output,
-                module_class=p.module_class,
-                dtype_a=dtype_name(p.dtype_a),
-                dtype_b=dtype_name(p.dtype_b),
-                shape=p.shape,
-                metrics=decode_stats(stats[i], hists[i], p.dtype_a, p.dtype_b),
-            )
-            for i, p in enumerate(self.pending)
-        ]
-        return sorted(rows, key=lambda r: r.order)
-
-
-def _why_not_comparable(a: Any, b: Any) -> str | None:
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-        return f"non-tensor output ({type(a).__name__} vs {type(b).__name__})"
-    if not (a.is_floating_point() and b.is_floating_point()):
-        if a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b):
-            return f"non-floating output ({a.dtype}), identical on both sides"
-        return f"non-floating output ({a.dtype} vs {b.dtype}), differs between sides"
-    if a.shape != b.shape:
-        return f"shape differs: {tuple(a.shape)} vs {tuple(b.shape)}"
-    return None
-
-
 def _clone_tree(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
@@ -336,7 +225,7 @@ def pair(
     inputs_a = side_inputs(inputs, side_a, device)
     inputs_b = side_inputs(inputs, side_b, device)
     module_classes = {(n or ROOT): type(m).__name__ for n, m in model.named_modules()}
-    collector = _Collector(module_classes)
+    collector = Collector(module_classes)
     timings: dict[str, float] = {}
     result_meta = {
         **(meta or {}),

@@ -1,0 +1,156 @@
+"""Pair two sides' output tensors by exact (module, call, output) key into LayerDivergence rows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lab.metrics import decode_stats, pair_stats, segment_stats
+from lab.precision.dtypes import dtype_name
+from lab.result import LayerDivergence, Skipped
+
+Leaf = tuple[str, int, str, Any]
+"""(module path, call index, output index, tensor or other leaf) of one captured output."""
+
+
+@dataclass
+class _Pending:
+    order: int
+    module: str
+    call: int
+    output: str
+    module_class: str
+    dtype_a: torch.dtype
+    dtype_b: torch.dtype
+    shape: tuple[int, ...]
+    stats: torch.Tensor | None = None
+    hist: torch.Tensor | None = None
+
+
+# Pairs below this many elements are cloned and reduced together in one segmented pass (the
+# per-op dispatch cost of ~40 small reductions would dwarf a tiny model's forward); larger ones
+# are reduced at once and dropped, so memory holds one big pair at a time.
+_DEFER_NUMEL = 1 << 20
+_FLUSH_NUMEL = 1 << 24
+
+
+class Collector:
+    """Compares leaves as they arrive; keeps only the small on-device stat vectors."""
+
+    def __init__(self, module_classes: dict[str, str]) -> None:
+        self.module_classes = module_classes
+        self.pending: list[_Pending] = []
+        self.skipped: list[Skipped] = []
+        self._batch: list[tuple[_Pending, torch.Tensor, torch.Tensor]] = []
+        self._batch_numel = 0
+
+    def compare(self, order: int, key: tuple[str, int, str], a: Any, b: Any) -> None:
+        """Pair one leaf of each side (reduced now, or deferred to a batched flush)."""
+        # Called from inside a side's forward: the metrics must not run under its autocast.
+        device_type = a.device.type if isinstance(a, torch.Tensor) else "cpu"
+        with torch.autocast(device_type, enabled=False):
+            self._compare(order, key, a, b)
+
+    def _compare(self, order: int, key: tuple[str, int, str], a: Any, b: Any) -> None:
+        module, call, output = key
+        if (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.is_complex()
+            and b.is_complex()
+        ):
+            # RoPE tables are complex in some families: compare real and imaginary parts.
+            a, b = torch.view_as_real(a), torch.view_as_real(b)
+        reason = why_not_comparable(a, b)
+        if reason:
+            self.skipped.append(Skipped(module, call, output, reason))
+            return
+        pending = _Pending(order, module, call, output, self.module_classes.get(module, "?"),
+                           a.dtype, b.dtype, tuple(a.shape))  # fmt: skip
+        self.pending.append(pending)
+        if a.numel() >= _DEFER_NUMEL:
+            pending.stats, pending.hist = pair_stats(a, b)
+            return
+        # Cloned: the forward may still edit these tensors in place before the flush.
+        self._batch.append((pending, a.detach().clone(), b.detach().clone()))
+        self._batch_numel += a.numel()
+        if self._batch_numel >= _FLUSH_NUMEL:
+            self.flush()
+
+    def flush(self) -> None:
+        """Reduce every deferred pair in one segmented pass."""
+        if not self._batch:
+            return
+        device_type = self._batch[0][1].device.type
+        with torch.autocast(device_type, enabled=False):
+            stats, hists = segment_stats([(a, b) for _, a, b in self._batch])
+        for i, (pending, _, _) in enumerate(self._batch):
+            pending.stats, pending.hist = stats[i], hists[i]
+        self._batch, self._batch_numel = [], 0
+
+    def rows(self) -> list[LayerDivergence]:
+        """Every pair so far as LayerDivergence rows, in order (one host transfer)."""
+        self.flush()
+        if not self.pending:
+            return []
+        # One host transfer for every pair of the run.
+        stats = torch.stack([p.stats for p in self.pending]).cpu()
+        hists = torch.stack([p.hist for p in self.pending]).cpu()
+        rows = [
+            LayerDivergence(
+                order=p.order,
+                module=p.module,
+                call=p.call,
+                output=p.output,
+                module_class=p.module_class,
+                dtype_a=dtype_name(p.dtype_a),
+                dtype_b=dtype_name(p.dtype_b),
+                shape=p.shape,
+                metrics=decode_stats(stats[i], hists[i], p.dtype_a, p.dtype_b),
+            )
+            for i, p in enumerate(self.pending)
+        ]
+        return sorted(rows, key=lambda r: r.order)
+
+
+def why_not_comparable(a: Any, b: Any) -> str | None:
+    """Why two leaves cannot be compared (non-tensor, non-floating, shape), or None."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return f"non-tensor output ({type(a).__name__} vs {type(b).__name__})"
+    if not (a.is_floating_point() and b.is_floating_point()):
+        if a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b):
+            return f"non-floating output ({a.dtype}), identical on both sides"
+        return f"non-floating output ({a.dtype} vs {b.dtype}), differs between sides"
+    if a.shape != b.shape:
+        return f"shape differs: {tuple(a.shape)} vs {tuple(b.shape)}"
+    return None
+
+
+def pair_leaves(
+    leaves_a: Sequence[Leaf],
+    leaves_b: Sequence[Leaf],
+    module_classes: dict[str, str],
+    name_a: str,
+    name_b: str,
+) -> tuple[list[LayerDivergence], list[Skipped]]:
+    """Pair two captured output lists by exact key; unmatched keys become Skipped rows.
+
+    Rows keep side A's order. Used for captures made elsewhere (FSDP2 ranks, engine dumps).
+    """
+    collector = Collector(module_classes)
+    b_by_key = {(m, c, o): v for m, c, o, v in leaves_b}
+    seen: set[tuple[str, int, str]] = set()
+    for order, (module, call, output, a) in enumerate(leaves_a):
+        key = (module, call, output)
+        seen.add(key)
+        if key not in b_by_key:
+            collector.skipped.append(Skipped(module, call, output, f"only on side {name_a!r}"))
+            continue
+        collector.compare(order, key, a, b_by_key[key])
+    for module, call, output, _ in leaves_b:
+        if (module, call, output) not in seen:
+            collector.skipped.append(Skipped(module, call, output, f"only on side {name_b!r}"))
+    return collector.rows(), collector.skipped

@@ -1,0 +1,464 @@
+"""FSDP2 per-parameter dtypes: the patch on a toy model (1 and 2 gloo ranks), its errors, and
+every family's real FSDP2 trainer side against the in-process trainer side, bit for bit."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import lab
+from lab.capture import ROOT
+from lab.families import FAMILY_NAMES
+from lab.fsdp import Fsdp2Job, apply_fsdp2, pair_capture, run_fsdp2_forwards
+from lab.precision.fsdp2_patch import (
+    ParamDtypeMixedPrecisionPolicy,
+    apply_param_dtype_map_patch,
+    check_trainable_dtypes,
+    resolve_wrap_param_dtypes,
+)
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+IMPL = "lab.precision._fsdp2_patch_torch2_11"
+
+# ---- a toy model with the shapes that matter: blocks, a norm to pin, a root-owned layer ------
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.norm2 = torch.nn.LayerNorm(8)
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(self.norm2(self.a(x)))
+
+
+class Toy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(5, 8)
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def _toy() -> Toy:
+    torch.manual_seed(0)
+    return Toy()
+
+
+def _x() -> torch.Tensor:
+    # 7 rows: odd sizes keep the 2-rank shards uneven (padding exercised).
+    return torch.randn(7, 5, generator=torch.Generator().manual_seed(1))
+
+
+# Three gather dtypes in one block group (bf16 default, fp16, fp32) exercise the copy-in buckets;
+# a root entry exercises the root map.
+MIXED_BLOCK_MAP = {"a.weight": FP16, "norm2.weight": FP32, "norm2.bias": FP32}
+MIXED_ROOT_MAP = {"out.weight": FP32}
+COMMON = dict(param_dtype=BF16, reduce_dtype=FP32, cast_forward_inputs=False)
+
+
+def _expected_dtypes(block_map: dict, root_map: dict) -> dict[str, torch.dtype]:
+    out = {}
+    for name, _ in _toy().named_parameters():
+        if name.startswith("blocks."):
+            local = name.split(".", 2)[2]
+            out[name] = block_map.get(local, BF16)
+        else:
+            out[name] = root_map.get(name, BF16)
+    return out
+
+
+def _forward_backward(model: torch.nn.Module, full_grad: bool) -> dict[str, Any]:
+    """Output, fp32 gradients and the dtype every parameter had when its module ran."""
+    seen: dict[str, str] = {}
+    handles = []
+    for prefix, module in model.named_modules():
+
+        def hook(mod: torch.nn.Module, args: Any, prefix: str = prefix) -> None:
+            for k, p in mod.named_parameters(recurse=False):
+                seen[f"{prefix}.{k}" if prefix else k] = str(p.dtype)
+
+        handles.append(module.register_forward_pre_hook(hook))
+    with torch.autocast("cpu", dtype=BF16):
+        y = model(_x())
+    y.float().square().mean().backward()
+    for h in handles:
+        h.remove()
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if full_grad else p.grad
+        grads[name] = g.detach().float().clone()
+    return {"out": y.detach().clone(), "grads": grads, "seen": seen}
+
+
+def _sharded(mesh: Any, policy_for: Any, grouped: bool = False) -> Toy:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _toy()
+    if grouped:
+        fully_shard(list(model.blocks), mesh=mesh, mp_policy=policy_for("block"))
+    else:
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy_for("block"))
+    fully_shard(model, mesh=mesh, mp_policy=policy_for("root"))
+    return model
+
+
+def _patch_checks(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    """One rank of the toy checks; rank 0 saves every result for the asserting test."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+    mesh = init_device_mesh("cpu", (world_size,))
+    results: dict[str, Any] = {}
+
+    # Stock first, before anything is patched: the yardstick for the empty and restating maps.
+    results["stock"] = _forward_backward(
+        _sharded(mesh, lambda _: MixedPrecisionPolicy(**COMMON)), True
+    )
+    results["applied"] = (apply_param_dtype_map_patch(), apply_param_dtype_map_patch())
+    impl = sys.modules[IMPL]
+    results["applied_twice_same_fn"] = (
+        impl.FSDPParamGroup.__init__ is impl._param_group_init
+        and impl._fsdp_collectives._get_param_all_gather_inputs is impl._get_param_all_gather_inputs
+    )
+
+    def param_policy(block_map: dict, root_map: dict, **kw: Any) -> Any:
+        def policy_for(kind: str) -> ParamDtypeMixedPrecisionPolicy:
+            chosen = block_map if kind == "block" else root_map
+            return ParamDtypeMixedPrecisionPolicy(**{**COMMON, **kw}, param_dtype_map=chosen)
+
+        return policy_for
+
+    results["empty"] = _forward_backward(_sharded(mesh, param_policy({}, {})), True)
+    every_block = {n: BF16 for n, _ in Block().named_parameters()}
+    every_root = {n: BF16 for n, _ in _toy().named_parameters() if not n.startswith("blocks.")}
+    results["restate"] = _forward_backward(
+        _sharded(mesh, param_policy(every_block, every_root)), True
+    )
+    mixed = _sharded(mesh, param_policy(MIXED_BLOCK_MAP, MIXED_ROOT_MAP))
+    results["mixed"] = _forward_backward(mixed, True)
+    # Non-vacuity of the copy-in buckets: the stock copy-in casts the whole block group to the
+    # first casting parameter's dtype.
+    group = mixed.blocks[0]._get_fsdp_state()._fsdp_param_group
+    stock_inputs = impl._originals["_fsdp_collectives._get_param_all_gather_inputs"](
+        group.fsdp_params
+    )
+    results["stock_copy_in_dtypes"] = sorted({str(t[0].dtype) for t in stock_inputs})
+    results["patched_copy_in_dtypes"] = sorted(
+        {str(t[0].dtype) for t in impl._get_param_all_gather_inputs(group.fsdp_params)}
+    )
+    grouped_map = {"norm2.weight": FP32, "norm2.bias": FP32}
+    results["grouped"] = _forward_backward(
+        _sharded(mesh, param_policy(grouped_map, {}), grouped=True), True
+    )
+    # Computed here, not in the pytest process: CPU kernels may sum in another order with
+    # another thread count, and the comparison is bitwise.
+    results["mixed_reference"] = _hand_cast_reference(MIXED_BLOCK_MAP, MIXED_ROOT_MAP)
+    results["grouped_reference"] = _hand_cast_reference(grouped_map, {})
+
+    # The errors, raised through fully_shard itself.
+    errors = {}
+    for label, kwargs, block_map in (
+        ("unknown", {}, {"norm_2.weight": FP32}),
+        ("mixed_no_reduce", {"reduce_dtype": None}, {"norm2.weight": FP32, "norm2.bias": FP32}),
+        ("alias", {}, {"a.weight": FP32, "b.weight": FP16}),
+    ):
+        model = _toy()
+        if label == "alias":
+            model.blocks[0].b.weight = model.blocks[0].a.weight
+        try:
+            fully_shard(
+                model.blocks[0],
+                mesh=mesh,
+                mp_policy=ParamDtypeMixedPrecisionPolicy(
+                    **{**COMMON, **kwargs}, param_dtype_map=block_map
+                ),
+            )
+            errors[label] = None
+        except ValueError as err:
+            errors[label] = str(err)
+    results["errors"] = errors
+    dist.barrier()
+    if rank == 0:
+        torch.save(results, Path(out_dir) / "results.pt")
+    dist.destroy_process_group()
+
+
+def _hand_cast_reference(block_map: dict, root_map: dict) -> dict[str, Any]:
+    """The unsharded model with every parameter cast by hand to the dtype the map gives it."""
+    model = _toy()
+    want = _expected_dtypes(block_map, root_map)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.data = p.data.to(want[name])
+    return _forward_backward(model, False)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
+def toy_results(request: pytest.FixtureRequest) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    world_size = request.param
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(
+            _patch_checks,
+            args=(world_size, str(Path(tmp) / "pg"), tmp),
+            nprocs=world_size,
+            start_method="spawn",
+        )
+        results = torch.load(Path(tmp) / "results.pt", weights_only=False)
+    results["world_size"] = world_size
+    return results
+
+
+def _assert_bitwise(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["out"].dtype == b["out"].dtype
+    assert torch.equal(a["out"], b["out"])
+    assert a["grads"].keys() == b["grads"].keys()
+    for name in a["grads"]:
+        assert torch.equal(a["grads"][name], b["grads"][name]), name
+    # Guard against a vacuous pass: the toy must produce non-trivial outputs and gradients.
+    assert a["out"].float().abs().max() > 0
+    assert all(g.abs().max() > 0 for g in a["grads"].values())
+
+
+def test_applying_twice_is_a_no_op(toy_results: dict) -> None:
+    assert toy_results["applied"] == (True, False)
+    assert toy_results["applied_twice_same_fn"]
+
+
+@pytest.mark.parametrize("variant", ["empty", "restate"])
+def test_empty_and_restating_maps_are_bitwise_stock(toy_results: dict, variant: str) -> None:
+    _assert_bitwise(toy_results[variant], toy_results["stock"])
+    assert set(toy_results[variant]["seen"].values()) == {str(BF16)}
+
+
+def test_mixed_map_is_bitwise_the_hand_cast_unsharded_reference(toy_results: dict) -> None:
+    _assert_bitwise(toy_results["mixed"], toy_results["mixed_reference"])
+    assert not torch.equal(toy_results["mixed"]["out"], toy_results["stock"]["out"]), (
+        "the mixed map changed nothing: the overrides were not honoured"
+    )
+
+
+def test_pre_hook_sees_the_intended_gathered_dtype_for_every_parameter(toy_results: dict) -> None:
+    want = {k: str(v) for k, v in _expected_dtypes(MIXED_BLOCK_MAP, MIXED_ROOT_MAP).items()}
+    assert toy_results["mixed"]["seen"] == want
+    assert len(set(want.values())) == 3
+
+
+def test_mixed_gather_dtypes_get_one_copy_in_bucket_each(toy_results: dict) -> None:
+    # Stock FSDP2 copies every casting parameter into one buffer of the first one's dtype
+    # (fp16 here), so the bf16 parameters would be gathered at fp16; fp32 ones do not cast.
+    assert toy_results["stock_copy_in_dtypes"] == sorted(str(d) for d in (FP16, FP32))
+    assert toy_results["patched_copy_in_dtypes"] == sorted(str(d) for d in (BF16, FP16, FP32))
+
+
+def test_duplicate_local_name_in_a_grouped_call_reaches_every_member(toy_results: dict) -> None:
+    seen = toy_results["grouped"]["seen"]
+    for i in (0, 1):
+        assert seen[f"blocks.{i}.norm2.weight"] == str(FP32)
+        assert seen[f"blocks.{i}.norm2.bias"] == str(FP32)
+        assert seen[f"blocks.{i}.a.weight"] == str(BF16)
+    _assert_bitwise(toy_results["grouped"], toy_results["grouped_reference"])
+
+
+def test_fully_shard_raises_the_policy_errors(toy_results: dict) -> None:
+    errors = toy_results["errors"]
+    assert errors["unknown"] and "unknown name 'norm_2.weight'" in errors["unknown"]
+    assert "'norm2.weight'" in errors["unknown"], "nearest names are listed"
+    assert errors["mixed_no_reduce"] and "reduce_dtype is None" in errors["mixed_no_reduce"]
+    assert errors["alias"] and "alias conflict" in errors["alias"]
+
+
+# ---- the policy's checks on their own (no process group needed) ------------------------------
+
+
+def _policy(block_map: dict, **kw: Any) -> ParamDtypeMixedPrecisionPolicy:
+    return ParamDtypeMixedPrecisionPolicy(**{**COMMON, **kw}, param_dtype_map=block_map)
+
+
+def test_unknown_name_lists_the_nearest_names() -> None:
+    block = Block()
+    with pytest.raises(ValueError, match=r"unknown name 'norm2.weigth'.*'norm2.weight'"):
+        resolve_wrap_param_dtypes(
+            _policy({"norm2.weigth": FP32}), [block], list(block.parameters())
+        )
+
+
+def test_name_of_a_parameter_a_nested_call_manages_is_unknown_here() -> None:
+    model = _toy()
+    root_params = [*model.inp.parameters(), *model.out.parameters()]
+    with pytest.raises(ValueError, match="earlier \\(nested\\) fully_shard call"):
+        resolve_wrap_param_dtypes(_policy({"blocks.0.a.weight": FP32}), [model], root_params)
+
+
+def test_aliases_with_different_dtypes_conflict_and_with_one_dtype_do_not() -> None:
+    block = Block()
+    block.b.weight = block.a.weight
+    params = list(block.parameters())
+    with pytest.raises(ValueError, match=r"alias conflict.*'a.weight'.*'b.weight'"):
+        resolve_wrap_param_dtypes(_policy({"a.weight": FP32, "b.weight": FP16}), [block], params)
+    resolved = resolve_wrap_param_dtypes(
+        _policy({"a.weight": FP32, "b.weight": FP32}), [block], params
+    )
+    assert resolved == {block.a.weight: FP32}
+
+
+def test_grouped_call_broadcasts_a_shared_local_name() -> None:
+    blocks = [Block(), Block()]
+    params = [p for b in blocks for p in b.parameters()]
+    resolved = resolve_wrap_param_dtypes(_policy({"norm2.weight": FP32}), blocks, params)
+    assert resolved == {blocks[0].norm2.weight: FP32, blocks[1].norm2.weight: FP32}
+
+
+def test_map_restating_the_group_dtype_resolves_to_nothing() -> None:
+    block = Block()
+    every = {n: BF16 for n, _ in block.named_parameters()}
+    assert resolve_wrap_param_dtypes(_policy(every), [block], list(block.parameters())) == {}
+
+
+def test_mixed_trainable_dtypes_need_an_explicit_reduce_dtype() -> None:
+    block = Block()
+    params = list(block.parameters())
+    policy = _policy({"norm2.weight": FP32}, reduce_dtype=None)
+    overrides = resolve_wrap_param_dtypes(policy, [block], params)
+    with pytest.raises(ValueError, match=r"mixed dtypes.*reduce_dtype is None"):
+        check_trainable_dtypes(policy, params, overrides)
+    block.norm2.weight.requires_grad_(False)
+    check_trainable_dtypes(policy, params, overrides)  # frozen: no gradient to reduce
+
+
+def test_policy_rejects_a_bad_dtype_name() -> None:
+    with pytest.raises(ValueError, match=r"param_dtype_map\['x'\].*Unsupported dtype 'bfloat16'"):
+        _policy({"x": "bfloat16"})
+
+
+def test_other_torch_version_raises_without_importing_the_patch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delitem(sys.modules, IMPL, raising=False)
+    monkeypatch.setattr(torch, "__version__", "2.10.1+cu128")
+    with pytest.raises(RuntimeError, match=r"torch 2.11.0 only; this is torch '2.10.1\+cu128'"):
+        apply_param_dtype_map_patch()
+    assert IMPL not in sys.modules
+
+
+def test_source_hash_drift_refuses_to_patch_and_names_the_function(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib
+
+    impl = importlib.import_module(IMPL)
+    if impl.is_applied():
+        pytest.skip("patch already applied in this process; the drift check runs before it")
+    before = dict(impl._targets())
+    drifted = {**impl.EXPECTED_SOURCE_SHA256, "FSDPParam.init_dtype_attrs": "0" * 64}
+    monkeypatch.setattr(impl, "EXPECTED_SOURCE_SHA256", drifted)
+    with pytest.raises(RuntimeError, match=r"FSDPParam.init_dtype_attrs.*Nothing was patched"):
+        apply_param_dtype_map_patch()
+    assert impl._targets() == before
+    assert not impl.is_applied()
+
+
+# ---- apply_fsdp2's choice of path, and every family against the in-process trainer side ------
+
+
+def test_apply_fsdp2_refuses_an_engine_like_side() -> None:
+    fam = lab.family("wan2_2")
+    with pytest.raises(ValueError, match="keep_fp32_modules"):
+        apply_fsdp2(
+            torch.nn.Linear(2, 2), fam, lab.Side.rollout(fam, keep_fp32_modules=("norm2",)), None
+        )
+
+
+def test_run_fsdp2_forwards_checks_its_arguments() -> None:
+    fam = lab.family("wan2_2")
+    job = Fsdp2Job(family_name="wan2_2", side=lab.Side.trainer(fam))
+    with pytest.raises(ValueError, match="nproc must be an int >= 1"):
+        run_fsdp2_forwards([job], nproc=0)
+    with pytest.raises(ValueError, match="no jobs given"):
+        run_fsdp2_forwards([])
+    gpu_side = lab.Side.trainer(fam).replace(device="cuda") if torch.cuda.is_available() else None
+    if gpu_side is not None:
+        with pytest.raises(ValueError, match="device='cuda' but the ranks run on 'cpu'"):
+            run_fsdp2_forwards([Fsdp2Job(family_name="wan2_2", side=gpu_side)])
+
+
+@pytest.fixture(scope="module")
+def family_captures() -> dict[int, dict[str, Any]]:
+    """Every family's FSDP2 trainer capture at 1 and 2 gloo ranks (one torchrun launch each)."""
+    jobs = [Fsdp2Job(family_name=n, side=lab.Side.trainer(lab.family(n))) for n in FAMILY_NAMES]
+    out = {}
+    for nproc in (1, 2):
+        captures = run_fsdp2_forwards(jobs, nproc=nproc, device="cpu", timeout_s=300)
+        out[nproc] = {c.job.family_name: c for c in captures}
+    return out
+
+
+@pytest.mark.parametrize("family_name", FAMILY_NAMES)
+def test_fsdp2_trainer_is_bitwise_the_in_process_trainer(
+    family_captures: dict, family_name: str
+) -> None:
+    capture = family_captures[1][family_name]
+    model, inputs = capture.job.build("cpu")
+    result = pair_capture(model, inputs, lab.Side.trainer(lab.family(family_name)), capture)
+    table = result.table()
+
+    assert len(table) > 20, "too few modules captured: the hooks never fired"
+    assert len(table) + len(result.skipped) == len(capture.leaves)
+    assert (table["module"] == ROOT).any()
+    assert (table["max_ulp"] == 0).all() and (table["bitexact_frac"] == 1.0).all()
+    assert result.first_divergence() is None
+    assert all("identical" in s.reason for s in result.skipped), result.skipped
+    assert not result.root_rows()[0].metrics.degenerate
+    plan = capture.meta["plan"]
+    assert plan["wrap_count"] > 0
+    fam = lab.family(family_name)
+    assert plan["patched"] == bool(fam.param_dtype_rules), "stock path must run without rules"
+
+
+def test_a_family_without_rules_runs_the_unpatched_stock_path(family_captures: dict) -> None:
+    # Jobs run in FAMILY_NAMES order in one rank process, so the first family ran before any
+    # rule could have applied the patch.
+    first = FAMILY_NAMES[0]
+    assert not lab.family(first).param_dtype_rules, f"{first} has rules; pick another family"
+    for nproc in (1, 2):
+        assert family_captures[nproc][first].meta["patch_applied"] is False
+        assert family_captures[nproc][first].meta["plan"]["patched"] is False
+    patched = [n for n in FAMILY_NAMES if family_captures[1][n].meta["plan"]["patched"]]
+    assert patched, "no family exercised the patched path"
+
+
+@pytest.mark.parametrize("family_name", FAMILY_NAMES)
+def test_two_ranks_capture_is_bitwise_the_one_rank_capture(
+    family_captures: dict, family_name: str
+) -> None:
+    # Bitwise equality is transitive: with the test above, 2 ranks == the in-process trainer,
+    # without running the in-process forward a second time.
+    one, two = family_captures[1][family_name], family_captures[2][family_name]
+    assert two.meta["world_size"] == 2 and one.meta["world_size"] == 1
+    assert [k[:3] for k in two.leaves] == [k[:3] for k in one.leaves]
+    for (module, call, output, a), (*_, b) in zip(one.leaves, two.leaves, strict=True):
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and torch.equal(a, b), (module, call, output)
+        else:
+            assert a == b
