@@ -126,7 +126,7 @@ def forward_side(
     Raises:
         ValueError: The side cannot run where the model lives (see `check_side_device`).
     """
-    device = _model_device(model)
+    device = model_device(model)
     check_side_device(side, device)
     if view is not None and (view.side != side or view.model is not model):
         raise ValueError(
@@ -154,7 +154,8 @@ def _clone_tree(value: Any) -> Any:
     return value
 
 
-def _model_device(model: torch.nn.Module) -> torch.device:
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of the model's first parameter (CPU for a model without parameters)."""
     for t in model.parameters():
         return t.device
     return torch.device("cpu")
@@ -195,6 +196,7 @@ def pair(
             weights block by block from the master, side A keeps only each block's inputs,
             and each block is re-run under side A just before side B runs it, so at most one
             block's activations per side are alive. Costs one extra pass of side A's blocks.
+            In local mode only side A's weights stream (side B's casts are cached).
 
     Returns:
         The Result, rows in forward completion order.
@@ -208,12 +210,10 @@ def pair(
     """
     if mode not in MODES:
         raise ValueError(f"pair: unknown mode {mode!r}. Known: {', '.join(MODES)}.")
-    device = _model_device(model)
+    device = model_device(model)
     for side in (side_a, side_b):
         check_side_device(side, device)
     blocks = _block_classes(model, side_a, side_b) if stream else ()
-    if stream and mode != "propagated":
-        raise ValueError("pair: stream=True needs mode='propagated' (local mode re-runs blocks).")
     if stream and not blocks:
         raise ValueError(
             f"pair: stream=True needs block classes; neither side names fsdp_wrap_classes and "
@@ -253,7 +253,7 @@ def pair(
     model.eval()
     try:
         with torch.no_grad():
-            if stream:
+            if stream and mode == "propagated":
                 _run_streamed(
                     model,
                     inputs_a,

@@ -129,6 +129,40 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
         ),
         ("code", "", ['traj.to_json(f"{out_dir}/results.json")\n', "traj.per_step()"]),
     ],
+    "06_scenarios.ipynb": [
+        (
+            "markdown",
+            "",
+            [
+                "# Scenarios: the known rollout/trainer mismatches, found by the lab itself\n",
+                "\n",
+                "Runs every known-mismatch scenario available on the device (GPU-only ones need CUDA):\n",
+                "the buggy pair of sides, the fixed pair, and the culprit the lab finds in local mode.\n",
+                "Run headless: `papermill notebooks/06_scenarios.ipynb out.ipynb -p device cuda`.",
+            ],
+        ),
+        ("code", "", ["from lab import plots, scenario_plots, scenarios"]),
+        (
+            "code",
+            "parameters",
+            [
+                'device: str = "cpu"  # cpu or cuda (cuda adds the GPU-only scenarios)\n',
+                'preset: str = "tiny"  # tiny (CPU), reduced (real width, 2 blocks)\n',
+                "only: list = []  # scenario names to run; [] = every one available on the device\n",
+                'out_dir: str = "runs/scenarios"  # where scenarios.json, the Results and the PNG go\n',
+                "interactive: bool = False  # plotly figure instead of the PNG",
+            ],
+        ),
+        ("code", "", ["runs = scenarios.run_all(preset, device, only or None)"]),
+        ("code", "", ["scenarios.scenarios_table(runs)"]),
+        ("code", "", ["fig = scenario_plots.plot_bug_vs_fixed(runs, interactive=interactive)"]),
+        (
+            "code",
+            "",
+            ['fig if interactive else plots.save_figure(fig, f"{out_dir}/bug_vs_fixed.png")'],
+        ),
+        ("code", "", ["scenarios.save_runs(runs, out_dir)"]),
+    ],
 }
 
 

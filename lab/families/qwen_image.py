@@ -144,6 +144,7 @@ FAMILY = Family(
     input_dtype_policy={"latents": None, "cond": None, "timestep": None},
     param_dtype_rules={},
     # QwenImageTransformer2DModel._keep_in_fp32_modules is None: a bf16 load keeps nothing fp32.
+    engine_ops=("sgld", "qwen_image"),
     engine_fp32_modules=(),
     notes=(
         "The pipeline's t.to(bf16) rounds t before the /1000 (750 -> 752). The RoPE tables are "

@@ -113,6 +113,7 @@ FAMILY = Family(
     rollout_dtype="fp16",
     input_dtype_policy={"latents": None, "cond": None, "timestep": None},
     param_dtype_rules={},
+    engine_ops=("sgld",),
     engine_fp32_modules=(),
     notes="No FSDP plan overrides; the engine's sgld patch group is the SD3-shaped one.",
 )

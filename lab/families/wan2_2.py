@@ -155,6 +155,7 @@ FAMILY = Family(
     # keep list does). scale_shift_table and time_embedder are loaded in bf16, unlike diffusers'
     # _keep_in_fp32_modules. rope holds only non-persistent tables the engine computes in fp32;
     # listing it stops a `.to(bf16)` emulation from rounding them.
+    engine_ops=("wan",),
     engine_fp32_modules=("norm1", "norm2", "norm3", "rope"),
     notes=(
         "diffusers ties temb to the text dtype (`type_as(encoder_hidden_states)`), so with fp32 "

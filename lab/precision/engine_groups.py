@@ -1,0 +1,536 @@
+"""The engine patch groups (sgld / qwen_image / wan) and module-level switches, as forwards.
+
+Each replacement forward is the diffusers 0.42.1 forward of its class with the rounding points
+written out, so a reader can see where each side rounds. Shape legend: B batch, L tokens,
+D model width, H heads, K head dim, F/Hh/Ww latent frames/height/width.
+
+Where the stock diffusers forward already rounds where the engine does, the group says so in its
+description instead of installing a copy (diffusers RoPE is computed in fp32/fp64 and rounded
+once in `apply_rotary_emb*`, as sglang-d's is; Wan's blocks already run "fp32 once").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lab.precision.engine_ops import PatchGroup, Switch, register_group, register_switch
+
+# ---- shared rounding helpers -----------------------------------------------------------------
+
+
+def _rms_norm_round_before_weight(module: torch.nn.Module) -> Callable[..., Any]:
+    """RMSNorm as sgld runs it: fp32 normalise, round to the input dtype, then the weight."""
+    dims = _normalized_ndim(module)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+        x32 = x.float()
+        variance = x32.pow(2).mean(dim=tuple(range(-dims, 0)), keepdim=True)
+        # The engine's fused kernel writes the normalised value at the activation dtype first.
+        out = (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
+        if module.weight is not None:
+            out = out * module.weight
+        bias = getattr(module, "bias", None)
+        if bias is not None:
+            out = out + bias
+        return out
+
+    return forward
+
+
+def _rms_norm_torch(module: torch.nn.Module) -> Callable[..., Any]:
+    """RMSNorm as the wan group runs it: torch semantics, weight in fp32, one rounding."""
+    dims = _normalized_ndim(module)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        shape = tuple(x.shape[-dims:])
+        out = F.rms_norm(x, shape, module.weight, module.eps)
+        bias = getattr(module, "bias", None)
+        return out + bias if bias is not None else out
+
+    return forward
+
+
+def _normalized_ndim(module: torch.nn.Module) -> int:
+    shape = getattr(module, "normalized_shape", None) or getattr(module, "dim", None)
+    return len(tuple(shape)) if shape is not None else 1
+
+
+def _select_mod(
+    mod_params: torch.Tensor, index: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """QwenImageTransformerBlock._modulate's parameter selection: (shift, scale, gate) (B, 1, D)."""
+    shift, scale, gate = mod_params.chunk(3, dim=-1)
+    if index is None:
+        return shift.unsqueeze(1), scale.unsqueeze(1), gate.unsqueeze(1)
+    half = shift.size(0) // 2
+    idx = index.unsqueeze(-1)
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return torch.where(idx == 0, t[:half].unsqueeze(1), t[half:].unsqueeze(1))
+
+    return pick(shift), pick(scale), pick(gate)
+
+
+# ---- Qwen-Image block: two rounding recipes ---------------------------------------------------
+
+
+def _qwen_block(autocast_points: bool) -> Callable[[torch.nn.Module], Callable[..., Any]]:
+    """QwenImageTransformerBlock.forward with sgld (eager) or trainer-autocast rounding points.
+
+    eager (sgld, LayerNormScaleShift): LayerNorm output rounded to the activation dtype, then
+    `x * (1 + scale) + shift` in that dtype (three roundings).
+    autocast (qwen_image): LayerNorm computes and returns fp32, `(1 + scale)` rounds once in
+    bf16, the product and the shift promote to fp32, and the single rounding happens at the next
+    matmul input (done here, since the engine side's matmul has no autocast to do it).
+    """
+
+    def factory(block: torch.nn.Module) -> Callable[..., Any]:
+        def norm_mod(
+            norm: torch.nn.Module, x_BLD: torch.Tensor, params: torch.Tensor, index: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            shift, scale, gate = _select_mod(params, index)
+            if autocast_points:
+                normed = norm(x_BLD.float())
+                modulated = (normed * (1 + scale) + shift).to(x_BLD.dtype)
+            else:
+                dt = x_BLD.dtype
+                normed = norm(x_BLD).to(dt)
+                modulated = normed * (1 + scale.to(dt)) + shift.to(dt)
+            return modulated, gate
+
+        def forward(
+            hidden_states: torch.Tensor,
+            encoder_hidden_states: torch.Tensor,
+            encoder_hidden_states_mask: torch.Tensor | None,
+            temb: torch.Tensor,
+            image_rotary_emb: Any = None,
+            joint_attention_kwargs: dict[str, Any] | None = None,
+            modulate_index: Any = None,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            b = block
+            img_params = b.img_mod(temb)
+            if b.zero_cond_t:
+                temb = torch.chunk(temb, 2, dim=0)[0]
+            txt_params = b.txt_mod(temb)
+            img_mod1, img_mod2 = img_params.chunk(2, dim=-1)
+            txt_mod1, txt_mod2 = txt_params.chunk(2, dim=-1)
+
+            img_in, img_gate1 = norm_mod(b.img_norm1, hidden_states, img_mod1, modulate_index)
+            txt_in, txt_gate1 = norm_mod(b.txt_norm1, encoder_hidden_states, txt_mod1, None)
+            img_attn, txt_attn = b.attn(
+                hidden_states=img_in,
+                encoder_hidden_states=txt_in,
+                encoder_hidden_states_mask=encoder_hidden_states_mask,
+                image_rotary_emb=image_rotary_emb,
+                **(joint_attention_kwargs or {}),
+            )
+            # Gated residuals: `c + a * k` in the activation dtype on both engine and trainer.
+            hidden_states = hidden_states + img_gate1 * img_attn
+            encoder_hidden_states = encoder_hidden_states + txt_gate1 * txt_attn
+
+            img_in2, img_gate2 = norm_mod(b.img_norm2, hidden_states, img_mod2, modulate_index)
+            hidden_states = hidden_states + img_gate2 * b.img_mlp(img_in2)
+            txt_in2, txt_gate2 = norm_mod(b.txt_norm2, encoder_hidden_states, txt_mod2, None)
+            encoder_hidden_states = encoder_hidden_states + txt_gate2 * b.txt_mlp(txt_in2)
+
+            if encoder_hidden_states.dtype == torch.float16:
+                encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+            if hidden_states.dtype == torch.float16:
+                hidden_states = hidden_states.clip(-65504, 65504)
+            return encoder_hidden_states, hidden_states
+
+        return forward
+
+    return factory
+
+
+def _ada_continuous(autocast_points: bool) -> Callable[[torch.nn.Module], Callable[..., Any]]:
+    """AdaLayerNormContinuous (final norm_out) with eager or trainer-autocast rounding points."""
+
+    def factory(module: torch.nn.Module) -> Callable[..., Any]:
+        def forward(x_BLD: torch.Tensor, conditioning_embedding: torch.Tensor) -> torch.Tensor:
+            dt = x_BLD.dtype
+            emb = module.linear(module.silu(conditioning_embedding).to(dt))
+            scale, shift = torch.chunk(emb, 2, dim=1)
+            if autocast_points:
+                normed = module.norm(x_BLD.float())
+                return (normed * (1 + scale)[:, None, :] + shift[:, None, :]).to(dt)
+            normed = module.norm(x_BLD).to(dt)
+            return normed * (1 + scale.to(dt))[:, None, :] + shift.to(dt)[:, None, :]
+
+        return forward
+
+    return factory
+
+
+# ---- SD3-shaped AdaLN-Zero (sgld: plain bf16/fp16 eager) ------------------------------------
+
+
+def _ada_zero_eager(module: torch.nn.Module) -> Callable[..., Any]:
+    """AdaLayerNormZero: LayerNorm rounded to the activation dtype, scale/shift in that dtype."""
+
+    def forward(
+        x: torch.Tensor,
+        timestep: Any = None,
+        class_labels: Any = None,
+        hidden_dtype: Any = None,
+        emb: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        if module.emb is not None:
+            emb = module.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
+        emb = module.linear(module.silu(emb))
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
+        dt = x.dtype
+        normed = module.norm(x).to(dt)
+        x = normed * (1 + scale_msa.to(dt)[:, None]) + shift_msa.to(dt)[:, None]
+        return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+    return forward
+
+
+def _ada_zero_x_eager(module: torch.nn.Module) -> Callable[..., Any]:
+    """SD35AdaLayerNormZeroX: as AdaLayerNormZero, with the second (dual-attention) modulation."""
+
+    def forward(hidden_states: torch.Tensor, emb: torch.Tensor | None = None) -> tuple:
+        emb = module.linear(module.silu(emb))
+        (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_msa2, scale_msa2,
+         gate_msa2) = emb.chunk(9, dim=1)  # fmt: skip
+        dt = hidden_states.dtype
+        normed = module.norm(hidden_states).to(dt)
+        out = normed * (1 + scale_msa.to(dt)[:, None]) + shift_msa.to(dt)[:, None]
+        out2 = normed * (1 + scale_msa2.to(dt)[:, None]) + shift_msa2.to(dt)[:, None]
+        return out, gate_msa, shift_mlp, scale_mlp, gate_mlp, out2, gate_msa2
+
+    return forward
+
+
+# ---- Wan: "fp32 once" blocks, sgld's anti-parity blocks, and the root table ---------------------
+
+
+def _wan_block(fp32_once: bool) -> Callable[[torch.nn.Module], Callable[..., Any]]:
+    """WanTransformerBlock.forward (wan2.1 / A14B temb layout (B, 6, D)).
+
+    fp32 once (wan): LayerNorm, modulation, gated residual and mul-add in fp32, one cast back.
+    eager (sgld): the SD3-shaped fused ops on Wan: table + temb, LayerNorm, scale/shift and the
+    gated residual each round to the activation dtype; the record calls this anti-parity.
+    """
+
+    def factory(block: torch.nn.Module) -> Callable[..., Any]:
+        def forward(
+            hidden_states: torch.Tensor,
+            encoder_hidden_states: torch.Tensor,
+            temb: torch.Tensor,
+            rotary_emb: Any,
+        ) -> torch.Tensor:
+            b = block
+            dt = hidden_states.dtype
+            if temb.ndim == 4:
+                table = b.scale_shift_table.unsqueeze(0)
+                chunks = [c.squeeze(2) for c in _wan_table(table, temb, fp32_once, dt).chunk(6, 2)]
+            else:
+                chunks = list(_wan_table(b.scale_shift_table, temb, fp32_once, dt).chunk(6, dim=1))
+            shift_msa, scale_msa, gate_msa, c_shift, c_scale, c_gate = chunks
+
+            if fp32_once:
+                normed = b.norm1(hidden_states.float()) * (1 + scale_msa) + shift_msa
+                attn = b.attn1(normed.type_as(hidden_states), None, None, rotary_emb)
+                hidden_states = (hidden_states.float() + attn * gate_msa).type_as(hidden_states)
+            else:
+                normed = b.norm1(hidden_states).to(dt) * (1 + scale_msa) + shift_msa
+                attn = b.attn1(normed, None, None, rotary_emb)
+                hidden_states = hidden_states + attn * gate_msa
+
+            normed = b.norm2(hidden_states.float()).type_as(hidden_states)
+            hidden_states = hidden_states + b.attn2(normed, encoder_hidden_states, None, None)
+
+            if fp32_once:
+                normed = b.norm3(hidden_states.float()) * (1 + c_scale) + c_shift
+                ff = b.ffn(normed.type_as(hidden_states))
+                hidden_states = (hidden_states.float() + ff.float() * c_gate).type_as(hidden_states)
+            else:
+                normed = b.norm3(hidden_states).to(dt) * (1 + c_scale) + c_shift
+                hidden_states = hidden_states + b.ffn(normed) * c_gate
+            return hidden_states
+
+        return forward
+
+    return factory
+
+
+def _wan_table(
+    table: torch.Tensor, temb: torch.Tensor, fp32_once: bool, dt: torch.dtype
+) -> torch.Tensor:
+    if fp32_once:
+        return table + temb.float()
+    return (table.to(dt) + temb.to(dt)).to(dt)
+
+
+def _wan_root(module: torch.nn.Module) -> Callable[..., Any]:
+    """WanTransformer3DModel.forward with the root scale_shift_table re-rounded on every call.
+
+    The engine holds the root table promoted to fp32, re-rounds it to the activation dtype on
+    each call (the value the trainer gathers), and adds temb in fp32: the trainer's bf16-gathered
+    table plus its fp32 temb (diffusers ties temb to the fp32 text dtype) computes the same sum.
+    """
+    from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+    def forward(
+        hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states_image: torch.Tensor | None = None,
+        return_dict: bool = True,
+        attention_kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        m = module
+        b, _, f, h, w = hidden_states.shape
+        p_t, p_h, p_w = m.config.patch_size
+        ppf, pph, ppw = f // p_t, h // p_h, w // p_w
+        rotary_emb = m.rope(hidden_states)
+        x_BLD = m.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
+        ts_seq_len = None
+        if timestep.ndim == 2:
+            ts_seq_len = timestep.shape[1]
+            timestep = timestep.flatten()
+        temb, timestep_proj, encoder_hidden_states, image_states = m.condition_embedder(
+            timestep,
+            encoder_hidden_states,
+            encoder_hidden_states_image,
+            timestep_seq_len=ts_seq_len,
+        )
+        timestep_proj = timestep_proj.unflatten(2 if ts_seq_len is not None else 1, (6, -1))
+        if image_states is not None:
+            encoder_hidden_states = torch.concat([image_states, encoder_hidden_states], dim=1)
+        for block in m.blocks:
+            x_BLD = block(x_BLD, encoder_hidden_states, timestep_proj, rotary_emb)
+
+        table = m.scale_shift_table.to(x_BLD.dtype).float()
+        if temb.ndim == 3:
+            shift, scale = (table.unsqueeze(0) + temb.float().unsqueeze(2)).chunk(2, dim=2)
+            shift, scale = shift.squeeze(2), scale.squeeze(2)
+        else:
+            shift, scale = (table + temb.float().unsqueeze(1)).chunk(2, dim=1)
+        x_BLD = (m.norm_out(x_BLD.float()) * (1 + scale) + shift).type_as(x_BLD)
+        x_BLD = m.proj_out(x_BLD)
+        x = x_BLD.reshape(b, ppf, pph, ppw, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        output = x.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+        if not return_dict:
+            return (output,)
+        return Transformer2DModelOutput(sample=output)
+
+    return forward
+
+
+def _dispatch_rms(
+    diffusers_style: Callable[[torch.nn.Module], Callable[..., Any]],
+    torch_style: Callable[[torch.nn.Module], Callable[..., Any]] | None,
+) -> Callable[[torch.nn.Module], Callable[..., Any]]:
+    """One factory for the two classes named "RMSNorm" (diffusers' and torch.nn's)."""
+
+    def factory(module: torch.nn.Module) -> Callable[..., Any]:
+        if isinstance(module, torch.nn.RMSNorm):
+            if torch_style is None:
+                return type(module).forward.__get__(module)
+            return torch_style(module)
+        return diffusers_style(module)
+
+    return factory
+
+
+register_group(
+    PatchGroup(
+        name="sgld",
+        description=(
+            "sglang-d's SD3-shaped fused ops in bf16 eager: RMSNorm rounds to the activation "
+            "dtype before the weight multiply; LayerNorm + scale/shift in plain bf16; the gated "
+            "residual c + a*k in bf16. RoPE stays diffusers' (fp32 complex, rounded once)."
+        ),
+        forwards={
+            "RMSNorm": _dispatch_rms(_rms_norm_round_before_weight, _rms_norm_round_before_weight),
+            "QwenImageTransformerBlock": _qwen_block(autocast_points=False),
+            "AdaLayerNormContinuous": _ada_continuous(autocast_points=False),
+            "AdaLayerNormZero": _ada_zero_eager,
+            "SD35AdaLayerNormZeroX": _ada_zero_x_eager,
+            "WanTransformerBlock": _wan_block(fp32_once=False),
+        },
+    )
+)
+register_group(
+    PatchGroup(
+        name="qwen_image",
+        description=(
+            "Trainer-autocast rounding points for Qwen-Image's norm + modulation: LayerNorm in "
+            "fp32 in and out, (1 + scale) rounds in bf16, the modulation promotes to fp32, one "
+            "rounding at the next matmul input. Applied after sgld (later groups win)."
+        ),
+        forwards={
+            "QwenImageTransformerBlock": _qwen_block(autocast_points=True),
+            "AdaLayerNormContinuous": _ada_continuous(autocast_points=True),
+        },
+    )
+)
+register_group(
+    PatchGroup(
+        name="wan",
+        description=(
+            "Wan 'fp32 once': LayerNorm, modulation, gated residual and mul-add in fp32 with a "
+            "single cast back; RMSNorm with torch semantics; the root scale_shift_table promoted "
+            "to fp32 and re-rounded to the activation dtype on every call."
+        ),
+        forwards={
+            "RMSNorm": _dispatch_rms(_rms_norm_torch, None),
+            "WanTransformerBlock": _wan_block(fp32_once=True),
+            "WanTransformer3DModel": _wan_root,
+        },
+    )
+)
+
+
+# ---- module-level switches ---------------------------------------------------------------------
+
+
+def _conv3d_as_linear(module: torch.nn.Module) -> Callable[..., Any]:
+    """A patchify Conv3d (kernel == stride, no padding) as reshape + linear, as the engine does."""
+    conv = module
+    k = tuple(conv.kernel_size)
+    patchify = (
+        tuple(conv.stride) == k
+        and tuple(conv.padding) == (0, 0, 0)
+        and tuple(conv.dilation) == (1, 1, 1)
+        and conv.groups == 1
+    )
+    if not patchify:
+        return type(conv).forward.__get__(conv)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        b, c, f, h, w = x.shape
+        kt, kh, kw = k
+        patches = x.view(b, c, f // kt, kt, h // kh, kh, w // kw, kw)
+        patches = patches.permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(
+            b, f // kt, h // kh, w // kw, c * kt * kh * kw
+        )
+        out = F.linear(patches, conv.weight.reshape(conv.out_channels, -1), conv.bias)
+        return out.permute(0, 4, 1, 2, 3)
+
+    return forward
+
+
+def _rope_tables_bf16(module: torch.nn.Module) -> Callable[..., Any]:
+    """WanRotaryPosEmbed with its fp32 tables rounded to bf16, as a plain `.to(bf16)` leaves them.
+
+    The forward only slices, expands and concatenates the tables, so rounding its outputs equals
+    rounding the buffers first.
+    """
+    stock = type(module).forward.__get__(module)
+
+    def forward(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = stock(hidden_states)
+        return cos.to(torch.bfloat16), sin.to(torch.bfloat16)
+
+    return forward
+
+
+def _qwen_rope_built_on(where: str) -> Callable[[torch.nn.Module], Callable[..., Any]]:
+    """QwenEmbedRope.forward with its freqs tables rebuilt on `where` ("cpu" or "device").
+
+    diffusers builds the tables once, where the model is constructed, as plain attributes; the
+    engine builds them on the GPU. cos/sin of large fp32 angles differ between the CPU and CUDA
+    math libraries by fp32 ULPs, so the two choices are bitwise different on a GPU run.
+    """
+
+    def factory(module: torch.nn.Module) -> Callable[..., Any]:
+        if type(module).__name__ != "QwenEmbedRope":
+            return type(module).forward.__get__(module)
+
+        def tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+            build = torch.device("cpu") if where == "cpu" else device
+
+            def params(index: torch.Tensor, dim: int) -> torch.Tensor:
+                inv = 1.0 / torch.pow(
+                    module.theta, torch.arange(0, dim, 2, device=build).to(torch.float32).div(dim)
+                )
+                freqs = torch.outer(index, inv)
+                return torch.polar(torch.ones_like(freqs), freqs)
+
+            pos = torch.arange(4096, device=build)
+            neg = torch.arange(4096, device=build).flip(0) * -1 - 1
+            axes = module.axes_dim
+            pos_f = torch.cat([params(pos, d) for d in axes], dim=1).to(device)
+            neg_f = torch.cat([params(neg, d) for d in axes], dim=1).to(device)
+            return pos_f, neg_f
+
+        def video_freqs(
+            pos_f: torch.Tensor, neg_f: torch.Tensor, frame: int, height: int, width: int, idx: int
+        ) -> torch.Tensor:
+            split = [x // 2 for x in module.axes_dim]
+            fp, fn = pos_f.split(split, dim=1), neg_f.split(split, dim=1)
+            shape = (frame, height, width, -1)
+            f_t = fp[0][idx : idx + frame].view(frame, 1, 1, -1).expand(*shape)
+            if module.scale_rope:
+                f_h = torch.cat([fn[1][-(height - height // 2) :], fp[1][: height // 2]], dim=0)
+                f_w = torch.cat([fn[2][-(width - width // 2) :], fp[2][: width // 2]], dim=0)
+            else:
+                f_h, f_w = fp[1][:height], fp[2][:width]
+            f_h = f_h.view(1, height, 1, -1).expand(*shape)
+            f_w = f_w.view(1, 1, width, -1).expand(*shape)
+            return torch.cat([f_t, f_h, f_w], dim=-1).reshape(frame * height * width, -1)
+
+        def forward(
+            video_fhw: Any, device: torch.device | None = None, max_txt_seq_len: Any = None
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            if max_txt_seq_len is None:
+                raise ValueError("`max_txt_seq_len` must be provided.")
+            device = torch.device(device) if device is not None else torch.device("cpu")
+            pos_f, neg_f = tables(device)
+            if isinstance(video_fhw, list):
+                video_fhw = video_fhw[0]
+            if not isinstance(video_fhw, list):
+                video_fhw = [video_fhw]
+            vid, max_vid_index = [], 0
+            for idx, (frame, height, width) in enumerate(video_fhw):
+                vid.append(video_freqs(pos_f, neg_f, frame, height, width, idx))
+                span = (height // 2, width // 2) if module.scale_rope else (height, width)
+                max_vid_index = max(*span, max_vid_index)
+            txt = pos_f[max_vid_index : max_vid_index + int(max_txt_seq_len), ...]
+            return torch.cat(vid, dim=0), txt
+
+        return forward
+
+    return factory
+
+
+register_switch(
+    Switch(
+        name="wan_patchify",
+        description="Wan's patch embedding: 'conv3d' (diffusers) or 'linear' (reshape + linear, "
+        "the engine's patch embed).",
+        values=("conv3d", "linear"),
+        forwards={"linear": {"Conv3d": _conv3d_as_linear}},
+    )
+)
+register_switch(
+    Switch(
+        name="rope_table_dtype",
+        description="Wan RoPE tables: 'as_built' (fp32, what from_pretrained keeps) or 'bf16' "
+        "(what a plain model.to(bf16) does to the non-persistent rope buffers).",
+        values=("as_built", "bf16"),
+        forwards={"bf16": {"WanRotaryPosEmbed": _rope_tables_bf16}},
+    )
+)
+register_switch(
+    Switch(
+        name="rope_cache_device",
+        description="Qwen-Image RoPE freqs tables: 'as_built' (where the model was constructed), "
+        "'cpu' (built on the CPU, then copied) or 'device' (built on the model's device).",
+        values=("as_built", "cpu", "device"),
+        forwards={
+            "cpu": {"QwenEmbedRope": _qwen_rope_built_on("cpu")},
+            "device": {"QwenEmbedRope": _qwen_rope_built_on("device")},
+        },
+    )
+)

@@ -1,0 +1,154 @@
+"""Engine patch groups and switches: bitwise parity where the record has it, no leaks, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lab
+from lab.capture import ROOT
+from lab.precision.engine_ops import PATCH_GROUPS, SWITCHES, ops_applied
+
+
+@pytest.fixture(scope="module")
+def built() -> dict:
+    return {}
+
+
+def _model_inputs(built: dict, name: str):
+    if name not in built:
+        fam = lab.family(name)
+        built[name] = (fam, fam.build("tiny", 0), fam.make_inputs("tiny", 0))
+    return built[name]
+
+
+@pytest.mark.parametrize("family_name", ["qwen_image", "wan2_2"])
+@pytest.mark.parametrize("mode", ["propagated", "local"])
+def test_aligned_pair_is_bitwise_on_every_module(built: dict, family_name: str, mode: str) -> None:
+    fam, model, inputs = _model_inputs(built, family_name)
+    result = lab.pair(model, inputs, lab.Side.rollout(fam), lab.Side.trainer(fam), mode=mode)
+    table = result.table()
+
+    assert len(table) > 60, "too few modules captured"
+    assert fam.engine_ops, "the family's rollout runs no patch group: parity would be vacuous"
+    # Rows where the trainer's autocast keeps fp32 and the engine rounds (the norm_out /
+    # temb boundary) differ only by that rounding: 0 ULP in the coarser dtype.
+    assert (table["max_ulp"] == 0).all(), table[table["max_ulp"] > 0][["module", "max_ulp"]]
+    assert table[table["max_abs_diff"] > 0]["rounding_only"].all()
+    root = table[table["module"] == ROOT]
+    assert len(root) and (root["max_abs_diff"] == 0).all()
+    assert (root["dtype_a"] == root["dtype_b"]).all()
+
+
+@pytest.mark.parametrize(
+    ("family_name", "groups"), [("qwen_image", ("sgld",)), ("wan2_2", ("sgld",)), ("wan2_2", ())]
+)
+def test_wrong_group_breaks_parity(built: dict, family_name: str, groups: tuple) -> None:
+    fam, model, inputs = _model_inputs(built, family_name)
+    rollout = lab.Side.rollout(fam, engine_ops=groups)
+    out = lab.pair(model, inputs, rollout, lab.Side.trainer(fam)).output_metrics()
+
+    assert out["model_output_rel_max"] > 1e-3
+
+
+def test_groups_are_per_instance_and_restored(built: dict) -> None:
+    _fam, model, _inputs = _model_inputs(built, "qwen_image")
+    block_cls = type(model.transformer_blocks[0])
+    class_forward = block_cls.forward
+    with ops_applied(model, ("sgld", "qwen_image"), {}):
+        patched = [m for m in model.modules() if "forward" in m.__dict__]
+        names = {type(m).__name__ for m in patched}
+        # Nested: an inner side without groups runs the class forwards again.
+        with ops_applied(model, (), {}):
+            assert not any("forward" in m.__dict__ for m in model.modules())
+        assert all("forward" in m.__dict__ for m in patched)
+    assert {"QwenImageTransformerBlock", "AdaLayerNormContinuous", "RMSNorm"} <= names
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert block_cls.forward is class_forward
+
+
+def test_patch_groups_do_not_leak_into_the_other_side(built: dict) -> None:
+    fam, model, inputs = _model_inputs(built, "qwen_image")
+    plain = lab.Side.trainer(fam)
+    before = lab.run.forward_side(model, inputs, plain)[0]
+    lab.pair(model, inputs, lab.Side.rollout(fam, engine_ops=("sgld",)), plain, mode="local")
+    after = lab.run.forward_side(model, inputs, plain)[0]
+
+    assert torch.equal(before, after)
+
+
+def test_later_group_wins(built: dict) -> None:
+    fam, model, inputs = _model_inputs(built, "qwen_image")
+    both = lab.Side.rollout(fam, engine_ops=("sgld", "qwen_image"))
+    reversed_order = lab.Side.rollout(fam, engine_ops=("qwen_image", "sgld"))
+    sgld = lab.Side.rollout(fam, engine_ops=("sgld",))
+    y_both = lab.run.forward_side(model, inputs, both)[0]
+    y_rev = lab.run.forward_side(model, inputs, reversed_order)[0]
+    y_sgld = lab.run.forward_side(model, inputs, sgld)[0]
+
+    assert not torch.equal(y_both, y_sgld)
+    assert torch.equal(y_rev, y_sgld)
+
+
+def test_sgld_rmsnorm_rounds_before_the_weight_and_wan_uses_torch_semantics() -> None:
+    from diffusers.models.normalization import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64) * 0.3 + 1)
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    sgld = PATCH_GROUPS["sgld"].forwards["RMSNorm"](norm)(x)
+    wan = PATCH_GROUPS["wan"].forwards["RMSNorm"](norm)(x)
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)
+    by_hand_sgld = normed.to(torch.bfloat16) * norm.weight
+    by_hand_torch = (normed * norm.weight.float()).to(torch.bfloat16)
+
+    assert sgld.dtype == wan.dtype == torch.bfloat16
+    assert torch.equal(sgld, by_hand_sgld)
+    assert (wan.float() - by_hand_torch.float()).abs().max() <= 2**-7 * by_hand_torch.abs().max()
+    assert not torch.equal(sgld, wan), "the two rounding orders must differ on this input"
+
+
+def test_wan_patchify_as_linear_equals_conv3d_in_fp64() -> None:
+    torch.manual_seed(0)
+    conv = torch.nn.Conv3d(4, 6, kernel_size=(1, 2, 2), stride=(1, 2, 2)).double()
+    x = torch.randn(2, 4, 3, 8, 8, dtype=torch.float64)
+    linear = SWITCHES["wan_patchify"].forwards["linear"]["Conv3d"](conv)
+    y = linear(x)
+
+    assert y.shape == conv(x).shape
+    # fp64 with 16-term sums: only the summation order differs.
+    torch.testing.assert_close(y, conv(x), rtol=0, atol=1e-13)
+
+
+def test_qwen_rope_rebuilt_on_cpu_equals_the_stock_tables_on_cpu(built: dict) -> None:
+    _fam, model, _inputs = _model_inputs(built, "qwen_image")
+    rope = model.pos_embed
+    stock = rope([[(1, 8, 8)]], device=torch.device("cpu"), max_txt_seq_len=12)
+    for where in ("cpu", "device"):
+        factory = SWITCHES["rope_cache_device"].forwards[where]["QwenEmbedRope"]
+        rebuilt = factory(rope)([[(1, 8, 8)]], device=torch.device("cpu"), max_txt_seq_len=12)
+        assert rebuilt[0].shape == stock[0].shape == (64, 8)
+        assert torch.equal(rebuilt[0], stock[0]) and torch.equal(rebuilt[1], stock[1])
+
+
+def test_wan_rope_bf16_switch_rounds_the_tables(built: dict) -> None:
+    _fam, model, inputs = _model_inputs(built, "wan2_2")
+    rope = model.rope
+    x = inputs.kwargs["hidden_states"]
+    cos, _ = SWITCHES["rope_table_dtype"].forwards["bf16"]["WanRotaryPosEmbed"](rope)(x)
+    stock_cos, _ = rope(x)
+
+    assert stock_cos.dtype == torch.float32 and cos.dtype == torch.bfloat16
+    assert torch.equal(cos, stock_cos.to(torch.bfloat16))
+    assert not torch.equal(cos.float(), stock_cos)
+
+
+def test_unknown_group_and_switch_value_are_named() -> None:
+    fam = lab.family("qwen_image")
+    with pytest.raises(ValueError, match=r"unknown patch group\(s\) \['sglang'\].*Known: sgld"):
+        lab.Side.rollout(fam, engine_ops=("sglang",))
+    with pytest.raises(ValueError, match=r"unknown value 'gpu'. Allowed: 'as_built', 'cpu'"):
+        lab.Side.rollout(fam, op_switches={"rope_cache_device": "gpu"})
