@@ -89,6 +89,7 @@ def measure(
     dump: bool,
     capture_depth: int | None = None,
     repeat: int = 3,
+    modes: tuple[str, ...] = ("propagated", "local"),
 ) -> dict[str, Any]:
     fam = lab.family(family_name)
     model = fam.build(preset, 0, device=device, expert=fam.expert_for_sigma(0.75))
@@ -118,7 +119,7 @@ def measure(
         lambda: lab.forward_side(model, inputs, b, view=view_b), device, repeat
     )
     plain = row["plain_a_s"] + row["plain_b_s"]
-    for mode in ("propagated", "local"):
+    for mode in modes:
         holder: dict[str, Any] = {}
 
         def run(mode: str = mode, holder: dict = holder) -> None:
@@ -127,7 +128,9 @@ def measure(
             )
 
         try:
-            seconds, peak = _timed(run, device, 1 if preset == "full" else repeat)
+            # Local mode re-runs every module: timed once, it is the slow diagnostic mode.
+            runs = 1 if preset == "full" or mode == "local" else repeat
+            seconds, peak = _timed(run, device, runs)
             row[f"{mode}_s"], row[f"{mode}_peak_gib"] = seconds, peak
             row[f"{mode}_pairs"] = len(holder["r"].rows)
             row[f"{mode}_vs_plain"] = seconds / plain
@@ -189,19 +192,6 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    for name in lab.families():
-        rows.append(measure(name, "tiny", "cpu", stream=False, dump=False, repeat=5))
-    torch.set_num_threads(threads)
-    if not args.cpu_only and torch.cuda.is_available():
-        for name in lab.families():
-            rows.append(
-                measure(name, "reduced", "cuda", stream=False, dump=name in ("sd3", "flux"))
-            )
-        rows.append(measure("wan2_2", "full", "cuda", stream=True, dump=True, capture_depth=1))
-        rows.append(measure("wan2_2", "full", "cuda", stream=True, dump=False))
     meta = {
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
@@ -209,8 +199,25 @@ def main() -> None:
         if torch.cuda.is_available()
         else None,
     }
-    (out / "full_pair.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    plot(rows, out / "full_pair.png")
+    rows: list[dict[str, Any]] = []
+
+    def record(row: dict[str, Any]) -> None:
+        # Written after every case, so a run cut short still leaves its figures.
+        rows.append(row)
+        (out / "full_pair.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        plot(rows, out / "full_pair.png")
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    for name in lab.families():
+        record(measure(name, "tiny", "cpu", stream=False, dump=False, repeat=5))
+    torch.set_num_threads(threads)
+    if not args.cpu_only and torch.cuda.is_available():
+        record(measure("wan2_2", "full", "cuda", stream=True, dump=True, capture_depth=1))
+        record(measure("wan2_2", "full", "cuda", stream=True, dump=False, modes=("propagated",)))
+        for name in lab.families():
+            dump = name in ("sd3", "flux")
+            record(measure(name, "reduced", "cuda", stream=False, dump=dump, repeat=2))
 
 
 if __name__ == "__main__":
