@@ -7,8 +7,11 @@ the stacked vectors into numbers once, at the end.
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,14 +32,37 @@ _INT_VIEW: dict[torch.dtype, torch.dtype] = {
 ULP_BIN_EDGES: tuple[float, ...] = (0.0, 1.0, 2.0, 4.0, 16.0, 64.0, 256.0, 4096.0, 65536.0)
 """Histogram bins [0], [1], [2, 3], [4, 15], ... [65536, inf): one count per bin."""
 ULP_BIN_LABELS: tuple[str, ...] = (
-    "0", "1", "2-3", "4-15", "16-63", "64-255", "256-4095", "4096-65535", ">=65536",
-)  # fmt: skip
+    "0",
+    "1",
+    "2-3",
+    "4-15",
+    "16-63",
+    "64-255",
+    "256-4095",
+    "4096-65535",
+    ">=65536",
+)
 
 STAT_FIELDS: tuple[str, ...] = (
-    "numel", "finite", "sum_abs_diff", "max_abs_diff", "max_abs_a", "max_abs_b", "max_ulp",
-    "bitexact", "sum_sq_diff", "norm2_a", "norm2_b", "nonfinite_a", "nonfinite_b",
-    "max_abs_diff_rounded", "degenerate_a", "degenerate_b", "mean_a", "mean_b",
-)  # fmt: skip
+    "numel",
+    "finite",
+    "sum_abs_diff",
+    "max_abs_diff",
+    "max_abs_a",
+    "max_abs_b",
+    "max_ulp",
+    "bitexact",
+    "sum_sq_diff",
+    "norm2_a",
+    "norm2_b",
+    "nonfinite_a",
+    "nonfinite_b",
+    "max_abs_diff_rounded",
+    "degenerate_a",
+    "degenerate_b",
+    "mean_a",
+    "mean_b",
+)
 _N = len(STAT_FIELDS)
 
 
@@ -53,8 +79,9 @@ def coarser_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
 
 
 def _sign_magnitude(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sign bit and magnitude bits of each float, as int64."""
-    bits = x.view(_INT_VIEW[x.dtype]).to(torch.int64)
+    """Sign bit and magnitude bits of each float (int32 for 16-bit dtypes, int64 otherwise)."""
+    wide = torch.int32 if x.element_size() == 2 else torch.int64
+    bits = x.view(_INT_VIEW[x.dtype]).to(wide)
     width = torch.finfo(x.dtype).bits
     return bits < 0, bits & ((1 << (width - 1)) - 1)
 
@@ -76,11 +103,19 @@ def ulp_distance(reference: torch.Tensor, candidate: torch.Tensor) -> torch.Tens
             f"ulp_distance: needs equal shape and dtype, got {tuple(reference.shape)} "
             f"{reference.dtype} vs {tuple(candidate.shape)} {candidate.dtype}."
         )
+    return _ulp(reference, candidate).to(torch.float64)
+
+
+def _ulp(reference: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
+    """ulp_distance in the narrowest exact float: fp32 for 16-bit dtypes, fp64 otherwise."""
     sign_a, mag_a = _sign_magnitude(reference)
     sign_b, mag_b = _sign_magnitude(candidate)
-    # Same sign: the magnitudes' difference, exact in int64 for every dtype. Opposite signs: the
-    # steps down to zero on one side plus up from it on the other (+0 and -0 are both zero),
-    # summed in float64 so fp64 magnitudes cannot overflow.
+    if reference.element_size() == 2:
+        # 16-bit magnitudes: every distance (< 2^16) is exact in int32 and in fp32.
+        return torch.where(sign_a == sign_b, (mag_a - mag_b).abs(), mag_a + mag_b).float()
+    # Same sign: the magnitudes' difference, exact in int64. Opposite signs: the steps down to
+    # zero on one side plus up from it on the other (+0 and -0 are both zero), summed in
+    # float64 so fp64 magnitudes cannot overflow.
     same = (mag_a - mag_b).abs().to(torch.float64)
     across = mag_a.to(torch.float64) + mag_b.to(torch.float64)
     return torch.where(sign_a == sign_b, same, across)
@@ -153,39 +188,44 @@ def segment_stats(
 def _group_stats(
     pairs: list[tuple[torch.Tensor, torch.Tensor]], coarse: torch.dtype, compute: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    f64 = torch.float64
     device = pairs[0][0].device
+    if len(pairs) == 1:
+        a, b = (t.detach().reshape(-1) for t in pairs[0])
+        return _single_stats(device)(a, b, coarse, compute)
     sizes = [a.numel() for a, _ in pairs]
-    single = len(pairs) == 1
-
-    def flat(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        parts = [t.detach().reshape(-1).to(dtype) for t in tensors]
-        return parts[0] if single else torch.cat(parts)
-
-    a = flat([p[0] for p in pairs], compute)
-    b = flat([p[1] for p in pairs], compute)
+    a = torch.cat([p[0].detach().reshape(-1).to(compute) for p in pairs])
+    b = torch.cat([p[1].detach().reshape(-1).to(compute) for p in pairs])
+    ra = torch.cat([p[0].detach().reshape(-1).to(coarse) for p in pairs])
+    rb = torch.cat([p[1].detach().reshape(-1).to(coarse) for p in pairs])
     lengths = torch.tensor(sizes, device=device)
 
     def seg(x: torch.Tensor, op: str) -> torch.Tensor:
-        if single:
-            if op == "sum":
-                return x.sum(dtype=f64).reshape(1)
-            return (x.amax() if op == "max" else x.amin()).to(f64).reshape(1)
-        if op == "sum":
-            x = x.to(f64)
-        return torch.segment_reduce(x, op, lengths=lengths).to(f64)
+        x = x.to(torch.float64) if op == "sum" else x
+        return torch.segment_reduce(x, op, lengths=lengths).to(torch.float64)
 
+    return _stats_from(a, b, ra, rb, compute, seg)
+
+
+def _stats_from(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    ra: torch.Tensor,
+    rb: torch.Tensor,
+    compute: torch.dtype,
+    seg: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The elementwise core shared by the segmented and the single-pair (compiled) paths."""
+    f64 = torch.float64
     fin_a, fin_b = torch.isfinite(a), torch.isfinite(b)
     finite = fin_a & fin_b
-    zero = torch.zeros((), dtype=compute, device=device)
+    zero = torch.zeros((), dtype=compute, device=a.device)
     a_f, b_f = torch.where(finite, a, zero), torch.where(finite, b, zero)
     diff = (b_f - a_f).abs()
-    ra, rb = flat([p[0] for p in pairs], coarse), flat([p[1] for p in pairs], coarse)
-    ulp = torch.where(finite, ulp_distance(ra, rb), torch.zeros((), dtype=f64, device=device))
+    ulp = torch.where(finite, _ulp(ra, rb), 0)
     rounded = torch.where(finite, (rb.to(compute) - ra.to(compute)).abs(), zero)
     count = seg(finite, "sum")
     columns = {
-        "numel": lengths.to(f64),
+        "numel": seg(torch.ones_like(finite), "sum"),
         "finite": count,
         "sum_abs_diff": seg(diff, "sum"),
         "max_abs_diff": seg(diff, "max"),
@@ -207,17 +247,52 @@ def _group_stats(
         "mean_b": seg(b_f, "sum") / count.clamp(min=1),
     }
     stats = torch.stack([columns[name] for name in STAT_FIELDS], dim=1)
-    edges = torch.tensor(ULP_BIN_EDGES, dtype=f64, device=device)
-    bins = torch.bucketize(ulp, edges, right=True) - 1
-    n_bins = len(ULP_BIN_EDGES)
-    if single:
-        hist = torch.bincount(bins[finite], minlength=n_bins).to(f64).reshape(1, n_bins)
-    else:
-        segment = torch.repeat_interleave(torch.arange(len(pairs), device=device), lengths)
-        flat_bins = (segment * n_bins + bins)[finite]
-        hist = torch.bincount(flat_bins, minlength=len(pairs) * n_bins).to(f64)
-        hist = hist.reshape(len(pairs), n_bins)
-    return stats, hist
+    # Counts at or above each bin edge, then differences: comparisons and sums only, so the
+    # single-pair path fuses under torch.compile (bincount would not).
+    at_least = torch.stack([seg(finite & (ulp >= edge), "sum") for edge in ULP_BIN_EDGES], dim=1)
+    above = torch.cat([at_least[:, 1:], torch.zeros_like(at_least[:, :1])], dim=1)
+    return stats, at_least - above
+
+
+def _single_core(
+    a: torch.Tensor, b: torch.Tensor, coarse: torch.dtype, compute: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    def seg(x: torch.Tensor, op: str) -> torch.Tensor:
+        if op == "sum":
+            return x.sum(dtype=torch.float64).reshape(1)
+        return (x.amax() if op == "max" else x.amin()).to(torch.float64).reshape(1)
+
+    return _stats_from(a.to(compute), b.to(compute), a.to(coarse), b.to(coarse), compute, seg)
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def _single_stats(device: torch.device) -> Any:
+    """The single-pair core: compiled into a few fused kernels on CUDA, eager elsewhere.
+
+    Set LAB_COMPILE_METRICS=0 to use the eager version on CUDA too (a compile failure also
+    falls back to it, once, with a warning).
+    """
+    if device.type != "cuda" or os.environ.get("LAB_COMPILE_METRICS", "1") == "0":
+        return _single_core
+    if "cuda" not in _COMPILED:
+        compiled = torch.compile(_single_core, dynamic=True)
+
+        def guarded(*args: Any) -> Any:
+            if _COMPILED.get("failed"):
+                return _single_core(*args)
+            try:
+                return compiled(*args)
+            except Exception as err:  # inductor unavailable or an unsupported op
+                warnings.warn(
+                    f"metrics: torch.compile failed ({err!r:.200}); using eager.", stacklevel=2
+                )
+                _COMPILED["failed"] = True
+                return _single_core(*args)
+
+        _COMPILED["cuda"] = guarded
+    return _COMPILED["cuda"]
 
 
 @dataclass(frozen=True)

@@ -204,9 +204,16 @@ def _qwen_mask_inputs(fam: Family, preset: str, device: str) -> Inputs:
 
 
 def _qwen_mask(fam: Family, device: str) -> tuple[Side, Side, Side, Side]:
-    rollout = Side.rollout(fam, device=device, op_switches={"drop_identity_mask": True})
+    # The engine runs mask-free batch-1 requests on SDPA flash. A trainer handed the identity
+    # mask cannot use flash (pinned, flash raises on any mask), so its default dispatch falls
+    # back to another kernel; dropping the all-True mask lets it pin flash like the engine.
+    rollout = Side.rollout(
+        fam, device=device, attention_backend="flash", op_switches={"drop_identity_mask": True}
+    )
     bug = Side.trainer(fam, device=device).replace(name="trainer_with_mask")
-    fixed = Side.trainer(fam, device=device, op_switches={"drop_identity_mask": True})
+    fixed = Side.trainer(
+        fam, device=device, attention_backend="flash", op_switches={"drop_identity_mask": True}
+    )
     return rollout, bug, rollout, fixed
 
 
