@@ -277,7 +277,11 @@ def _single_stats(device: torch.device) -> Any:
     if device.type != "cuda" or os.environ.get("LAB_COMPILE_METRICS", "1") == "0":
         return _single_core
     if "cuda" not in _COMPILED:
-        compiled = torch.compile(_single_core, dynamic=True)
+        # emulate_precision_casts: without it inductor folds x.to(bf16).to(fp32) into x, which
+        # would erase exactly the rounding the rounding-only check measures.
+        compiled = torch.compile(
+            _single_core, dynamic=True, options={"emulate_precision_casts": True}
+        )
 
         def guarded(*args: Any) -> Any:
             if _COMPILED.get("failed"):
