@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 
@@ -21,15 +22,28 @@ def test_readme_python_blocks_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert namespace["result"].mode == "local"
 
 
-def test_readme_names_exist() -> None:
-    import lab
-    import lab.precision
+def _resolve(dotted: str) -> object:
+    """Import the longest module prefix of `dotted`, then getattr the rest."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ModuleNotFoundError(dotted)
 
+
+def test_readme_names_exist() -> None:
     text = README.read_text()
-    for name in set(re.findall(r"`lab\.(\w+)", text)) | set(re.findall(r"lab\.(\w+)\(", text)):
-        assert hasattr(lab, name) or name in {"precision"}, f"README names lab.{name}"
-    for name in re.findall(r"lab\.precision\.(\w+)", text):
-        if name != "autocast":
-            assert hasattr(lab.precision, name), f"README names lab.precision.{name}"
-    for script in re.findall(r"bash (scripts/[\w/]+\.sh)", text):
+    names = set(re.findall(r"\blab(?:\.[A-Za-z_]\w*)+", text))
+    assert len(names) > 15
+    for dotted in sorted(names):
+        try:
+            _resolve(dotted)
+        except (AttributeError, ModuleNotFoundError) as err:
+            raise AssertionError(f"README names {dotted}, which does not exist") from err
+    for script in re.findall(r"(?:bash|python) ((?:scripts|bench)/[\w/]+\.(?:sh|py))", text):
         assert (README.parent / script).is_file(), script
