@@ -526,6 +526,7 @@ def _run_streamed(
             start_calls=start_calls,
         )
         phase["side"] = side_a.name
+        rerun_start = time.perf_counter()
         with (
             hooks_b.paused(),
             inner_hooks.attached(),
@@ -533,6 +534,8 @@ def _run_streamed(
             side_context(side_a, device, module),
         ):
             module(*a_args, **a_kwargs)
+        _sync(device)
+        timings["rerun_a_s"] = timings.get("rerun_a_s", 0.0) + time.perf_counter() - rerun_start
         phase["side"] = side_b.name
 
     def on_b_out(label: str, call: int, module: Any, args: Any, kwargs: Any, output: Any) -> None:
