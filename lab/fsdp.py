@@ -7,19 +7,26 @@ and runs the side's forward; rank 0 captures every module output and writes it t
 `pair_capture` pairs such a capture against an in-process side in the parent and returns the
 usual `Result`. `pair_fsdp2` does all of it for one family.
 
+Two more uses of the same ranks: a job with a `loss` also runs the backward and returns rank 0's
+gathered fp32 gradients (`compare_reduce_dtypes`: FSDP2's reduce dtype against an unsharded
+reference), and `pair_sharded` runs *both* sides sharded, for models whose two sides do not
+fit on one device (the engine-like rollout side expressed as FSDP2; see its docstring).
+
 Run as a module (`-m lab.fsdp --spec SPEC --out DIR`) this file is the rank entry point.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fnmatch
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +35,14 @@ import torch
 
 from lab.capture import ROOT, ModuleHooks, depth_filter, flatten_output
 from lab.families import Family, Inputs
+from lab.gradients import (
+    GradientResult,
+    LogProbLoss,
+    SideGradients,
+    master_gradients,
+    mean_gradients,
+    pair_gradients,
+)
 from lab.pairing import pair_leaves
 from lab.precision.dtypes import dtype_name, parse_dtype
 from lab.precision.fsdp2_patch import (
@@ -35,7 +50,6 @@ from lab.precision.fsdp2_patch import (
     apply_param_dtype_map_patch,
     is_param_dtype_map_patch_applied,
 )
-from lab.precision.input_policy import apply_input_dtype_policy
 from lab.precision.param_rules import ParamDtypeMaps, block_wraps, compile_param_dtype_maps
 from lab.result import Result
 from lab.sides import Side
@@ -47,11 +61,19 @@ __all__ = [
     "ParamDtypeMixedPrecisionPolicy",
     "apply_fsdp2",
     "apply_param_dtype_map_patch",
+    "compare_reduce_dtypes",
+    "express_engine_load",
     "pair_capture",
     "pair_fsdp2",
+    "pair_sharded",
+    "pair_sharded_captures",
     "run_fsdp2_forwards",
+    "sharded_jobs",
 ]
 
+
+_RANK_THREADS = "1"
+"""CPU threads per rank unless OMP_NUM_THREADS is set (the ranks share the cores)."""
 
 # ---- sharding -------------------------------------------------------------------------------
 
@@ -165,6 +187,54 @@ def apply_fsdp2(model: torch.nn.Module, family: Family, side: Side, mesh: Any) -
     )
 
 
+def express_engine_load(model: torch.nn.Module, side: Side) -> tuple[Side, dict[str, torch.dtype]]:
+    """Express an engine-like side in FSDP2's terms: keep-fp32 modules as rules, buffer casts.
+
+    An engine loads each weight straight to its dtype and keeps named modules in fp32;
+    FSDP2 gathers parameters from the sharded master at a policy dtype and never touches
+    buffers. Both give the same values (a gathered cast of the fp32 master is the rounding the
+    engine's load does), once the keep-fp32 components become `param_dtype_rules` (placed
+    before the side's own rules, which keep winning) and the persistent floating buffers are
+    cast in place before sharding (buffers are replicated, not sharded).
+
+    Args:
+        model: The unsharded fp32 model.
+        side: An engine-like side (e.g. `Side.rollout`).
+
+    Returns:
+        (the side with keep_fp32_modules=() and cast_buffers=False and the rules added,
+        buffer name -> dtype to cast before sharding).
+
+    Raises:
+        ValueError: The rules would not reproduce the side's per-parameter dtypes exactly
+            (named: the first parameter that differs), so the FSDP2 side would not be the side.
+    """
+    from lab.weights import plan_weights
+
+    want = plan_weights(model, side)
+    names = [n for n, _ in model.named_parameters()]
+    keep_rules: dict[str, str] = {}
+    for component in side.keep_fp32_modules:
+        for pattern in (component, f"{component}.*", f"*.{component}", f"*.{component}.*"):
+            # A rule that matches nothing is an error in compile_param_dtype_maps: only the
+            # shapes of the component that occur are kept.
+            if any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                keep_rules[pattern] = "fp32"
+    rules = {p: d for p, d in keep_rules.items() if p not in side.param_dtype_rules}
+    rules.update(side.param_dtype_rules)
+    expressed = side.replace(keep_fp32_modules=(), cast_buffers=False, param_dtype_rules=rules)
+    got = plan_weights(model, expressed).param_dtypes
+    for name, dtype in want.param_dtypes.items():
+        if got.get(name) != dtype:
+            raise ValueError(
+                f"express_engine_load: Side({side.name!r}) cannot be expressed as FSDP2 rules: "
+                f"{name!r} is {dtype_name(dtype)} on the side but "
+                f"{dtype_name(got[name]) if name in got else 'absent'} under rules {rules}. "
+                "Pin it with an explicit param_dtype_rules entry on the side."
+            )
+    return expressed, dict(want.buffer_dtypes)
+
+
 # ---- launching ranks ------------------------------------------------------------------------
 
 
@@ -182,6 +252,14 @@ class Fsdp2Job:
     variant: str | None = None
     capture_depth: int | None = None
     """Capture only modules this many levels deep (None: every module)."""
+    loss: LogProbLoss | None = None
+    """Also run the backward of this loss; rank 0 returns the gathered fp32 gradients."""
+    data_parallel: bool = False
+    """Rank r draws its inputs with seed + r (its own samples), as a data-parallel step does;
+    FSDP2's reduce then averages the ranks' gradients."""
+    emulate_engine_load: bool = False
+    """Run an engine-like side (keep_fp32_modules, cast_buffers) by `express_engine_load`;
+    False refuses such a side, as `apply_fsdp2` does."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (the side as `Side.to_dict`)."""
@@ -195,15 +273,22 @@ class Fsdp2Job:
             "sigma": self.sigma,
             "variant": self.variant,
             "capture_depth": self.capture_depth,
+            "loss": self.loss.to_dict() if self.loss is not None else None,
+            "data_parallel": self.data_parallel,
+            "emulate_engine_load": self.emulate_engine_load,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Fsdp2Job:
         """Inverse of `to_dict`."""
-        return cls(**{**data, "side": Side.from_dict(data["side"])})
+        loss = LogProbLoss.from_dict(data["loss"]) if data.get("loss") else None
+        return cls(**{**data, "side": Side.from_dict(data["side"]), "loss": loss})
 
-    def build(self, device: torch.device | str) -> tuple[torch.nn.Module, Inputs]:
-        """The seeded model and inputs, exactly as the in-process pair would build them."""
+    def build(self, device: torch.device | str, rank: int = 0) -> tuple[torch.nn.Module, Inputs]:
+        """The seeded model and inputs, exactly as the in-process pair would build them.
+
+        With data_parallel, rank r's inputs use seed + r (the weights always use seed).
+        """
         from lab.families import family as get_family
 
         fam = get_family(self.family_name)
@@ -213,7 +298,7 @@ class Fsdp2Job:
         )
         inputs = fam.make_inputs(
             self.preset,
-            self.seed,
+            self.seed + (rank if self.data_parallel else 0),
             self.batch,
             self.cfg,
             variant=self.variant,
@@ -231,7 +316,9 @@ class Fsdp2Capture:
     leaves: list[tuple[str, int, str, Any]]
     """(module path or ROOT, call index, output index path, CPU tensor or a type marker)."""
     meta: dict[str, Any] = field(default_factory=dict)
-    """World size, backend, device, the Fsdp2Plan summary, forward seconds."""
+    """World size, backend, device, the Fsdp2Plan summary, seconds, peak memory per rank."""
+    grads: dict[str, torch.Tensor | None] | None = None
+    """With a loss: parameter name -> full fp32 gradient after FSDP2's reduce (CPU)."""
 
 
 def run_fsdp2_forwards(
@@ -314,7 +401,7 @@ def run_fsdp2_forwards(
     ]
     env = {**os.environ, "PYTHONPATH": _repo_root() + os.pathsep + os.environ.get("PYTHONPATH", "")}
     # One thread per rank on CPU: the ranks share the cores, and oversubscription only slows.
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("OMP_NUM_THREADS", _RANK_THREADS)
     try:
         proc = subprocess.run(
             cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
@@ -333,7 +420,11 @@ def run_fsdp2_forwards(
     captures = []
     for i, job in enumerate(jobs):
         saved = torch.load(workdir / f"job{i}.pt", weights_only=True)
-        captures.append(Fsdp2Capture(job=job, leaves=saved["leaves"], meta=saved["meta"]))
+        captures.append(
+            Fsdp2Capture(
+                job=job, leaves=saved["leaves"], meta=saved["meta"], grads=saved.get("grads")
+            )
+        )
     return captures
 
 
@@ -354,16 +445,16 @@ def pair_capture(
 ) -> Result:
     """Pair an in-process side's forward (reference) against an FSDP2 capture (candidate).
 
-    The reference runs like one side of `lab.pair` (weights view, input policy, autocast,
-    kernel), with the same names_filter as the capture; leaves are paired by exact
-    (module, call, output) key. A key on one side only, or a pair that cannot be compared,
-    becomes a Skipped.
+    The reference runs like one side of `lab.pair` (weights view, input policy and switches,
+    autocast, kernel, engine ops), with the same names_filter as the capture; leaves are
+    paired by exact (module, call, output) key. A key on one side only, or a pair that
+    cannot be compared, becomes a Skipped.
 
     Returns:
         A Result with side_a = reference, side_b = the capture's side; rows in the
         reference's completion order.
     """
-    from lab.run import check_side_device, side_context
+    from lab.run import check_side_device, side_context, side_inputs
     from lab.weights import WeightView
 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -371,16 +462,20 @@ def pair_capture(
     job = capture.job
     names_filter = depth_filter(job.capture_depth) if job.capture_depth is not None else None
     view = WeightView(model, reference)
-    cast = apply_input_dtype_policy(
-        reference.input_dtype_policy, inputs.to(device), reference.forward_dtype
-    )
+    cast = side_inputs(inputs, reference, device)
     leaves_a: list[tuple[str, int, str, Any]] = []
     hooks = ModuleHooks(model, _capture_into(leaves_a), names_filter=names_filter)
     was_training = model.training
     model.eval()
     start = time.perf_counter()
     try:
-        with torch.no_grad(), hooks.attached(), view.applied(), side_context(reference, device):
+        # With the model as root: the reference's engine ops (a rollout side's) apply, as in pair.
+        with (
+            torch.no_grad(),
+            hooks.attached(),
+            view.applied(),
+            side_context(reference, device, model),
+        ):
             model(**cast.kwargs)
     finally:
         model.train(was_training)
@@ -393,7 +488,7 @@ def pair_capture(
         "autocast_policy_a": reference.resolved_autocast_policy,
         "autocast_policy_b": job.side.resolved_autocast_policy,
         "runtime_b": "fsdp2",
-        "fsdp2": capture.meta,
+        "fsdp2": {k: v for k, v in capture.meta.items() if k != "module_classes"},
         "capture_depth": job.capture_depth,
         "timings_s": {"a_s": seconds_a, "b_s": capture.meta.get("forward_s")},
     }
@@ -480,15 +575,295 @@ def pair_fsdp2(
     return pair_capture(model, inputs, reference, capture, meta=meta)
 
 
+# ---- gradients under FSDP2's reduce ---------------------------------------------------------
+
+
+def compare_reduce_dtypes(
+    family_name: str,
+    preset: str = "tiny",
+    *,
+    nproc: int = 2,
+    device: str = "cpu",
+    reduce_dtypes: Sequence[str] = ("fp32", "bf16"),
+    seed: int = 0,
+    sigma: float = 0.75,
+    batch: int = 1,
+    trainer: Side | None = None,
+    loss: LogProbLoss | None = None,
+    timeout_s: float = 600.0,
+) -> dict[str, GradientResult]:
+    """Gradients of one data-parallel step under real FSDP2 at each reduce dtype, vs unsharded.
+
+    Every rank r runs the trainer side on its own inputs (seed + r) and backs the loss
+    through FSDP2, whose reduce-scatter averages the ranks' gradients at the reduce dtype and
+    stores them in fp32. The reference is the same step unsharded, in this process: each
+    rank's inputs through `master_gradients` (fp32 reduce), averaged in fp32. At one rank and
+    fp32 reduce the two are the same arithmetic; at two ranks the fp32 sum of two ranks is
+    exact whatever the order, so only a coarser reduce dtype should move the gradients.
+
+    Args:
+        family_name: One of `lab.families()`.
+        preset: "tiny", "reduced" or "full".
+        nproc: FSDP2 ranks (gloo on CPU, NCCL on GPU).
+        device: "cpu" or "cuda".
+        reduce_dtypes: The reduce dtypes to run (one job each, one launch for all).
+        seed: Weight seed; rank r's inputs use seed + r.
+        sigma: The step's sigma.
+        batch: Samples per rank.
+        trainer: The side run under FSDP2; default `Side.trainer(family)`.
+        loss: Default `LogProbLoss(family_name, sigma_prev=sigma - 0.1, seed=seed)`.
+        timeout_s: Wall-clock limit for the torchrun launch.
+
+    Returns:
+        "reduce <dtype>" -> GradientResult (unsharded reference first, FSDP2 second); its
+        meta["emulation"] summarises FSDP2 against the same reduce emulated in process
+        (`mean_gradients(per_rank, reduce_dtype)`), bit-exact when the emulation is exact.
+
+    Raises:
+        ValueError: Bad arguments (see `run_fsdp2_forwards`), or a bad reduce dtype name.
+    """
+    from lab.families import family as get_family
+
+    fam = get_family(family_name)
+    trainer = trainer or Side.trainer(fam, device=device)
+    loss = loss or LogProbLoss(family_name=family_name, sigma_prev=sigma - 0.1, seed=seed)
+    jobs = [
+        Fsdp2Job(
+            family_name=family_name,
+            side=trainer.replace(name=f"fsdp2_reduce_{name}", reduce_dtype=name),
+            preset=preset,
+            seed=seed,
+            batch=batch,
+            sigma=sigma,
+            capture_depth=0,
+            loss=loss,
+            data_parallel=True,
+        )
+        for name in reduce_dtypes
+    ]
+    captures = run_fsdp2_forwards(jobs, nproc=nproc, device=device, timeout_s=timeout_s)
+    model, _ = jobs[0].build(device)
+    reference_side = trainer.replace(name="unsharded", reduce_dtype="fp32")
+    with _rank_threads(device):
+        per_rank = [
+            master_gradients(model, jobs[0].build(device, rank)[1], reference_side, loss)
+            for rank in range(nproc)
+        ]
+    reference = mean_gradients(per_rank)
+    out = {}
+    for job, capture in zip(jobs, captures, strict=True):
+        meta = {k: v for k, v in capture.meta.items() if k != "module_classes"}
+        fsdp2 = SideGradients(
+            job.side.to_dict(),
+            capture.grads or {},
+            reference.compute_dtypes,
+            capture.meta["loss"],
+            {"runtime": "fsdp2", "reduce_dtype": job.side.reduce_dtype, **meta},
+        )
+        # The same reduce emulated in process: cast, sum in rank order, divide, cast back.
+        emulated = mean_gradients(per_rank, job.side.reduce_dtype)
+        run_meta = dict(
+            family=family_name,
+            preset=preset,
+            seed=seed,
+            sigma=sigma,
+            nproc=nproc,
+            emulation=pair_gradients(emulated, fsdp2).summary(),
+        )
+        out[f"reduce {job.side.reduce_dtype}"] = pair_gradients(reference, fsdp2, meta=run_meta)
+    return out
+
+
+@contextlib.contextmanager
+def _rank_threads(device: str) -> Iterator[None]:
+    """Run CPU kernels at the ranks' thread count while computing a bitwise reference.
+
+    Forward kernels give the same bits at any thread count, but some backward reductions
+    (layer_norm's weight gradient) split the sum per thread.
+    """
+    if device != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", _RANK_THREADS)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# ---- both sides sharded ----------------------------------------------------------------------
+
+
+def pair_sharded(
+    family_name: str,
+    preset: str = "tiny",
+    *,
+    nproc: int = 2,
+    device: str = "cuda",
+    capture_depth: int | None = 1,
+    seed: int = 0,
+    sigma: float = 0.75,
+    batch: int = 1,
+    rollout: Side | None = None,
+    trainer: Side | None = None,
+    timeout_s: float = 600.0,
+) -> Result:
+    """Pair the rollout and trainer sides with BOTH run sharded under FSDP2 across `nproc` ranks.
+
+    For models whose two sides do not fit on one device (Qwen-Image full: 20 B parameters,
+    80 GB of fp32 master). Each side is one job of one torchrun launch: every rank builds the
+    seeded fp32 model, shards it (one fully_shard per block, then the root) and runs the
+    side's forward; rank 0 captures the module outputs (block level by default, to bound
+    memory) and moves them to the CPU; the parent pairs them with `pair_leaves`, on `device`.
+
+    The rollout side as FSDP2: the fp32 master is sharded and each block is gathered at
+    param_dtype = the rollout dtype, with no autocast and the engine's input policy. Where
+    the in-process rollout side (`Side.rollout`, a WeightView) has semantics FSDP2 lacks, they
+    are emulated exactly or refused (`express_engine_load`):
+      - keep_fp32_modules (engine load keeps named modules fp32) -> param_dtype_rules,
+        checked to give every parameter the same dtype as the in-process plan, else refused;
+      - cast_buffers (the engine holds persistent buffers at its dtype) -> those buffers are
+        cast in place before sharding (FSDP2 replicates buffers and never casts them);
+      - engine_ops / op_switches (rounding-point patches matched by class name) -> installed
+        before fully_shard renames the classes, and the input switches applied as usual.
+    What stays different from a real engine is what the in-process rollout side does not
+    model either: the engine's own loader and fused kernels. Gathering a shard is a copy, so
+    the gathered bf16 weights are bitwise the engine's resident cast of the same master.
+
+    Args:
+        family_name: One of `lab.families()`.
+        preset: "tiny", "reduced" or "full".
+        nproc: Ranks (gloo on CPU, NCCL on GPU, one GPU each).
+        device: "cuda" or "cpu".
+        capture_depth: Capture only modules this many levels deep (1 = every block's output;
+            None = every module, which at full size may not fit in host memory).
+        seed: Weight and input seed.
+        sigma: The step's sigma (also picks the expert of MoE families).
+        batch: Samples per forward.
+        rollout: Reference side; default `Side.rollout(family)`.
+        trainer: Candidate side; default `Side.trainer(family)`.
+        timeout_s: Wall-clock limit for the launch.
+
+    Returns:
+        A Result like `lab.pair`'s (rollout first, trainer second, propagated), with both
+        jobs' FSDP2 plans, seconds and per-rank peak memory in meta["fsdp2_a"/"fsdp2_b"].
+
+    Raises:
+        ValueError: Bad arguments, or a side FSDP2 cannot express.
+        RuntimeError: A rank failed (its output is quoted).
+    """
+    jobs = sharded_jobs(
+        family_name,
+        preset,
+        device=device,
+        capture_depth=capture_depth,
+        seed=seed,
+        sigma=sigma,
+        batch=batch,
+        rollout=rollout,
+        trainer=trainer,
+    )
+    start = time.perf_counter()
+    capture_a, capture_b = run_fsdp2_forwards(jobs, nproc=nproc, device=device, timeout_s=timeout_s)
+    result = pair_sharded_captures(capture_a, capture_b)
+    result.meta["timings_s"]["launch_s"] = time.perf_counter() - start
+    return result
+
+
+def sharded_jobs(
+    family_name: str,
+    preset: str = "tiny",
+    *,
+    device: str = "cuda",
+    capture_depth: int | None = 1,
+    seed: int = 0,
+    sigma: float = 0.75,
+    batch: int = 1,
+    rollout: Side | None = None,
+    trainer: Side | None = None,
+) -> list[Fsdp2Job]:
+    """The two jobs of `pair_sharded` (rollout, trainer), to batch several in one launch."""
+    from lab.families import family as get_family
+
+    fam = get_family(family_name)
+    rollout = rollout or Side.rollout(fam, device=device)
+    trainer = trainer or Side.trainer(fam, device=device)
+    common = dict(
+        family_name=family_name,
+        preset=preset,
+        seed=seed,
+        batch=batch,
+        sigma=sigma,
+        capture_depth=capture_depth,
+    )
+    return [
+        Fsdp2Job(side=rollout, emulate_engine_load=True, **common),
+        Fsdp2Job(side=trainer, **common),
+    ]
+
+
+def pair_sharded_captures(capture_a: Fsdp2Capture, capture_b: Fsdp2Capture) -> Result:
+    """Pair two sharded captures (the jobs of `sharded_jobs`) on their ranks' device type."""
+    from lab.families import family as get_family
+
+    job = capture_a.job
+    family_name, preset, seed, sigma = job.family_name, job.preset, job.seed, job.sigma
+    batch, capture_depth = job.batch, job.capture_depth
+    rollout, trainer = job.side, capture_b.job.side
+    device = capture_a.meta["device"].split(":")[0]
+    fam = get_family(family_name)
+    classes = capture_a.meta["module_classes"]
+    start = time.perf_counter()
+    pair_device = torch.device("cuda" if device == "cuda" else "cpu")
+    rows, skipped = pair_leaves(
+        _leaves_on(capture_a.leaves, pair_device),
+        _leaves_on(capture_b.leaves, pair_device),
+        classes,
+        rollout.name,
+        trainer.name,
+    )
+    pair_s = time.perf_counter() - start
+
+    def job_meta(capture: Fsdp2Capture) -> dict[str, Any]:
+        return {k: v for k, v in capture.meta.items() if k != "module_classes"}
+
+    meta = dict(
+        family=family_name,
+        preset=preset,
+        seed=seed,
+        sigma=sigma,
+        batch=batch,
+        expert=fam.expert_for_sigma(sigma),
+        device=device,
+        capture_depth=capture_depth,
+        runtime_a="fsdp2",
+        runtime_b="fsdp2",
+        autocast_policy_a=rollout.resolved_autocast_policy,
+        autocast_policy_b=trainer.resolved_autocast_policy,
+        fsdp2_a=job_meta(capture_a),
+        fsdp2_b=job_meta(capture_b),
+        timings_s={
+            "a_s": capture_a.meta["forward_s"],
+            "b_s": capture_b.meta["forward_s"],
+            "pair_s": pair_s,
+        },
+    )
+    return Result("propagated", rollout.to_dict(), trainer.to_dict(), rows, skipped, meta)
+
+
+def _leaves_on(
+    leaves: list[tuple[str, int, str, Any]], device: torch.device
+) -> list[tuple[str, int, str, Any]]:
+    return [(m, c, o, v.to(device) if isinstance(v, torch.Tensor) else v) for m, c, o, v in leaves]
+
+
 # ---- the rank entry point -------------------------------------------------------------------
 
 
 def _run_rank(spec_path: Path, out_dir: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-
-    from lab.families import family as get_family
-    from lab.run import side_context
 
     spec = json.loads(spec_path.read_text())
     if spec["device"] == "cuda":
@@ -505,47 +880,119 @@ def _run_rank(spec_path: Path, out_dir: Path) -> None:
         mesh = init_device_mesh(device.type, (world,))
         for index, data in enumerate(spec["jobs"]):
             job = Fsdp2Job.from_dict(data)
-            fam = get_family(job.family_name)
-            model, inputs = job.build(device)
-            if world > 1:
-                # Identical weights on every rank whatever the device's RNG did.
-                with torch.no_grad():
-                    for t in [*model.parameters(), *model.buffers()]:
-                        dist.broadcast(t.data, src=0)
-            plan = apply_fsdp2(model, fam, job.side, mesh)
-            cast = apply_input_dtype_policy(
-                job.side.input_dtype_policy, inputs, job.side.forward_dtype
-            )
-            leaves: list[tuple[str, int, str, Any]] = []
-            names_filter = (
-                depth_filter(job.capture_depth) if job.capture_depth is not None else None
-            )
-            on_output = _capture_into(leaves) if rank == 0 else (lambda *a: None)
-            start = time.perf_counter()
-            with (
-                torch.no_grad(),
-                ModuleHooks(model, on_output, names_filter=names_filter).attached(),
-                side_context(job.side, device),
-            ):
-                model(**cast.kwargs)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds = time.perf_counter() - start
+            saved = _run_rank_job(job, device, mesh, rank, world, backend)
             if rank == 0:
-                meta = {
-                    "world_size": world,
-                    "backend": backend,
-                    "device": str(device),
-                    "plan": plan.summary(),
-                    "forward_s": seconds,
-                    "patch_applied": is_param_dtype_map_patch_applied(),
-                    "torch": str(torch.__version__),
-                }
-                torch.save({"leaves": leaves, "meta": meta}, out_dir / f"job{index}.pt")
-            del model
+                torch.save(saved, out_dir / f"job{index}.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _run_rank_job(
+    job: Fsdp2Job, device: torch.device, mesh: Any, rank: int, world: int, backend: str
+) -> dict[str, Any]:
+    """One job on one rank: build, shard, forward (rank 0 captures), backward if asked."""
+    import torch.distributed as dist
+
+    from lab.families import family as get_family
+    from lab.precision.engine_ops import ops_applied
+    from lab.run import side_context, side_inputs
+
+    fam = get_family(job.family_name)
+    seconds: dict[str, float] = {}
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    model, inputs = job.build(device, rank)
+    if world > 1:
+        # Identical weights on every rank whatever the device's RNG did.
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t.data, src=0)
+    module_classes = {(n or ROOT): type(m).__name__ for n, m in model.named_modules()}
+    seconds["build_s"] = _elapsed(start, device)
+    side = job.side
+    if job.emulate_engine_load:
+        side, buffer_dtypes = express_engine_load(model, job.side)
+        _cast_buffers(model, buffer_dtypes, job.side)
+    leaves: list[tuple[str, int, str, Any]] = []
+    names_filter = depth_filter(job.capture_depth) if job.capture_depth is not None else None
+    on_output = _capture_into(leaves) if rank == 0 else (lambda *a: None)
+    loss_value = None
+    # Engine ops match modules by class name, and fully_shard renames every sharded class
+    # (FSDP<Class>): install them first; the instance-level forwards survive the rename.
+    with ops_applied(model, job.side.engine_ops, job.side.op_switches):
+        start = time.perf_counter()
+        plan = apply_fsdp2(model, fam, side, mesh)
+        seconds["shard_s"] = _elapsed(start, device)
+        cast = side_inputs(inputs, job.side, device)
+        grad_mode = torch.enable_grad() if job.loss is not None else torch.no_grad()
+        start = time.perf_counter()
+        with grad_mode:
+            with (
+                ModuleHooks(model, on_output, names_filter=names_filter).attached(),
+                side_context(job.side, device),
+            ):
+                output = model(**cast.kwargs)
+            seconds["forward_s"] = _elapsed(start, device)
+            if job.loss is not None:
+                # Loss and backward outside autocast, as master_gradients runs them.
+                value = job.loss(output, inputs)
+                start = time.perf_counter()
+                value.backward()
+                seconds["backward_s"] = _elapsed(start, device)
+                total = value.detach().reshape(1).clone()
+                dist.all_reduce(total)
+                loss_value = float(total) / world
+        del output
+    grads = _gather_grads(model, rank) if job.loss is not None else None
+    peaks: list[Any] = [None] * world
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    dist.all_gather_object(peaks, peak)
+    del model
+    meta = {
+        "world_size": world,
+        "backend": backend,
+        "device": str(device),
+        "plan": plan.summary(),
+        **seconds,
+        "peak_memory_gib_per_rank": peaks,
+        "loss": loss_value,
+        "patch_applied": is_param_dtype_map_patch_applied(),
+        "torch": str(torch.__version__),
+        "module_classes": module_classes,
+    }
+    return {"leaves": leaves, "meta": meta, "grads": grads}
+
+
+def _elapsed(start: float, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def _gather_grads(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor | None]:
+    """Full gradients on rank 0 (every rank joins each all-gather, in the same order)."""
+    grads: dict[str, torch.Tensor | None] = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        full = g.full_tensor() if hasattr(g, "full_tensor") else g
+        if rank == 0:
+            grads[name] = None if full is None else full.detach().to("cpu", copy=True)
+    return grads
+
+
+def _cast_buffers(
+    model: torch.nn.Module, buffer_dtypes: dict[str, torch.dtype], side: Side
+) -> None:
+    """Cast buffers in place as the side's WeightView would (master dtype first)."""
+    master = parse_dtype(side.master_dtype, where=f"Side({side.name!r}).master_dtype")
+    modules = dict(model.named_modules())
+    for full, dtype in buffer_dtypes.items():
+        owner, _, name = full.rpartition(".")
+        module = modules[owner]
+        module._buffers[name] = module._buffers[name].to(master).to(dtype)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -351,6 +351,111 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
         ("code", "", ["result.table()"]),
         ("code", "", ["Image(filename=str(result.plot_path)) if result.plot_path else None"]),
     ],
+    "07_fsdp2.ipynb": [
+        (
+            "markdown",
+            "",
+            [
+                "# The trainer side under real FSDP2, beside its in-process emulation; gradients\n",
+                "\n",
+                "Pairs the rollout side against the trainer side twice: emulated in this process\n",
+                "(WeightView casts) and run under real FSDP2 in `nproc` torchrun ranks (gloo on CPU,\n",
+                "NCCL on GPU). Equal tables mean the emulation is exact. Then the gradient of one\n",
+                "Flow-GRPO step's log-prob on both sides, per parameter, and FSDP2's reduce dtype\n",
+                "(fp32 vs bf16) against an unsharded fp32 reference. At 1 rank a bf16 reduce only\n",
+                "rounds the fp32-computed gradients; `-p nproc 2` adds the rounding of the rank sum.",
+            ],
+        ),
+        (
+            "code",
+            "",
+            [
+                "import lab\n",
+                "from lab import fsdp, gradients, plots\n",
+                "from lab.result import results_table",
+            ],
+        ),
+        (
+            "code",
+            "parameters",
+            [
+                'family: str = "wan2_2"  # one of lab.families()\n',
+                'preset: str = "tiny"  # tiny (CPU), reduced, full\n',
+                "nproc: int = 1  # FSDP2 ranks (gloo on CPU, one GPU each on cuda)\n",
+                'device: str = "cpu"  # cpu or cuda\n',
+                "seed: int = 0  # weight and input seed\n",
+                'metric: str = "rel_max"  # metric of the plots\n',
+                "interactive: bool = False  # True: also show the plotly overlay\n",
+                'out_dir: str = "runs/fsdp2"  # where the JSON files and PNGs go',
+            ],
+        ),
+        (
+            "code",
+            "",
+            [
+                "runs = {\n",
+                '    "in-process emulation": lab.pair_family(family, preset, seed=seed, device=device),\n',
+                '    "real FSDP2": fsdp.pair_fsdp2(family, preset, seed=seed, nproc=nproc, device=device),\n',
+                "}",
+            ],
+        ),
+        ("code", "", ["results_table(list(runs.values())).assign(run=list(runs))"]),
+        (
+            "code",
+            "",
+            [
+                'plots.save_figure(plots.plot_overlay(runs, metric), f"{out_dir}/emulation_vs_fsdp2.png")'
+            ],
+        ),
+        (
+            "code",
+            "",
+            ['plots.plot_overlay(runs, metric, backend="plotly") if interactive else None'],
+        ),
+        (
+            "code",
+            "",
+            [
+                "grads = gradients.gradient_pair(family, preset, seed=seed, device=device)\n",
+                "print(grads.describe())",
+            ],
+        ),
+        ("code", "", ["grads.table()"]),
+        (
+            "code",
+            "",
+            [
+                "plots.save_figure(gradients.plot_gradient_divergence(grads, metric),\n",
+                '                  f"{out_dir}/gradient_divergence.png")',
+            ],
+        ),
+        (
+            "code",
+            "",
+            [
+                "reduce = fsdp.compare_reduce_dtypes(family, preset, nproc=nproc, device=device, seed=seed)"
+            ],
+        ),
+        ("code", "", ["gradients.gradient_summaries(reduce)"]),
+        (
+            "code",
+            "",
+            [
+                "plots.save_figure(gradients.plot_gradient_divergence(reduce, metric),\n",
+                '                  f"{out_dir}/reduce_dtypes.png")',
+            ],
+        ),
+        (
+            "code",
+            "",
+            [
+                'runs["real FSDP2"].to_json(f"{out_dir}/results.json")\n',
+                'runs["in-process emulation"].to_json(f"{out_dir}/in_process.json")\n',
+                'gradients.save_gradient_results({"rollout vs trainer": grads, **reduce},\n',
+                '                                f"{out_dir}/gradients.json")',
+            ],
+        ),
+    ],
 }
 
 
