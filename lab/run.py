@@ -6,6 +6,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -253,52 +254,26 @@ def pair(
     model.eval()
     try:
         with torch.no_grad():
+            run = _PairRun(
+                model,
+                inputs_a,
+                inputs_b,
+                side_a,
+                side_b,
+                view_a,
+                view_b,
+                device,
+                collector,
+                names_filter,
+                timings,
+                phase,
+            )
             if stream and mode == "propagated":
-                _run_streamed(
-                    model,
-                    inputs_a,
-                    inputs_b,
-                    side_a,
-                    side_b,
-                    view_a,
-                    view_b,
-                    device,
-                    collector,
-                    names_filter,
-                    timings,
-                    phase,
-                    blocks,
-                )
+                _run_streamed(run)
             elif mode == "propagated":
-                _run_propagated(
-                    model,
-                    inputs_a,
-                    inputs_b,
-                    side_a,
-                    side_b,
-                    view_a,
-                    view_b,
-                    device,
-                    collector,
-                    names_filter,
-                    timings,
-                    phase,
-                )
+                _run_propagated(run)
             else:
-                _run_local(
-                    model,
-                    inputs_a,
-                    inputs_b,
-                    side_a,
-                    side_b,
-                    view_a,
-                    view_b,
-                    device,
-                    collector,
-                    names_filter,
-                    timings,
-                    phase,
-                )
+                _run_local(run)
     except Exception as err:
         result = partial()
         side = phase["side"]
@@ -321,76 +296,89 @@ def pair(
     return result
 
 
-def _run_propagated(
-    model,
-    inputs_a,
-    inputs_b,
-    side_a,
-    side_b,
-    view_a,
-    view_b,
-    device,
-    collector,
-    names_filter,
-    timings,
-    phase,
-) -> None:
-    store: dict[tuple[str, int, str], torch.Tensor] = {}
-    order: dict[tuple[str, int, str], int] = {}
+@dataclass
+class _PairRun:
+    """What every pairing strategy works with, plus the one way a side's forward is run."""
 
-    def on_a(label: str, call: int, module: Any, args: Any, kwargs: Any, output: Any) -> None:
+    model: torch.nn.Module
+    inputs_a: Inputs
+    inputs_b: Inputs
+    side_a: Side
+    side_b: Side
+    view_a: WeightView
+    view_b: WeightView
+    device: torch.device
+    collector: Collector
+    names_filter: Callable[[str], bool] | None
+    timings: dict[str, float]
+    phase: dict[str, str]
+
+    def forward(self, which: str, hooks: ModuleHooks) -> None:
+        """Run side `which` ("a" or "b") over the whole model with `hooks`, timed."""
+        side, view, inputs = (
+            (self.side_a, self.view_a, self.inputs_a)
+            if which == "a"
+            else (self.side_b, self.view_b, self.inputs_b)
+        )
+        self.phase["side"] = side.name
+        start = time.perf_counter()
+        with hooks.attached(), view.applied(), side_context(side, self.device, self.model):
+            self.model(**inputs.kwargs)
+        _sync(self.device)
+        self.timings[f"{which}_s"] = time.perf_counter() - start
+
+
+class _Store:
+    """Side A's outputs, held until side B's matching output arrives (then compared, dropped)."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[tuple[str, int, str], Any] = {}
+        self.order: dict[tuple[str, int, str], int] = {}
+
+    def keep(self, label: str, call: int, output: Any) -> None:
         for idx, leaf in flatten_output(output):
             key = (label, call, idx)
-            order[key] = len(order)
+            self.order.setdefault(key, len(self.order))
             # Cloned: a later in-place op of the forward must not edit what we compare.
-            store[key] = leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf
+            self.tensors[key] = leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf
 
-    def on_b(label: str, call: int, module: Any, args: Any, kwargs: Any, output: Any) -> None:
+    def compare(self, run: _PairRun, label: str, call: int, output: Any) -> None:
         for idx, leaf in flatten_output(output):
             key = (label, call, idx)
-            if key not in store:
-                collector.skipped.append(Skipped(label, call, idx, f"only on side {side_b.name!r}"))
+            if key not in self.tensors:
+                reason = f"only on side {run.side_b.name!r}"
+                run.collector.skipped.append(Skipped(label, call, idx, reason))
                 continue
-            collector.compare(order[key], key, store.pop(key), leaf)
+            run.collector.compare(self.order[key], key, self.tensors.pop(key), leaf)
 
-    phase["side"] = side_a.name
-    start = time.perf_counter()
-    with (
-        ModuleHooks(model, on_a, names_filter=names_filter).attached(),
-        view_a.applied(),
-        side_context(side_a, device, model),
-    ):
-        model(**inputs_a.kwargs)
-    _sync(device)
-    timings["a_s"] = time.perf_counter() - start
-    phase["side"] = side_b.name
-    start = time.perf_counter()
-    with (
-        ModuleHooks(model, on_b, names_filter=names_filter).attached(),
-        view_b.applied(),
-        side_context(side_b, device, model),
-    ):
-        model(**inputs_b.kwargs)
-    _sync(device)
-    timings["b_s"] = time.perf_counter() - start
-    for module, call, idx in sorted(store, key=order.__getitem__):
-        collector.skipped.append(Skipped(module, call, idx, f"only on side {side_a.name!r}"))
+    def report_leftovers(self, run: _PairRun) -> None:
+        for module, call, idx in sorted(self.tensors, key=self.order.__getitem__):
+            reason = f"only on side {run.side_a.name!r}"
+            run.collector.skipped.append(Skipped(module, call, idx, reason))
 
 
-def _run_local(
-    model,
-    inputs_a,
-    inputs_b,
-    side_a,
-    side_b,
-    view_a,
-    view_b,
-    device,
-    collector,
-    names_filter,
-    timings,
-    phase,
-) -> None:
+def _run_propagated(run: _PairRun) -> None:
+    store = _Store()
+    run.forward(
+        "a",
+        ModuleHooks(
+            run.model,
+            lambda lb, c, m, a, k, out: store.keep(lb, c, out),
+            names_filter=run.names_filter,
+        ),
+    )
+    run.forward(
+        "b",
+        ModuleHooks(
+            run.model,
+            lambda lb, c, m, a, k, out: store.compare(run, lb, c, out),
+            names_filter=run.names_filter,
+        ),
+    )
+    store.report_leftovers(run)
+
+
+def _run_local(run: _PairRun) -> None:
     # Pass 1: side B's own forward, recording only the dtypes each module call receives, so the
     # re-runs below hand B side A's values in the dtypes B's forward would have handed it.
     b_dtypes: dict[tuple[str, int], Any] = {}
@@ -398,21 +386,16 @@ def _run_local(
     def record_dtypes(label: str, call: int, module: Any, args: tuple, kwargs: dict) -> None:
         b_dtypes[(label, call)] = (_dtype_tree(args), _dtype_tree(kwargs))
 
-    phase["side"] = side_b.name
-    start = time.perf_counter()
-    with (
+    run.forward(
+        "b",
         ModuleHooks(
-            model, lambda *a: None, on_input=record_dtypes, names_filter=names_filter
-        ).attached(),
-        view_b.applied(),
-        side_context(side_b, device, model),
-    ):
-        model(**inputs_b.kwargs)
-    _sync(device)
-    timings["b_s"] = time.perf_counter() - start
+            run.model, lambda *a: None, on_input=record_dtypes, names_filter=run.names_filter
+        ),
+    )
 
     saved: list[tuple[tuple, dict]] = []
     counter = [0]
+    side_b, collector = run.side_b, run.collector
     hooks: ModuleHooks
 
     def on_input(label: str, call: int, module: Any, args: tuple, kwargs: dict) -> None:
@@ -425,7 +408,7 @@ def _run_local(
 
     def on_output(label: str, call: int, module: Any, args: Any, kwargs: Any, output: Any) -> None:
         a_args, a_kwargs = saved.pop()
-        with hooks.paused(), view_b.applied(module), side_context(side_b, device, module):
+        with hooks.paused(), run.view_b.applied(module), side_context(side_b, run.device, module):
             try:
                 out_b = module(*a_args, **a_kwargs)
             except torch.cuda.OutOfMemoryError:
@@ -441,17 +424,13 @@ def _run_local(
             order = counter[0]
             counter[0] += 1
             if idx not in leaves_b:
-                collector.skipped.append(Skipped(label, call, idx, f"only on side {side_a.name!r}"))
+                reason = f"only on side {run.side_a.name!r}"
+                collector.skipped.append(Skipped(label, call, idx, reason))
                 continue
             collector.compare(order, (label, call, idx), leaf, leaves_b[idx])
 
-    hooks = ModuleHooks(model, on_output, on_input=on_input, names_filter=names_filter)
-    phase["side"] = side_a.name
-    start = time.perf_counter()
-    with hooks.attached(), view_a.applied(), side_context(side_a, device, model):
-        model(**inputs_a.kwargs)
-    _sync(device)
-    timings["a_s"] = time.perf_counter() - start
+    hooks = ModuleHooks(run.model, on_output, on_input=on_input, names_filter=run.names_filter)
+    run.forward("a", hooks)
 
 
 def _block_classes(model: torch.nn.Module, side_a: Side, side_b: Side) -> tuple[str, ...]:
@@ -459,38 +438,18 @@ def _block_classes(model: torch.nn.Module, side_a: Side, side_b: Side) -> tuple[
     return tuple(side_b.fsdp_wrap_classes or side_a.fsdp_wrap_classes or declared)
 
 
-def _run_streamed(
-    model,
-    inputs_a,
-    inputs_b,
-    side_a,
-    side_b,
-    view_a,
-    view_b,
-    device,
-    collector,
-    names_filter,
-    timings,
-    phase,
-    blocks,
-) -> None:
+def _run_streamed(run: _PairRun) -> None:
+    model, side_a, device, names_filter = run.model, run.side_a, run.device, run.names_filter
     block_modules = {
-        (n or ROOT): m for n, m in model.named_modules() if id(m) in view_a._stream_ids
+        (n or ROOT): m for n, m in model.named_modules() if id(m) in run.view_a._stream_ids
     }
     inner = {f"{b}.{n}" for b, m in block_modules.items() for n, _ in m.named_modules() if n}
 
     def wanted(label: str) -> bool:
         return names_filter is None or names_filter(label)
 
-    store: dict[tuple[str, int, str], Any] = {}
-    order: dict[tuple[str, int, str], int] = {}
+    store = _Store()
     block_inputs: dict[tuple[str, int], tuple[tuple, dict]] = {}
-
-    def keep(label: str, call: int, output: Any) -> None:
-        for idx, leaf in flatten_output(output):
-            key = (label, call, idx)
-            order.setdefault(key, len(order))
-            store[key] = leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf
 
     def on_a_in(label: str, call: int, module: Any, args: tuple, kwargs: dict) -> None:
         if label in block_modules:
@@ -498,17 +457,12 @@ def _run_streamed(
 
     def on_a_out(label: str, call: int, module: Any, args: Any, kwargs: Any, output: Any) -> None:
         if wanted(label):
-            keep(label, call, output)
+            store.keep(label, call, output)
 
     # Pass A: every module outside the blocks, each block's output, and each block's inputs.
-    phase["side"] = side_a.name
-    start = time.perf_counter()
-    hooks_a = ModuleHooks(model, on_a_out, on_input=on_a_in, names_filter=lambda n: n not in inner)
-    with hooks_a.attached(), view_a.applied(), side_context(side_a, device, model):
-        model(**inputs_a.kwargs)
-    _sync(device)
-    timings["a_s"] = time.perf_counter() - start
-
+    run.forward(
+        "a", ModuleHooks(model, on_a_out, on_input=on_a_in, names_filter=lambda n: n not in inner)
+    )
     hooks_b: ModuleHooks
 
     def on_b_in(label: str, call: int, module: Any, args: tuple, kwargs: dict) -> None:
@@ -520,43 +474,32 @@ def _run_streamed(
         start_calls[label] = call
         inner_hooks = ModuleHooks(
             module,
-            lambda lb, c, m, a, k, out: keep(lb, c, out) if wanted(lb) else None,
+            lambda lb, c, m, a, k, out: store.keep(lb, c, out) if wanted(lb) else None,
             names_filter=lambda n: n != label,
             prefix=label,
             start_calls=start_calls,
         )
-        phase["side"] = side_a.name
+        run.phase["side"] = side_a.name
         rerun_start = time.perf_counter()
         with (
             hooks_b.paused(),
             inner_hooks.attached(),
-            view_a.applied(module),
+            run.view_a.applied(module),
             side_context(side_a, device, module),
         ):
             module(*a_args, **a_kwargs)
         _sync(device)
-        timings["rerun_a_s"] = timings.get("rerun_a_s", 0.0) + time.perf_counter() - rerun_start
-        phase["side"] = side_b.name
+        spent = time.perf_counter() - rerun_start
+        run.timings["rerun_a_s"] = run.timings.get("rerun_a_s", 0.0) + spent
+        run.phase["side"] = run.side_b.name
 
     def on_b_out(label: str, call: int, module: Any, args: Any, kwargs: Any, output: Any) -> None:
-        if not wanted(label):
-            return
-        for idx, leaf in flatten_output(output):
-            key = (label, call, idx)
-            if key not in store:
-                collector.skipped.append(Skipped(label, call, idx, f"only on side {side_b.name!r}"))
-                continue
-            collector.compare(order[key], key, store.pop(key), leaf)
+        if wanted(label):
+            store.compare(run, label, call, output)
 
-    phase["side"] = side_b.name
-    start = time.perf_counter()
     hooks_b = ModuleHooks(model, on_b_out, on_input=on_b_in)
-    with hooks_b.attached(), view_b.applied(), side_context(side_b, device, model):
-        model(**inputs_b.kwargs)
-    _sync(device)
-    timings["b_s"] = time.perf_counter() - start
-    for module, call, idx in sorted(store, key=order.__getitem__):
-        collector.skipped.append(Skipped(module, call, idx, f"only on side {side_a.name!r}"))
+    run.forward("b", hooks_b)
+    store.report_leftovers(run)
 
 
 def _dtype_tree(value: Any) -> Any:
