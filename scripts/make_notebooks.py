@@ -35,7 +35,8 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
                 "sigma: float = 0.75  # flow-matching sigma of the step\n",
                 'out_dir: str = "runs/quickstart"  # where results.json and the PNG go\n',
                 'rollout_overrides: dict = {}  # Side field overrides, e.g. {"attention_backend": "math"}\n',
-                'trainer_overrides: dict = {}  # e.g. {"autocast": False, "param_dtype_rules": {"*norm*": "fp32"}}',
+                'trainer_overrides: dict = {}  # e.g. {"autocast": False, "param_dtype_rules": {"*norm*": "fp32"}}\n',
+                "interactive: bool = False  # True: also show the plotly figure (hover for module, dtypes)",
             ],
         ),
         (
@@ -56,6 +57,13 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             ],
         ),
         ("code", "", ['result.to_json(f"{out_dir}/results.json")\n', "result.table().head(25)"]),
+        (
+            "code",
+            "",
+            [
+                'plots.plot_divergence_by_layer(result, "rel_max", backend="plotly") if interactive else None'
+            ],
+        ),
     ],
     "02_ratio_drift.ipynb": [
         (
@@ -73,7 +81,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
         (
             "code",
             "",
-            ["from lab import drift_plots, plots\n", "from lab import trajectory"],
+            ["from lab import drift_plots, plots, trajectory, widgets"],
         ),
         (
             "code",
@@ -83,7 +91,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
                 'preset: str = "tiny"  # tiny (CPU), reduced (real width, 2 blocks), full\n',
                 'device: str = "cpu"  # cpu or cuda\n',
                 "steps: int = 10  # denoising steps\n",
-                "sde_window: list = []  # [start, end) steps with SDE noise; [] = every step\n",
+                "sde_window: list = []  # first and last+1 step with SDE noise; empty = every step\n",
                 "noise_level: float = 0.7  # eta of the Flow-GRPO SDE\n",
                 'sde_type: str = "sde"  # sde (Flow-SDE) or cps\n',
                 "cfg_scale: float = 1.0  # guidance scale; > 1 runs CFG (not for flux, minimax_h3)\n",
@@ -93,7 +101,8 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
                 "clip_range: float = 1e-4  # PPO clip range for clip_frac\n",
                 'out_dir: str = "runs/ratio_drift"  # where results.json and the PNGs go\n',
                 'rollout_overrides: dict = {}  # Side field overrides, e.g. {"attention_backend": "math"}\n',
-                'trainer_overrides: dict = {}  # e.g. {"autocast": False, "forward_dtype": "fp32"}',
+                'trainer_overrides: dict = {}  # e.g. {"autocast": False, "forward_dtype": "fp32"}\n',
+                "interactive: bool = False  # True: also open the control panel to explore this family",
             ],
         ),
         (
@@ -128,6 +137,13 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             ],
         ),
         ("code", "", ['traj.to_json(f"{out_dir}/results.json")\n', "traj.per_step()"]),
+        (
+            "code",
+            "",
+            [
+                "widgets.control_panel(family=family, preset=preset, device=device) if interactive else None"
+            ],
+        ),
     ],
     "06_scenarios.ipynb": [
         (

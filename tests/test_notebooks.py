@@ -76,3 +76,18 @@ def test_quickstart_side_overrides_reach_the_sides(tmp_path: Path) -> None:
     data = json.loads((out_dir / "results.json").read_text())
     assert data["side_b"]["autocast"] is False
     assert data["side_a"]["attention_backend"] == "math"
+
+
+def test_quickstart_interactive_shows_the_plotly_figure(tmp_path: Path) -> None:
+    out = _execute(
+        "01_quickstart.ipynb",
+        tmp_path,
+        family="flux",
+        interactive=True,
+        out_dir=str(tmp_path / "out"),
+    )
+    nb = nbformat.read(out, as_version=4)
+    last = nb.cells[-1]
+    assert any("application/vnd.plotly.v1+json" in o.get("data", {}) for o in last.outputs), (
+        "interactive=True should display the plotly figure"
+    )
