@@ -151,19 +151,30 @@ class Result:
             "degenerate_pairs": sum(1 for r in self.rows if r.metrics.degenerate),
             "max_ulp": max((r.metrics.max_ulp for r in self.rows), default=0.0),
             "first_divergent_module": first.label() if first is not None else None,
+            # The first output whose difference survives rounding both sides to the coarser
+            # dtype: at parity up to rounding (e.g. an fp32 autocast boundary), it is None.
+            "first_non_rounding_divergence": next(
+                (r.label() for r in self.rows if r.diverges and not r.metrics.rounding_only), None
+            ),
             **{k: v for k, v in self.output_metrics().items() if k != "outputs"},
         }
 
     def describe(self) -> str:
         """A few human lines for a notebook or a log."""
         s = self.summary()
+        first = self.first_divergence()
         lines = [
             f"{s['family'] or 'model'} [{s['preset'] or '?'}], {self.mode}: "
             f"{self.side_a.get('name')} (reference) vs {self.side_b.get('name')} (candidate)",
             f"  paired outputs: {s['pairs']}, bit-exact: {s['bitexact_pairs']}, "
             f"skipped: {s['skipped']}, degenerate: {s['degenerate_pairs']}, "
             f"max ULP: {s['max_ulp']:g}",
-            f"  first divergent module: {s['first_divergent_module']}",
+            f"  first divergent module: {s['first_divergent_module']}"
+            + (
+                f" (rounding only; first beyond rounding: {s['first_non_rounding_divergence']})"
+                if first is not None and first.metrics.rounding_only
+                else ""
+            ),
         ]
         if "model_output_rel_max" in s:
             lines.append(

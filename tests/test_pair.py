@@ -262,3 +262,21 @@ def test_stream_needs_block_classes() -> None:
     inputs = lab.Inputs(kwargs={"input": torch.randn(2, 4)}, roles={"input": "latents"})
     with pytest.raises(ValueError, match="stream=True needs block classes"):
         lab.pair(model, inputs, side, side, stream=True)
+
+
+def test_rounding_only_first_divergence_is_labelled() -> None:
+    # Qwen-Image's aligned pair: the only difference is an fp32 autocast output (norm_out)
+    # against the engine's bf16, equal after rounding to bf16.
+    aligned = lab.pair_family("qwen_image")
+    first = aligned.first_divergence()
+    assert first is not None and first.metrics.rounding_only
+    assert (first.dtype_a, first.dtype_b) == ("bf16", "fp32")
+    assert aligned.summary()["first_non_rounding_divergence"] is None
+    assert "rounding only" in aligned.describe()
+    # Flux: the fp32 LayerNorm output still rounds to the engine's bf16; the first difference
+    # beyond rounding is the modulation right after it, in the same first block.
+    flux = lab.pair_family("flux")
+    assert flux.first_divergence().module == "transformer_blocks.0.norm1.norm"
+    beyond = flux.summary()["first_non_rounding_divergence"]
+    assert beyond is not None and beyond.startswith("transformer_blocks.0.norm1")
+    assert beyond != flux.first_divergence().label()
