@@ -9,130 +9,22 @@ except `sigma_schedule`, which asks each family's own diffusers scheduler for it
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 if TYPE_CHECKING:
-    from lab.families import Family
+    from lab.families import Family, SamplerSettings
 
 SdeType = Literal["sde", "cps"]
 SDE_TYPES: tuple[str, ...] = ("sde", "cps")
 
 
-@dataclass(frozen=True, kw_only=True)
-class SamplerSettings:
-    """How a family's pipeline builds its flow-matching sigma grid and reads the model output.
-
-    These belong on the Family record; they live here until the family files can take them.
-    """
-
-    scheduler: Literal["flow_match_euler", "minimax_h3"] = "flow_match_euler"
-    """Which diffusers scheduler class builds the grid."""
-    scheduler_config: Mapping[str, Any] = field(default_factory=dict)
-    """FlowMatchEulerDiscreteScheduler (or MiniMaxH3Scheduler) config kwargs."""
-    pipeline_sigmas: bool = False
-    """The pipeline passes sigmas = linspace(1, 1/N, N) (Flux, Qwen-Image, LTX-2), not the
-    scheduler's own timestep grid (SD3)."""
-    dynamic_shift: Mapping[str, float] | None = None
-    """calculate_shift constants (base_seq_len, max_seq_len, base_shift, max_shift) for mu, which
-    the pipeline computes from the packed latent token count (latents.shape[1])."""
-    cfg_rescale_to_pos_norm: bool = False
-    """Qwen-Image: rescale the guided velocity to the norm of the positive one (last dim)."""
-    velocity_sign: float = 1.0
-    """-1 where the model predicts the data-ward velocity (x0 = x + sigma v), so the diffusers
-    convention (x0 = x - sigma v) used by the SDE step is -output."""
-    notes: str = ""
-
-
-# Keyed by family name only because the family files are not ours to edit now: these fields
-# should move onto `Family` (see the report of issue 3).
-SAMPLER_SETTINGS: dict[str, SamplerSettings] = {
-    # StableDiffusion3Pipeline: the scheduler's own grid (no sigmas passed), shift 3.0 from
-    # stabilityai/stable-diffusion-3.5-medium scheduler_config.json; Flow-GRPO uses it as is.
-    "sd3": SamplerSettings(scheduler_config=dict(shift=3.0)),
-    # FluxPipeline: sigmas = linspace(1, 1/N, N), mu = calculate_shift(image_seq_len) with the
-    # FLUX.1-dev scheduler config (dynamic shifting, 256 -> 4096 tokens, shift 0.5 -> 1.15).
-    "flux": SamplerSettings(
-        scheduler_config=dict(
-            use_dynamic_shifting=True,
-            base_shift=0.5,
-            max_shift=1.15,
-            base_image_seq_len=256,
-            max_image_seq_len=4096,
-            shift=3.0,
-        ),
-        pipeline_sigmas=True,
-        dynamic_shift=dict(base_seq_len=256, max_seq_len=4096, base_shift=0.5, max_shift=1.15),
-    ),
-    # QwenImagePipeline: as Flux, with Qwen/Qwen-Image's scheduler config (exponential dynamic
-    # shift 256 -> 8192 tokens, 0.5 -> 0.9, terminal sigma stretched to 0.02), plus true-CFG's
-    # rescale to the positive branch's norm.
-    "qwen_image": SamplerSettings(
-        scheduler_config=dict(
-            use_dynamic_shifting=True,
-            base_shift=0.5,
-            max_shift=0.9,
-            base_image_seq_len=256,
-            max_image_seq_len=8192,
-            shift_terminal=0.02,
-            time_shift_type="exponential",
-        ),
-        pipeline_sigmas=True,
-        dynamic_shift=dict(base_seq_len=256, max_seq_len=8192, base_shift=0.5, max_shift=0.9),
-        cfg_rescale_to_pos_norm=True,
-    ),
-    # WanPipeline ships UniPCMultistepScheduler(flow_shift=...); Flow-GRPO's Wan recipes step
-    # FlowMatchEulerDiscreteScheduler with the same shift instead (the SDE needs an Euler grid).
-    # 12.0 is Wan2.2-T2V-A14B's sample_shift (wan/configs/wan_t2v_A14B.py); diffusers' Wan2.1
-    # docs use 3.0 at 480p and 5.0 at 720p. Pass shift= to sigma_schedule to try another.
-    "wan2_2": SamplerSettings(
-        scheduler_config=dict(shift=12.0),
-        notes="UniPC in the shipped pipeline; Euler with the same shift for the SDE.",
-    ),
-    # LTX2Pipeline: sigmas = linspace(1, 1/N, N), mu = calculate_shift(video tokens) with the
-    # pipeline's fallbacks (1024 -> 4096 tokens, 0.95 -> 2.05). shift_terminal 0.1 is the
-    # LTX-Video scheduler config's; check it against the LTX-2 checkpoint's scheduler_config.json.
-    # Video and audio share the grid (the pipeline deep-copies the scheduler). The pipeline's CFG
-    # (x0-space guidance, rescale 0.7, STG) is not modelled: velocity-space CFG as Flow-GRPO.
-    "ltx2": SamplerSettings(
-        scheduler_config=dict(
-            use_dynamic_shifting=True,
-            base_shift=0.95,
-            max_shift=2.05,
-            base_image_seq_len=1024,
-            max_image_seq_len=4096,
-            shift_terminal=0.1,
-        ),
-        pipeline_sigmas=True,
-        dynamic_shift=dict(base_seq_len=1024, max_seq_len=4096, base_shift=0.95, max_shift=2.05),
-    ),
-    # Cosmos3OmniPipeline ships UniPCMultistepScheduler on a Karras grid; the closest
-    # flow-matching scheduler is FlowMatchEulerDiscreteScheduler with Karras sigmas (starts at
-    # sigma 1, ends at 0), which gives the non-integer t = sigma * 1000 the RL recipe steps.
-    "cosmos3": SamplerSettings(
-        scheduler_config=dict(use_karras_sigmas=True),
-        notes="UniPC (Karras) in the shipped pipeline; Euler on a Karras grid for the SDE.",
-    ),
-    # MiniMaxH3Scheduler is itself a rectified-flow Euler scheduler: linspace(1, 0, N + 1)
-    # shifted by 12 (video). Its transformer predicts the data-ward velocity (sign -1). The
-    # audio rows run their own shift-3 grid in the pipeline; the SDE here steps every latent
-    # row with the video sigma (the model is still told the audio t by make_inputs).
-    "minimax_h3": SamplerSettings(
-        scheduler="minimax_h3",
-        scheduler_config=dict(shift=12.0),
-        velocity_sign=-1.0,
-        notes="Audio rows stepped on the video sigma grid (their own grid is shift 3).",
-    ),
-}
-
-
 def sampler_settings(family: Family | str) -> SamplerSettings:
-    """The family's `SamplerSettings` (default Euler, shift 1, for an unlisted family)."""
-    name = family if isinstance(family, str) else family.name
-    return SAMPLER_SETTINGS.get(name, SamplerSettings())
+    """The family's `SamplerSettings` (`Family.sampler`)."""
+    from lab.families import family as get_family
+
+    return (get_family(family) if isinstance(family, str) else family).sampler
 
 
 # ---- sigma schedules ----------------------------------------------------------------------
@@ -228,10 +120,16 @@ def sigma_schedule(
         kwargs: dict[str, Any] = {}
         if settings.pipeline_sigmas:
             kwargs["sigmas"] = torch.linspace(1.0, 1.0 / steps, steps).tolist()
-        if settings.dynamic_shift is not None:
+        if config.get("use_dynamic_shifting"):
             inputs = fam.make_inputs(preset, 0, 1, False, variant=variant, sigma=1.0)
             first = inputs.kwargs[inputs.keys_with_role("latents")[0]]
-            kwargs["mu"] = calculate_shift(first.shape[1], **settings.dynamic_shift)
+            kwargs["mu"] = calculate_shift(
+                first.shape[1],
+                base_seq_len=config["base_image_seq_len"],
+                max_seq_len=config["max_image_seq_len"],
+                base_shift=config["base_shift"],
+                max_shift=config["max_shift"],
+            )
         sched.set_timesteps(steps, **kwargs)
         sigmas = sched.sigmas
     sigmas = check_sigma_schedule(sigmas, where=f"sigma_schedule({fam.name!r}, {steps})")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from lab.families._family import PRESETS, Family, Inputs
+from lab.families._family import PRESETS, Family, Inputs, SamplerSettings
 
 FAMILY_NAMES: tuple[str, ...] = (
     "cosmos3",
@@ -16,7 +16,7 @@ FAMILY_NAMES: tuple[str, ...] = (
     "wan2_2",
 )
 
-__all__ = ["FAMILY_NAMES", "PRESETS", "Family", "Inputs", "families", "family"]
+__all__ = ["FAMILY_NAMES", "PRESETS", "Family", "Inputs", "SamplerSettings", "families", "family"]
 
 
 def family(name: str) -> Family:

@@ -74,6 +74,27 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return value
 
 
+@dataclass(frozen=True, kw_only=True)
+class SamplerSettings:
+    """How a family's pipeline builds its flow-matching sigma grid and reads the model output."""
+
+    scheduler: Literal["flow_match_euler", "minimax_h3"] = "flow_match_euler"
+    """Which diffusers scheduler class builds the grid."""
+    scheduler_config: Mapping[str, Any] = field(default_factory=dict)
+    """FlowMatchEulerDiscreteScheduler (or MiniMaxH3Scheduler) config kwargs. With
+    use_dynamic_shifting, mu comes from its base/max_image_seq_len and base/max_shift and the
+    packed latent token count, as the pipelines' calculate_shift does."""
+    pipeline_sigmas: bool = False
+    """The pipeline passes sigmas = linspace(1, 1/N, N) (Flux, Qwen-Image, LTX-2), not the
+    scheduler's own timestep grid (SD3)."""
+    cfg_rescale_to_pos_norm: bool = False
+    """Qwen-Image: rescale the guided velocity to the norm of the positive one (last dim)."""
+    velocity_sign: float = 1.0
+    """-1 where the model predicts the data-ward velocity (x0 = x + sigma v), so the diffusers
+    convention (x0 = x - sigma v) used by the SDE step is -output."""
+    notes: str = ""
+
+
 MakeInputs = Callable[..., Inputs]
 """make_inputs(config, geometry, *, batch, cfg, gen, dtype, sigma, latents, device) -> Inputs.
 
@@ -125,6 +146,8 @@ class Family:
     """Mixture-of-experts denoisers (Wan2.2 A14B: high_noise, low_noise)."""
     expert_boundary: float | None = None
     """Sigma at or above which the first expert runs."""
+    sampler: SamplerSettings = field(default_factory=SamplerSettings)
+    """The flow-matching sampler the RL rollout steps with (lab.flow_grpo.sigma_schedule)."""
     init_weights: Callable[[torch.nn.Module], None] | None = None
     """Adjust freshly seeded weights (never applied to loaded checkpoints)."""
     prepare_model: Callable[[torch.nn.Module], None] | None = None

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from lab.families._family import Family, Inputs
+from lab.families._family import Family, Inputs, SamplerSettings
 
 # Qwen3/Nano style at toy width; mRoPE sections 4/2/2 sum to head_dim // 2, and
 # patch_latent_dim = 2 * 2 * latent_channel.
@@ -262,6 +262,13 @@ FAMILY = Family(
         "reduced": dict(height=1024, width=1024, frames=1, text_len=256, neg_text_len=48),
         "full": dict(height=1024, width=1024, frames=1, text_len=256, neg_text_len=48),
     },
+    # Cosmos3OmniPipeline ships UniPCMultistepScheduler on a Karras grid; the closest
+    # flow-matching scheduler is FlowMatchEulerDiscreteScheduler with Karras sigmas (starts at
+    # sigma 1, ends at 0), which gives the non-integer t = sigma * 1000 the RL recipe steps.
+    sampler=SamplerSettings(
+        scheduler_config=dict(use_karras_sigmas=True),
+        notes="UniPC (Karras) in the shipped pipeline; Euler on a Karras grid for the SDE.",
+    ),
     make_inputs_fn=make_inputs,
     timestep_presentation="t",
     cfg_layout="separate",

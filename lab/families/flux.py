@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from lab.families._family import Family, Inputs
+from lab.families._family import Family, Inputs, SamplerSettings
 
 # The public Flux.1-dev transformer config (out_channels unset = in_channels).
 _DEV = dict(
@@ -139,6 +139,19 @@ FAMILY = Family(
         "reduced": dict(height=1024, width=1024, text_len=512),
         "full": dict(height=1024, width=1024, text_len=512),
     },
+    # FluxPipeline: sigmas = linspace(1, 1/N, N), mu = calculate_shift(image_seq_len) with the
+    # FLUX.1-dev scheduler config (dynamic shifting, 256 -> 4096 tokens, shift 0.5 -> 1.15).
+    sampler=SamplerSettings(
+        scheduler_config=dict(
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=1.15,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
+            shift=3.0,
+        ),
+        pipeline_sigmas=True,
+    ),
     make_inputs_fn=make_inputs,
     timestep_presentation="t/1000",
     # Guidance-distilled: the scale is an input. (FluxPipeline's optional true CFG,

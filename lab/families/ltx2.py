@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from lab.families._family import Family, Inputs
+from lab.families._family import Family, Inputs, SamplerSettings
 
 # What LTX-2.3 switches on over LTX-2.0 (scripts/convert_ltx2_to_diffusers.py, "2.3"): per-head
 # attention gates, 9-parameter AdaLN with sigma-driven prompt modulation, no caption projection
@@ -224,6 +224,22 @@ FAMILY = Family(
         "reduced": dict(num_frames=121, height=512, width=768, fps=24.0, text_len=1024),
         "full": dict(num_frames=121, height=512, width=768, fps=24.0, text_len=1024),
     },
+    # LTX2Pipeline: sigmas = linspace(1, 1/N, N), mu = calculate_shift(video tokens) with the
+    # pipeline's fallbacks (1024 -> 4096 tokens, 0.95 -> 2.05). shift_terminal 0.1 is the
+    # LTX-Video scheduler config's; check it against the LTX-2 checkpoint's scheduler_config.json.
+    # Video and audio share the grid (the pipeline deep-copies the scheduler). The pipeline's CFG
+    # (x0-space guidance, rescale 0.7, STG) is not modelled: velocity-space CFG as Flow-GRPO.
+    sampler=SamplerSettings(
+        scheduler_config=dict(
+            use_dynamic_shifting=True,
+            base_shift=0.95,
+            max_shift=2.05,
+            base_image_seq_len=1024,
+            max_image_seq_len=4096,
+            shift_terminal=0.1,
+        ),
+        pipeline_sigmas=True,
+    ),
     make_inputs_fn=make_inputs,
     timestep_presentation="t",
     cfg_layout="batched",

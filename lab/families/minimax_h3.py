@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lab.families._family import Family, Inputs
+from lab.families._family import Family, Inputs, SamplerSettings
 
 # heads * head_dim > hidden_size as in the real model; RoPE rotates 2*3*4 = 24 of the 32 head
 # channels (real: 96 of 128), keeping the partial-rotary pass-through; the real latent channel
@@ -285,6 +285,16 @@ FAMILY = Family(
         "reduced": dict(height=768, width=1344, frames=124, text_len=128),
         "full": dict(height=768, width=1344, frames=124, text_len=128),
     },
+    # MiniMaxH3Scheduler is itself a rectified-flow Euler scheduler: linspace(1, 0, N + 1)
+    # shifted by 12 (video). Its transformer predicts the data-ward velocity (sign -1). The
+    # audio rows run their own shift-3 grid in the pipeline; the SDE here steps every latent
+    # row with the video sigma (the model is still told the audio t by make_inputs).
+    sampler=SamplerSettings(
+        scheduler="minimax_h3",
+        scheduler_config=dict(shift=12.0),
+        velocity_sign=-1.0,
+        notes="Audio rows stepped on the video sigma grid (their own grid is shift 3).",
+    ),
     make_inputs_fn=make_inputs,
     timestep_presentation="1-sigma",
     cfg_layout="none",

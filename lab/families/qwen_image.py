@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from lab.families._family import Family, Inputs
+from lab.families._family import Family, Inputs, SamplerSettings
 
 # The public Qwen-Image transformer config. The newer switches (zero_cond_t,
 # use_additional_t_cond, use_layer3d_rope: Edit-2511 / Layered) stay at their False defaults.
@@ -137,6 +137,22 @@ FAMILY = Family(
         "reduced": dict(height=1024, width=1024, text_len=256, neg_text_len=6),
         "full": dict(height=1024, width=1024, text_len=256, neg_text_len=6),
     },
+    # QwenImagePipeline: as Flux, with Qwen/Qwen-Image's scheduler config (exponential dynamic
+    # shift 256 -> 8192 tokens, 0.5 -> 0.9, terminal sigma stretched to 0.02; recalled, not read
+    # from the hub), plus true-CFG's rescale to the positive branch's norm.
+    sampler=SamplerSettings(
+        scheduler_config=dict(
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=0.9,
+            base_image_seq_len=256,
+            max_image_seq_len=8192,
+            shift_terminal=0.02,
+            time_shift_type="exponential",
+        ),
+        pipeline_sigmas=True,
+        cfg_rescale_to_pos_norm=True,
+    ),
     make_inputs_fn=make_inputs,
     timestep_presentation="t/1000",
     cfg_layout="separate",

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from lab.families._family import Family, Inputs
+from lab.families._family import Family, Inputs, SamplerSettings
 
 _TINY = dict(
     sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=3,
@@ -106,6 +106,9 @@ FAMILY = Family(
         "reduced": dict(height=1024, width=1024, text_len=333),
         "full": dict(height=1024, width=1024, text_len=333),
     },
+    # StableDiffusion3Pipeline: the scheduler's own grid (no sigmas passed), shift 3.0 from
+    # stabilityai/stable-diffusion-3.5-medium scheduler_config.json; Flow-GRPO uses it as is.
+    sampler=SamplerSettings(scheduler_config=dict(shift=3.0)),
     make_inputs_fn=make_inputs,
     timestep_presentation="t",
     cfg_layout="batched",

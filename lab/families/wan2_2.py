@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from lab.families._family import Family, Inputs
+from lab.families._family import Family, Inputs, SamplerSettings
 
 # The Wan2.1 VAE that A14B uses (and the pipeline's fallback when it has no VAE): 4x in time,
 # 8x in space.
@@ -132,6 +132,14 @@ FAMILY = Family(
         "reduced": _480P,
         "full": _480P,
     },
+    # WanPipeline ships UniPCMultistepScheduler(flow_shift=...); Flow-GRPO's Wan recipes step
+    # FlowMatchEulerDiscreteScheduler with the same shift instead (the SDE needs an Euler grid).
+    # 12.0 is Wan2.2-T2V-A14B's sample_shift (wan/configs/wan_t2v_A14B.py); diffusers' Wan2.1
+    # docs use 3.0 at 480p and 5.0 at 720p. Pass shift= to sigma_schedule to try another.
+    sampler=SamplerSettings(
+        scheduler_config=dict(shift=12.0),
+        notes="UniPC in the shipped pipeline; Euler with the same shift for the SDE.",
+    ),
     make_inputs_fn=make_inputs,
     timestep_presentation="t",
     cfg_layout="separate",
