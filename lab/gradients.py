@@ -25,13 +25,10 @@ import torch
 
 from lab.families import Inputs
 from lab.flow_grpo import SDE_TYPES, sampler_settings, sde_step_with_logprob
+from lab.latents import flatten_samples, latent_leaves, output_leaves
 from lab.metrics import PairMetrics, compare
 from lab.precision.dtypes import dtype_name, parse_dtype
 from lab.sides import Side
-
-# trajectory.py's helpers map model outputs onto latents; a second caller now exists, so they
-# should move to a shared home (they are private there, and that file is not ours to edit).
-from lab.trajectory import _flatten, _latent_leaves, _output_leaves
 
 Loss = Callable[[Any, Inputs], torch.Tensor]
 """(model output, the unpolicied inputs) -> a scalar tensor to differentiate."""
@@ -79,10 +76,10 @@ class LogProbLoss:
                 f"LogProbLoss: the step goes from inputs.sigma={inputs.sigma!r} to sigma_prev="
                 f"{self.sigma_prev!r}; build inputs with make_inputs(sigma=...) above sigma_prev."
             )
-        like = _latent_leaves(inputs)
-        sample = _flatten(like).detach()
-        leaves = _output_leaves(output, like, sample.shape[0], self.family_name)
-        velocity = _flatten(leaves) * sampler_settings(self.family_name).velocity_sign
+        like = latent_leaves(inputs)
+        sample = flatten_samples(like).detach()
+        leaves = output_leaves(output, like, sample.shape[0], self.family_name)
+        velocity = flatten_samples(leaves) * sampler_settings(self.family_name).velocity_sign
         step = dict(
             sigma=inputs.sigma,
             sigma_prev=self.sigma_prev,

@@ -35,6 +35,12 @@ from lab.flow_grpo import (
     sde_step_with_logprob,
     sigma_schedule,
 )
+from lab.latents import (
+    flatten_samples,
+    latent_leaves,
+    output_leaves,
+    unflatten_samples,
+)
 from lab.result import Result
 from lab.run import forward_side, pair
 from lab.sides import Side
@@ -254,49 +260,6 @@ def _clean(value: Any) -> Any:
 # ---- latents <-> one flat vector per sample -----------------------------------------------
 
 
-def _tensor_leaves(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, list | tuple):
-        return [t for v in value for t in _tensor_leaves(v)]
-    return []
-
-
-def _latent_leaves(inputs: Inputs) -> list[torch.Tensor]:
-    """The latent tensors of `inputs`, in kwargs order (lists such as Cosmos3's unwrapped)."""
-    return [t for k in inputs.keys_with_role("latents") for t in _tensor_leaves(inputs.kwargs[k])]
-
-
-def _flatten(leaves: Sequence[torch.Tensor]) -> torch.Tensor:
-    """(B, ...) tensors -> one fp32 (B, N) matrix, each sample's tensors concatenated."""
-    return torch.cat([t.reshape(t.shape[0], -1).to(torch.float32) for t in leaves], dim=1)
-
-
-def _unflatten(flat: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> Any:
-    """Inverse of `_flatten`, shaped as make_inputs takes `latents`: a tensor or a tuple."""
-    out, start = [], 0
-    for shape in shapes:
-        n = math.prod(shape[1:])
-        out.append(flat[:, start : start + n].reshape(flat.shape[0], *shape[1:]))
-        start += n
-    return out[0] if len(out) == 1 else tuple(out)
-
-
-def _output_leaves(
-    output: Any, like: Sequence[torch.Tensor], rows: int, family_name: str
-) -> list[torch.Tensor]:
-    """The first len(like) tensors of a model output, checked against the latent shapes."""
-    leaves = _tensor_leaves(output)[: len(like)]
-    want = [(rows, *t.shape[1:]) for t in like]
-    got = [tuple(t.shape) for t in leaves]
-    if got != want:
-        raise ValueError(
-            f"trajectory({family_name!r}): the model output tensors {got} do not match the "
-            f"latents {want}; the family's output does not map onto its latents in order."
-        )
-    return leaves
-
-
 # ---- the run ------------------------------------------------------------------------------
 
 
@@ -323,7 +286,7 @@ def _guided_velocity(
     out = forward_side(model, inputs, side, view=view)
     use_cfg = cfg_scale > 1.0
     if use_cfg and fam.cfg_layout == "batched":
-        leaves = _output_leaves(out, like, 2 * batch, fam.name)
+        leaves = output_leaves(out, like, 2 * batch, fam.name)
         pairs = [(t[batch:], t[:batch]) for t in leaves]  # the batch is [negative, positive]
     elif use_cfg:
         if inputs.negative is None:
@@ -332,14 +295,14 @@ def _guided_velocity(
                 "returned no negative branch."
             )
         neg_out = forward_side(model, inputs.negative, side, view=view)
-        pos_leaves = _output_leaves(out, like, batch, fam.name)
-        neg_leaves = _output_leaves(neg_out, like, batch, fam.name)
+        pos_leaves = output_leaves(out, like, batch, fam.name)
+        neg_leaves = output_leaves(neg_out, like, batch, fam.name)
         pairs = list(zip(pos_leaves, neg_leaves, strict=True))
     else:
-        pairs = [(t, None) for t in _output_leaves(out, like, batch, fam.name)]
+        pairs = [(t, None) for t in output_leaves(out, like, batch, fam.name)]
     # Combined per tensor in the model's layout: Qwen-Image's rescale is over the last dim.
     guided = [combine_cfg(fam, pos, neg, cfg_scale) for pos, neg in pairs]
-    return _flatten(guided) * sampler_settings(fam).velocity_sign
+    return flatten_samples(guided) * sampler_settings(fam).velocity_sign
 
 
 def trajectory(
@@ -465,9 +428,9 @@ def trajectory(
         first = fam.make_inputs(
             preset, ps, samples, False, variant=variant, dtype="fp32", sigma=1.0
         )
-        leaves = _latent_leaves(first)
+        leaves = latent_leaves(first)
         shapes = [tuple(t.shape) for t in leaves]
-        states.append(_flatten(leaves).to(device))
+        states.append(flatten_samples(leaves).to(device))
     # Offset so the SDE noise is not the initial-noise stream of the same seed.
     gens = [torch.Generator("cpu").manual_seed(ps + 1_000_003) for ps in prompt_seeds]
 
@@ -490,7 +453,7 @@ def trajectory(
                 use_cfg,
                 variant=variant,
                 sigma=sigma,
-                latents=_unflatten(x.cpu(), shapes),
+                latents=unflatten_samples(x.cpu(), shapes),
                 device=device,
             )
             like = [torch.empty(s, device="meta") for s in shapes]
