@@ -441,7 +441,7 @@ def _block_classes(model: torch.nn.Module, side_a: Side, side_b: Side) -> tuple[
 def _run_streamed(run: _PairRun) -> None:
     model, side_a, device, names_filter = run.model, run.side_a, run.device, run.names_filter
     block_modules = {
-        (n or ROOT): m for n, m in model.named_modules() if id(m) in run.view_a._stream_ids
+        (n or ROOT): m for n, m in model.named_modules() if id(m) in run.view_a.streamed_ids
     }
     inner = {f"{b}.{n}" for b, m in block_modules.items() for n, _ in m.named_modules() if n}
 

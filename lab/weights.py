@@ -139,7 +139,8 @@ class WeightView:
             if t is not None
         }
         self._module_names = {id(m): n for n, m in model.named_modules()}
-        self._stream_ids = _outermost(model, stream_classes)
+        self.streamed_ids = _outermost(model, stream_classes)
+        """Ids of the blocks whose weights are cast by hooks (outermost of stream_classes)."""
 
     def _cast(self, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if master.dtype == dtype and self.plan.master_dtype in (dtype, master.dtype):
@@ -195,7 +196,7 @@ class WeightView:
         root = self.model if root is None else root
         if id(root) not in self._module_names:
             raise ValueError(f"WeightView: {type(root).__name__} is not a submodule of the model.")
-        streamed = [m for m in root.modules() if id(m) in self._stream_ids and m is not root]
+        streamed = [m for m in root.modules() if id(m) in self.streamed_ids and m is not root]
         undo: list[tuple[Any, ...]] = []
         block_undo: list[list[tuple[Any, ...]]] = []
         handles = []
