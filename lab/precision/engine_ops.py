@@ -189,8 +189,8 @@ register_switch(
 
 
 def _load_definitions() -> None:
-    """Import the modules that register the family patch groups (once)."""
-    import importlib
+    """Import the module that registers the patch groups (imported lazily: it imports diffusers).
 
-    with contextlib.suppress(ModuleNotFoundError):
-        importlib.import_module("lab.precision.engine_groups")
+    A failure to import it is an error, never an empty registry.
+    """
+    import lab.precision.engine_groups  # noqa: F401
