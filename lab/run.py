@@ -20,7 +20,7 @@ from lab.precision.dtypes import parse_dtype
 from lab.precision.input_policy import apply_input_dtype_policy
 from lab.result import Result, Skipped
 from lab.sides import Side
-from lab.weights import WeightView
+from lab.weights import WeightView, _outermost
 
 Mode = Literal["propagated", "local"]
 MODES: tuple[str, ...] = ("propagated", "local")
@@ -173,6 +173,7 @@ def pair(
     check_outputs: bool = True,
     meta: dict[str, Any] | None = None,
     stream: bool = False,
+    lockstep: bool | None = None,
 ) -> Result:
     """Run the same weights and inputs under two sides and compare every module output.
 
@@ -193,11 +194,17 @@ def pair(
         check_outputs: Raise on non-finite or all-zero model outputs (the error carries the
             Result as `.result`).
         meta: Extra fields for `Result.meta` (family, preset, seed, ...).
-        stream: Bound memory for full-size models (propagated mode): both sides cast their
-            weights block by block from the master, side A keeps only each block's inputs,
-            and each block is re-run under side A just before side B runs it, so at most one
-            block's activations per side are alive. Costs one extra pass of side A's blocks.
-            In local mode only side A's weights stream (side B's casts are cached).
+        stream: Bound memory for full-size models: both sides cast their weights block by
+            block from the master (one block's casts per side alive, shared where the two
+            sides' casts are equal) instead of once for the whole model. Propagated mode then
+            always runs in lockstep. In local mode only side A's weights stream (side B's
+            casts are cached).
+        lockstep: Propagated mode only. True: the two forwards run in two threads taking turns
+            module by module (`lab.lockstep`), so memory holds one forward's activations per
+            side and no copies. False: side A runs first and keeps a copy of every captured
+            output until side B reaches it (cheaper per module when tensors are tiny). None
+            (default): lockstep on CUDA or when streaming, two passes otherwise. Both give
+            identical Results.
 
     Returns:
         The Result, rows in forward completion order.
@@ -211,6 +218,11 @@ def pair(
     """
     if mode not in MODES:
         raise ValueError(f"pair: unknown mode {mode!r}. Known: {', '.join(MODES)}.")
+    if lockstep and mode != "propagated":
+        raise ValueError(
+            "pair: lockstep=True pairs propagated forwards; local mode re-runs each module "
+            "under side B inside side A's forward. Use mode='propagated' or lockstep=None."
+        )
     device = model_device(model)
     for side in (side_a, side_b):
         check_side_device(side, device)
@@ -238,6 +250,9 @@ def pair(
         "versions": dict(_versions()),
         "stream": stream,
     }
+    if lockstep is None:
+        lockstep = mode == "propagated" and (stream or device.type == "cuda")
+    result_meta["lockstep"] = bool(lockstep)
 
     def partial() -> Result:
         return Result(
@@ -268,8 +283,11 @@ def pair(
                 timings,
                 phase,
             )
-            if stream and mode == "propagated":
-                _run_streamed(run)
+            if lockstep:
+                from lab.lockstep import run_lockstep
+
+                block_ids = _outermost(model, _block_classes(model, side_a, side_b))
+                run_lockstep(run, block_ids, stream=stream)
             elif mode == "propagated":
                 _run_propagated(run)
             else:
@@ -436,70 +454,6 @@ def _run_local(run: _PairRun) -> None:
 def _block_classes(model: torch.nn.Module, side_a: Side, side_b: Side) -> tuple[str, ...]:
     declared = getattr(model, "_no_split_modules", None) or ()
     return tuple(side_b.fsdp_wrap_classes or side_a.fsdp_wrap_classes or declared)
-
-
-def _run_streamed(run: _PairRun) -> None:
-    model, side_a, device, names_filter = run.model, run.side_a, run.device, run.names_filter
-    block_modules = {
-        (n or ROOT): m for n, m in model.named_modules() if id(m) in run.view_a.streamed_ids
-    }
-    inner = {f"{b}.{n}" for b, m in block_modules.items() for n, _ in m.named_modules() if n}
-
-    def wanted(label: str) -> bool:
-        return names_filter is None or names_filter(label)
-
-    store = _Store()
-    block_inputs: dict[tuple[str, int], tuple[tuple, dict]] = {}
-
-    def on_a_in(label: str, call: int, module: Any, args: tuple, kwargs: dict) -> None:
-        if label in block_modules:
-            block_inputs[(label, call)] = (_clone_tree(args), _clone_tree(kwargs))
-
-    def on_a_out(label: str, call: int, module: Any, args: Any, kwargs: Any, output: Any) -> None:
-        if wanted(label):
-            store.keep(label, call, output)
-
-    # Pass A: every module outside the blocks, each block's output, and each block's inputs.
-    run.forward(
-        "a", ModuleHooks(model, on_a_out, on_input=on_a_in, names_filter=lambda n: n not in inner)
-    )
-    hooks_b: ModuleHooks
-
-    def on_b_in(label: str, call: int, module: Any, args: tuple, kwargs: dict) -> None:
-        if label not in block_modules:
-            return
-        a_args, a_kwargs = block_inputs.pop((label, call))
-        # Re-run this block as side A from side A's own inputs to it, capturing inside it.
-        start_calls = dict(hooks_b.calls)
-        start_calls[label] = call
-        inner_hooks = ModuleHooks(
-            module,
-            lambda lb, c, m, a, k, out: store.keep(lb, c, out) if wanted(lb) else None,
-            names_filter=lambda n: n != label,
-            prefix=label,
-            start_calls=start_calls,
-        )
-        run.phase["side"] = side_a.name
-        rerun_start = time.perf_counter()
-        with (
-            hooks_b.paused(),
-            inner_hooks.attached(),
-            run.view_a.applied(module),
-            side_context(side_a, device, module),
-        ):
-            module(*a_args, **a_kwargs)
-        _sync(device)
-        spent = time.perf_counter() - rerun_start
-        run.timings["rerun_a_s"] = run.timings.get("rerun_a_s", 0.0) + spent
-        run.phase["side"] = run.side_b.name
-
-    def on_b_out(label: str, call: int, module: Any, args: Any, kwargs: Any, output: Any) -> None:
-        if wanted(label):
-            store.compare(run, label, call, output)
-
-    hooks_b = ModuleHooks(model, on_b_out, on_input=on_b_in)
-    run.forward("b", hooks_b)
-    store.report_leftovers(run)
 
 
 def _dtype_tree(value: Any) -> Any:

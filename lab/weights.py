@@ -104,6 +104,34 @@ def _unique_named(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
             yield name, t
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One tensor slot a side fills: a parameter, or a buffer of a module."""
+
+    owner: Any
+    """The parameter (whose .data is set), or the module holding the buffer."""
+    buffer: str | None
+    """The buffer's name in `owner._buffers`; None for a parameter."""
+    master: torch.Tensor
+    dtype: torch.dtype | None
+
+    @property
+    def slot(self) -> tuple[int, str | None]:
+        """Identity of the slot (the same for both sides' entries of one tensor)."""
+        return (id(self.owner), self.buffer)
+
+    def get(self) -> torch.Tensor:
+        """The tensor the slot holds now."""
+        return self.owner.data if self.buffer is None else self.owner._buffers[self.buffer]
+
+    def put(self, tensor: torch.Tensor) -> None:
+        """Make the slot hold `tensor`."""
+        if self.buffer is None:
+            self.owner.data = tensor
+        else:
+            self.owner._buffers[self.buffer] = tensor
+
+
 class WeightView:
     """The tensors one side runs with, cast lazily from the master and cached if asked.
 
@@ -142,13 +170,29 @@ class WeightView:
         self.streamed_ids = _outermost(model, stream_classes)
         """Ids of the blocks whose weights are cast by hooks (outermost of stream_classes)."""
 
-    def _cast(self, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if master.dtype == dtype and self.plan.master_dtype in (dtype, master.dtype):
+    def cast_key(self, master: torch.Tensor, dtype: torch.dtype | None) -> tuple[Any, ...]:
+        """What `cast` computes from `master`: equal keys give bit-identical tensors.
+
+        Two sides whose keys agree for a tensor can share one cast of it.
+        """
+        if dtype is None or (
+            master.dtype == dtype and self.plan.master_dtype in (dtype, master.dtype)
+        ):
+            return (id(master),)
+        return (id(master), self.plan.master_dtype, dtype)
+
+    def cast(self, master: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        """`master` as this side holds it: through the master dtype to `dtype` (None: as is)."""
+        if len(self.cast_key(master, dtype)) == 1:
             return master
         return master.to(self.plan.master_dtype).to(dtype)
 
-    def _swap_in(self, root: torch.nn.Module, skip: set[int], undo: list[tuple[Any, ...]]) -> None:
-        """Swap this side's tensors into `root`, except inside modules whose id is in `skip`."""
+    def entries(self, root: torch.nn.Module, skip: set[int]) -> Iterator[Entry]:
+        """Every parameter and buffer slot in `root`, not inside modules in `skip`.
+
+        Each comes with the master it is cast from and the dtype this side wants (None: the
+        master as is).
+        """
         prefix = self._module_names[id(root)]
         seen: set[int] = set()
         for mod_name, module in _named_modules_skipping(root, skip):
@@ -157,26 +201,31 @@ class WeightView:
                     continue
                 seen.add(id(param))
                 dtype = self.plan.param_dtypes[self._param_names[id(param)]]
-                tensor = self._cached.get(id(param))
-                if tensor is None:
-                    tensor = self._cast(self._masters[id(param)], dtype)
-                    if self.cache:
-                        self._cached[id(param)] = tensor
-                if tensor is not param.data:
-                    undo.append(("param", param, param.data))
-                    param.data = tensor
+                yield Entry(param, None, self._masters[id(param)], dtype)
             for buf_name, buf in list(module._buffers.items()):
                 full = ".".join(p for p in (prefix, mod_name, buf_name) if p)
                 if buf is None or full not in self._buffer_masters:
                     continue
-                master = self._buffer_masters[full]
-                dtype = self.plan.buffer_dtypes.get(full)
                 # A side that does not cast buffers still restores the master's, in case an
                 # outer view (another side) cast them.
-                tensor = master if dtype is None else self._cast(master, dtype)
-                if tensor is not buf:
-                    undo.append(("buffer", module, buf_name, buf))
-                    module._buffers[buf_name] = tensor
+                dtype = self.plan.buffer_dtypes.get(full)
+                yield Entry(module, buf_name, self._buffer_masters[full], dtype)
+
+    def _swap_in(self, root: torch.nn.Module, skip: set[int], undo: list[tuple[Any, ...]]) -> None:
+        """Swap this side's tensors into `root`, except inside modules whose id is in `skip`."""
+        for entry in self.entries(root, skip):
+            tensor = self._cached.get(id(entry.master)) if entry.buffer is None else None
+            if tensor is None:
+                tensor = self.cast(entry.master, entry.dtype)
+                if self.cache and entry.buffer is None:
+                    self._cached[id(entry.master)] = tensor
+            if entry.buffer is None:
+                if tensor is not entry.owner.data:
+                    undo.append(("param", entry.owner, entry.owner.data))
+                    entry.owner.data = tensor
+            elif tensor is not entry.get():
+                undo.append(("buffer", entry.owner, entry.buffer, entry.get()))
+                entry.put(tensor)
 
     @staticmethod
     def _undo(undo: list[tuple[Any, ...]]) -> None:
@@ -249,3 +298,115 @@ def _named_modules_skipping(
         if id(child) in skip:
             continue
         yield from _named_modules_skipping(child, skip, f"{prefix}.{name}" if prefix else name)
+
+
+class PairedWeights:
+    """Two sides' views filled into one model at once, for two forwards run in lockstep.
+
+    Each side's tensors are cast from the same masters; where both sides would compute the
+    same cast (same master, master dtype and dtype) they share one tensor, so e.g. two bf16
+    sides hold one bf16 copy. Outside the streamed blocks the casts are made once, up front.
+    A streamed block is cast when the first side enters it and dropped when the last side
+    leaves it. Before a side runs (and each time it resumes after the other side ran),
+    `activate` fills in its tensors wherever the two sides differ: outside the blocks and in
+    the block the side is in. The two forwards must never run at the same time.
+    """
+
+    def __init__(self, views: dict[str, WeightView], blocks: set[int], *, stream: bool) -> None:
+        """`views`: side key -> that side's WeightView (same model); `blocks`: ids of blocks.
+
+        With `stream`, a block's casts live only while a side runs it; without, each block
+        is cast once and kept for the run (the blocks still scope what a switch refills).
+
+        Raises:
+            ValueError: The views belong to different models.
+        """
+        models = {id(v.model) for v in views.values()}
+        if len(models) != 1:
+            raise ValueError("PairedWeights: the views were made for different models.")
+        self.views = views
+        self.model = next(iter(views.values())).model
+        self.blocks = blocks
+        self.stream = stream
+        self._outside: dict[str, list[tuple[Entry, torch.Tensor]]] = {}
+        self._inside: dict[str, dict[int, list[tuple[Entry, torch.Tensor]]]] = {
+            k: {} for k in views
+        }
+        self._block_cache: dict[int, dict[tuple[Any, ...], torch.Tensor]] = {}
+        self._current: dict[tuple[int, str | None], torch.Tensor] = {}
+        self._originals: dict[tuple[int, str | None], tuple[Entry, torch.Tensor]] = {}
+        self.block_modules = {
+            id(m): m for m in self.model.modules() if id(m) in blocks and m is not self.model
+        }
+
+    def _resolve(
+        self, key: str, entries: Iterator[Entry], cache: dict[tuple[Any, ...], torch.Tensor]
+    ) -> list[tuple[Entry, torch.Tensor]]:
+        view = self.views[key]
+        out = []
+        for entry in entries:
+            cast_key = view.cast_key(entry.master, entry.dtype)
+            tensor = cache.get(cast_key)
+            if tensor is None:
+                tensor = cache[cast_key] = view.cast(entry.master, entry.dtype)
+            out.append((entry, tensor))
+        return out
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        """Cast everything outside the blocks for every side; restore every slot on exit."""
+        cache: dict[tuple[Any, ...], torch.Tensor] = {}
+        skip = set(self.block_modules)
+        try:
+            for key, view in self.views.items():
+                self._outside[key] = self._resolve(key, view.entries(self.model, skip), cache)
+            yield
+        finally:
+            for entry, original in self._originals.values():
+                entry.put(original)
+            self._originals.clear()
+            self._current.clear()
+            self._outside.clear()
+            self._block_cache.clear()
+            for inside in self._inside.values():
+                inside.clear()
+
+    def _put(self, entry: Entry, tensor: torch.Tensor) -> None:
+        # A slot already holding this side's tensor (shared with the other side, or not
+        # touched since) is left alone, so a switch costs a dict lookup per slot.
+        slot = entry.slot
+        if self._current.get(slot) is tensor:
+            return
+        if slot not in self._originals:
+            self._originals[slot] = (entry, entry.get())
+        entry.put(tensor)
+        self._current[slot] = tensor
+
+    def enter_block(self, key: str, module: torch.nn.Module) -> None:
+        """Side `key` starts running block `module`: cast (or share) its tensors and fill them."""
+        cache = self._block_cache.setdefault(id(module), {})
+        entries = self._resolve(key, self.views[key].entries(module, set()), cache)
+        self._inside[key][id(module)] = entries
+        for entry, tensor in entries:
+            self._put(entry, tensor)
+
+    def exit_block(self, key: str, module: torch.nn.Module) -> None:
+        """Side `key` left block `module`; when streaming, the last side out drops its casts."""
+        self._inside[key].pop(id(module), None)
+        if not self.stream or any(id(module) in inside for inside in self._inside.values()):
+            return
+        self._block_cache.pop(id(module), None)
+        for entry in self.views[key].entries(module, set()):
+            saved = self._originals.pop(entry.slot, None)
+            if saved is not None:
+                entry.put(saved[1])
+                self._current.pop(entry.slot, None)
+
+    def activate(self, key: str) -> None:
+        """Fill side `key`'s tensors where the other side may have filled its own."""
+        put = self._put
+        for entry, tensor in self._outside.get(key, ()):
+            put(entry, tensor)
+        for entries in self._inside[key].values():
+            for entry, tensor in entries:
+                put(entry, tensor)

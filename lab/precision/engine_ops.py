@@ -127,6 +127,49 @@ def ops_applied(
                 module.forward = previous
 
 
+@contextlib.contextmanager
+def ops_dispatched(
+    root: torch.nn.Module,
+    per_side: Mapping[str, tuple[tuple[str, ...], Mapping[str, Any]]],
+    current: Callable[[], str],
+) -> Iterator[None]:
+    """Several sides' forwards on one model at once, chosen per call by `current()`.
+
+    For two forwards interleaved module by module (threads in lockstep): every module that
+    some side patches gets one instance forward that asks `current()` which side is calling
+    and runs that side's forward (its patch, or the class's own). Restored on exit.
+
+    Args:
+        root: The model.
+        per_side: Side key -> (patch groups, switches) of that side.
+        current: Returns the key of the side whose forward is running now.
+    """
+    _load_definitions()
+    saved: list[tuple[torch.nn.Module, Any]] = []
+    missing = object()
+    try:
+        for module in root.modules():
+            factories = {k: _forward_for(module, g, s) for k, (g, s) in per_side.items()}
+            current_forward = module.__dict__.get("forward", missing)
+            if all(f is None for f in factories.values()) and current_forward is missing:
+                continue
+            own = type(module).forward.__get__(module)
+            forwards = {k: own if f is None else f(module) for k, f in factories.items()}
+            saved.append((module, current_forward))
+
+            def dispatch(*args: Any, _forwards: dict = forwards, **kwargs: Any) -> Any:
+                return _forwards[current()](*args, **kwargs)
+
+            module.forward = dispatch
+        yield
+    finally:
+        for module, previous in reversed(saved):
+            if previous is missing:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous
+
+
 def transform_inputs(inputs: Inputs, switches: Mapping[str, Any]) -> Inputs:
     """Apply the input-level switches (after the side's input_dtype_policy)."""
     _load_definitions()

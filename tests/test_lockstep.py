@@ -1,0 +1,170 @@
+"""Lockstep pairing: two threads taking turns give the two-pass Result, leak nothing, fail cleanly."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import lab
+from lab.capture import ROOT
+from lab.errors import PairError
+from lab.families import FAMILY_NAMES
+from lab.weights import PairedWeights, WeightView
+
+
+@pytest.fixture(scope="module")
+def built() -> dict:
+    return {}
+
+
+def _model_inputs(built: dict, name: str):
+    if name not in built:
+        fam = lab.family(name)
+        built[name] = (fam, fam.build("tiny", 0), fam.make_inputs("tiny", 0))
+    return built[name]
+
+
+def _rows(result: lab.Result) -> list:
+    return [(r.order, r.label(), r.dtype_a, r.dtype_b, r.metrics) for r in result.rows]
+
+
+@pytest.mark.parametrize("family_name", FAMILY_NAMES)
+@pytest.mark.parametrize("stream", [False, True])
+def test_lockstep_equals_two_pass_bitwise(built: dict, family_name: str, stream: bool) -> None:
+    fam, model, inputs = _model_inputs(built, family_name)
+    a, b = lab.Side.rollout(fam), lab.Side.trainer(fam)
+    two_pass = lab.pair(model, inputs, a, b, lockstep=False)
+    lockstep = lab.pair(model, inputs, a, b, lockstep=True, stream=stream)
+
+    assert lockstep.meta["lockstep"] is True and two_pass.meta["lockstep"] is False
+    assert len(lockstep.rows) > 20
+    # Every metric of every pair, in the same order: the same numbers, not just close ones.
+    assert _rows(lockstep) == _rows(two_pass)
+    assert lockstep.skipped == two_pass.skipped
+    assert "lockstep_s" in lockstep.meta["timings_s"]
+
+
+@pytest.mark.parametrize("family_name", ["flux", "qwen_image", "wan2_2"])
+def test_lockstep_identical_sides_give_zero_ulp_everywhere(built: dict, family_name: str) -> None:
+    fam, model, inputs = _model_inputs(built, family_name)
+    for side in (lab.Side.rollout(fam), lab.Side.trainer(fam)):
+        result = lab.pair(model, inputs, side, side, lockstep=True, stream=True)
+        table = result.table()
+        assert (table["max_ulp"] == 0).all()
+        assert (table["bitexact_frac"] == 1.0).all()
+        assert result.output_metrics()["model_output_max_abs_diff"] == 0.0
+
+
+def test_lockstep_keeps_engine_ops_kernels_and_buffers_per_side(built: dict) -> None:
+    # sd3: the rollout side casts the positional-table buffer and runs the sgld group; pin
+    # different SDPA kernels too. Each of those is global state the baton hands over.
+    fam, model, inputs = _model_inputs(built, "sd3")
+    a = lab.Side.rollout(fam, attention_backend="math")
+    b = lab.Side.trainer(fam, attention_backend="flash", engine_ops=("sgld",))
+    flags = (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
+    two_pass = lab.pair(model, inputs, a, b, lockstep=False)
+    lockstep = lab.pair(model, inputs, a, b, lockstep=True)
+
+    assert _rows(lockstep) == _rows(two_pass)
+    assert two_pass.first_divergence().module == "pos_embed"
+    # Nothing leaks: kernel flags, instance forwards, parameters and buffers are restored.
+    assert (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()) == (
+        flags
+    )
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(b.dtype == torch.float32 for b in model.buffers() if b.is_floating_point())
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.extra = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        y.mul_(3.0)  # edits the captured output in place after the hook saw it
+        if y.dtype == torch.bfloat16:
+            y = self.extra(y)  # a module only the bf16 side calls
+        if y.dtype == torch.float16:
+            raise RuntimeError("fp16 not supported here")
+        return self.out(y)
+
+
+def _toy() -> tuple[torch.nn.Module, lab.Inputs]:
+    torch.manual_seed(0)
+    model = _Scaled()
+    inputs = lab.Inputs(kwargs={"x": torch.randn(4, 8)}, roles={"x": "latents"})
+    return model, inputs
+
+
+def test_in_place_edits_and_one_sided_modules_match_two_pass() -> None:
+    model, inputs = _toy()
+    a = lab.Side(name="fp32", forward_dtype="fp32", rollout_precision="fp32")
+    b = lab.Side(name="bf16", input_dtype_policy={"latents": "bf16"})
+    two_pass = lab.pair(model, inputs, a, b, lockstep=False)
+    lockstep = lab.pair(model, inputs, a, b, lockstep=True)
+
+    assert _rows(lockstep) == _rows(two_pass)
+    labels = [r.label() for r in lockstep.rows]
+    assert labels == ["lin", "out", ROOT]
+    # `lin` was compared before the forward's in-place mul_: its difference is bf16 rounding
+    # of x @ W + b, far below what a tripled value would show.
+    lin = lockstep.rows[0].metrics
+    plain = model.lin(inputs.kwargs["x"])
+    assert lin.max_abs_a == pytest.approx(plain.abs().max().item(), rel=1e-6)
+    assert [(s.module, s.reason) for s in lockstep.skipped] == [("extra", "only on side 'bf16'")]
+
+
+def test_a_failing_side_unwinds_both_threads_and_keeps_partial_rows() -> None:
+    model, inputs = _toy()
+    a = lab.Side(name="fp32", forward_dtype="fp32", rollout_precision="fp32")
+    b = lab.Side(
+        name="fp16", forward_dtype="fp16", rollout_precision="fp16", input_dtype_policy={}
+    ).replace(input_dtype_policy={"latents": "fp16"})
+    before = threading.active_count()
+    with pytest.raises(PairError, match="side 'fp16' failed after 1 compared") as err:
+        lab.pair(model, inputs, a, b, lockstep=True)
+    assert [r.label() for r in err.value.result.rows] == ["lin"]
+    assert isinstance(err.value.__cause__, RuntimeError)
+    assert threading.active_count() == before
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_lockstep_refuses_local_mode(built: dict) -> None:
+    fam, model, inputs = _model_inputs(built, "wan2_2")
+    side = lab.Side.rollout(fam)
+    with pytest.raises(ValueError, match="lockstep=True pairs propagated"):
+        lab.pair(model, inputs, side, side, "local", lockstep=True)
+
+
+def test_paired_weights_share_equal_casts_and_stream_blocks(built: dict) -> None:
+    fam, model, _ = _model_inputs(built, "wan2_2")
+    rollout = WeightView(model, lab.Side.rollout(fam))
+    trainer = WeightView(model, lab.Side.trainer(fam))
+    blocks = {id(b) for b in model.blocks}
+    paired = PairedWeights({"a": rollout, "b": trainer}, blocks, stream=True)
+    block = model.blocks[0]
+    weight = block.attn1.to_q.weight
+    master_ptr = weight.data_ptr()
+    with paired.applied():
+        paired.activate("a")  # a side's turn starts: its tensors outside the blocks go in
+        assert model.proj_out.weight.dtype == torch.bfloat16
+        assert weight.dtype == torch.float32  # streamed: not cast before a side enters
+        paired.enter_block("a", block)
+        a_ptr = weight.data_ptr()
+        assert weight.dtype == torch.bfloat16
+        paired.enter_block("b", block)
+        # Both sides hold to_q at bf16 from the same fp32 master: one shared tensor.
+        assert weight.data_ptr() == a_ptr
+        paired.exit_block("a", block)
+        assert weight.dtype == torch.bfloat16  # side b is still inside
+        paired.exit_block("b", block)
+        assert weight.data_ptr() == master_ptr  # the last side out drops the casts
+        assert not paired._block_cache
+    assert model.proj_out.weight.dtype == torch.float32
