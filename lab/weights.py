@@ -175,11 +175,13 @@ class WeightView:
 
         Two sides whose keys agree for a tensor can share one cast of it.
         """
+        # Each view holds its own alias of a master; the memory it points at names it.
+        source = (master.data_ptr(), master.dtype, tuple(master.shape))
         if dtype is None or (
             master.dtype == dtype and self.plan.master_dtype in (dtype, master.dtype)
         ):
-            return (id(master),)
-        return (id(master), self.plan.master_dtype, dtype)
+            return (source,)
+        return (source, self.plan.master_dtype, dtype)
 
     def cast(self, master: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
         """`master` as this side holds it: through the master dtype to `dtype` (None: as is)."""
