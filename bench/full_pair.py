@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 import lab
-from lab.capture import ModuleHooks, depth_filter, flatten_output
+from lab.capture import ROOT, ModuleHooks, depth_filter, flatten_output
 from lab.metrics import compare
 from lab.weights import WeightView
 
@@ -119,25 +119,39 @@ def measure(
         lambda: lab.forward_side(model, inputs, b, view=view_b), device, repeat
     )
     plain = row["plain_a_s"] + row["plain_b_s"]
-    for mode in modes:
+    # (name, pair() arguments): the modes, plus the pieces that explain where the time goes.
+    cases: list[tuple[str, dict[str, Any]]] = [
+        (mode, {"mode": mode, "names_filter": names_filter}) for mode in modes
+    ]
+    if device == "cpu":
+        # CPU default is two passes (cheapest for tiny tensors); lockstep shown beside it.
+        cases.append(("lockstep", {"mode": "propagated", "lockstep": True}))
+    if preset == "full":
+        # The lockstep machinery with only the model output compared: threads, baton, casts.
+        cases.append(("root_only", {"mode": "propagated", "names_filter": lambda n: n == ROOT}))
+    for name, kwargs in cases:
         holder: dict[str, Any] = {}
 
-        def run(mode: str = mode, holder: dict = holder) -> None:
-            holder["r"] = lab.pair(
-                model, inputs, a, b, mode, names_filter=names_filter, stream=stream
-            )
+        def run(kwargs: dict[str, Any] = kwargs, holder: dict = holder) -> None:
+            holder["r"] = lab.pair(model, inputs, a, b, stream=stream, **kwargs)
 
         try:
             # Local mode re-runs every module: timed once, it is the slow diagnostic mode.
-            runs = 1 if preset == "full" or mode == "local" else repeat
+            runs = 1 if preset == "full" or name == "local" else repeat
             seconds, peak = _timed(run, device, runs)
-            row[f"{mode}_s"], row[f"{mode}_peak_gib"] = seconds, peak
-            row[f"{mode}_pairs"] = len(holder["r"].rows)
-            row[f"{mode}_vs_plain"] = seconds / plain
-            if mode == "propagated":
+            row[f"{name}_s"], row[f"{name}_peak_gib"] = seconds, peak
+            row[f"{name}_pairs"] = len(holder["r"].rows)
+            row[f"{name}_vs_plain"] = seconds / plain
+            row[f"{name}_timings_s"] = holder["r"].meta.get("timings_s")
+            if device == "cuda":
+                row[f"{name}_peak_vs_plain"] = peak / max(
+                    row["plain_a_peak_gib"], row["plain_b_peak_gib"]
+                )
+            if name == "propagated":
                 row["model_output_rel_max"] = holder["r"].output_metrics()["model_output_rel_max"]
+                row["lockstep"] = holder["r"].meta.get("lockstep")
         except Exception as err:  # keep the other figures
-            row[f"{mode}_error"] = repr(err)[:300]
+            row[f"{name}_error"] = repr(err)[:300]
         holder.clear()
         gc.collect()
         if device == "cuda":
@@ -164,8 +178,14 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['family']}\n{r['preset']}/{r['device']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 1.1), 4), constrained_layout=True)
+    labels = [
+        f"{r['family']}\n{r['preset']}/{r['device']}"
+        + ("\ndepth 1" if r.get("capture_depth") == 1 else "")
+        for r in rows
+    ]
+    fig, (ax, mem) = plt.subplots(
+        2, 1, figsize=(max(8, len(rows) * 1.1), 7), constrained_layout=True, sharex=True
+    )
     x = range(len(rows))
     for offset, key, name in (
         (-0.2, "propagated_vs_plain", "propagated"),
@@ -179,9 +199,15 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         )
     ax.axhline(1.15, color="crimson", ls="--", lw=1, label="GPU target 1.15x")
     ax.axhline(1.5, color="orange", ls=":", lw=1, label="CPU tiny target 1.5x")
-    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_yscale("log")
     ax.set_ylabel("time ratio")
     ax.legend(fontsize=7)
+    mem.bar(list(x), [r.get("propagated_peak_vs_plain", float("nan")) for r in rows], width=0.4)
+    mem.axhline(1.10, color="crimson", ls="--", lw=1, label="target 1.10x")
+    mem.set_ylabel("paired peak / larger plain peak")
+    mem.set_ylim(0.9, None)
+    mem.legend(fontsize=7)
+    mem.set_xticks(list(x), labels, fontsize=7)
     fig.savefig(path, dpi=120)
 
 

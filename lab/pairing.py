@@ -30,9 +30,10 @@ class _Pending:
     hist: torch.Tensor | None = None
 
 
-# Pairs below this many elements are cloned and reduced together in one segmented pass (the
-# per-op dispatch cost of ~40 small reductions would dwarf a tiny model's forward); larger ones
-# are reduced at once and dropped, so memory holds one big pair at a time.
+# On CPU, pairs below this many elements are cloned and reduced together in one batched pass
+# (the per-op dispatch cost of ~40 small reductions would dwarf a tiny model's forward); larger
+# ones, and every pair on the GPU, are reduced at once and dropped, so memory holds one big
+# pair at a time.
 _DEFER_NUMEL = 1 << 20
 _FLUSH_NUMEL = 1 << 24
 
@@ -49,12 +50,6 @@ class Collector:
 
     def compare(self, order: int, key: tuple[str, int, str], a: Any, b: Any) -> None:
         """Pair one leaf of each side (reduced now, or deferred to a batched flush)."""
-        # Called from inside a side's forward: the metrics must not run under its autocast.
-        device_type = a.device.type if isinstance(a, torch.Tensor) else "cpu"
-        with torch.autocast(device_type, enabled=False):
-            self._compare(order, key, a, b)
-
-    def _compare(self, order: int, key: tuple[str, int, str], a: Any, b: Any) -> None:
         module, call, output = key
         if (
             isinstance(a, torch.Tensor)
@@ -71,8 +66,12 @@ class Collector:
         pending = _Pending(order, module, call, output, self.module_classes.get(module, "?"),
                            a.dtype, b.dtype, tuple(a.shape))  # fmt: skip
         self.pending.append(pending)
-        if a.numel() >= _DEFER_NUMEL:
-            pending.stats, pending.hist = pair_stats(a, b)
+        if a.numel() >= _DEFER_NUMEL or a.device.type == "cuda":
+            # On the GPU one fused kernel per pair, queued behind the forward, costs less than
+            # copies for a batch; on CPU only large pairs go alone.
+            # Called from inside a side's forward: the metrics must not run under its autocast.
+            with torch.autocast(a.device.type, enabled=False):
+                pending.stats, pending.hist = pair_stats(a, b)
             return
         # Cloned: the forward may still edit these tensors in place before the flush.
         self._batch.append((pending, a.detach().clone(), b.detach().clone()))

@@ -1,4 +1,4 @@
-"""Lockstep pairing: two threads taking turns give the two-pass Result, leak nothing, fail cleanly."""
+"""Lockstep pairing: two threads taking turns give the two-pass Result and leak nothing."""
 
 from __future__ import annotations
 
@@ -168,3 +168,22 @@ def test_paired_weights_share_equal_casts_and_stream_blocks(built: dict) -> None
         assert weight.data_ptr() == master_ptr  # the last side out drops the casts
         assert not paired._block_cache
     assert model.proj_out.weight.dtype == torch.float32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family_name", FAMILY_NAMES)
+def test_lockstep_on_cuda_equals_two_pass_bitwise(family_name: str) -> None:
+    # On the GPU both passes queue on one stream; the threads only change who launches.
+    fam = lab.family(family_name)
+    model = fam.build("tiny", 0, device="cuda")
+    inputs = fam.make_inputs("tiny", 0, device="cuda")
+    a = lab.Side.rollout(fam, device="cuda")
+    b = lab.Side.trainer(fam, device="cuda", attention_backend="math")
+    two_pass = lab.pair(model, inputs, a, b, lockstep=False)
+    lockstep = lab.pair(model, inputs, a, b)  # CUDA default
+    streamed = lab.pair(model, inputs, a, b, stream=True)
+
+    assert lockstep.meta["lockstep"] is True
+    assert _rows(lockstep) == _rows(two_pass) == _rows(streamed)
+    same = lab.pair(model, inputs, a, a)
+    assert all(r.metrics.max_ulp == 0 for r in same.rows)
