@@ -48,8 +48,13 @@ class Collector:
         self._batch: list[tuple[_Pending, torch.Tensor, torch.Tensor]] = []
         self._batch_numel = 0
 
-    def compare(self, order: int, key: tuple[str, int, str], a: Any, b: Any) -> None:
-        """Pair one leaf of each side (reduced now, or deferred to a batched flush)."""
+    def compare(
+        self, order: int, key: tuple[str, int, str], a: Any, b: Any, *, a_owned: bool = False
+    ) -> None:
+        """Pair one leaf of each side (reduced now, or deferred to a batched flush).
+
+        `a_owned`: `a` is already a private copy nothing else edits (no second copy needed).
+        """
         module, call, output = key
         if (
             isinstance(a, torch.Tensor)
@@ -74,7 +79,8 @@ class Collector:
                 pending.stats, pending.hist = pair_stats(a, b)
             return
         # Cloned: the forward may still edit these tensors in place before the flush.
-        self._batch.append((pending, a.detach().clone(), b.detach().clone()))
+        a = a.detach() if a_owned else a.detach().clone()
+        self._batch.append((pending, a, b.detach().clone()))
         self._batch_numel += a.numel()
         if self._batch_numel >= _FLUSH_NUMEL:
             self.flush()
