@@ -367,9 +367,7 @@ class _Store:
                 reason = f"only on side {run.side_b.name!r}"
                 run.collector.skipped.append(Skipped(label, call, idx, reason))
                 continue
-            run.collector.compare(
-                self.order[key], key, self.tensors.pop(key), leaf, a_owned=True
-            )
+            run.collector.compare(self.order[key], key, self.tensors.pop(key), leaf, a_owned=True)
 
     def report_leftovers(self, run: _PairRun) -> None:
         for module, call, idx in sorted(self.tensors, key=self.order.__getitem__):

@@ -14,14 +14,17 @@ from fractions import Fraction
 import pytest
 import torch
 
+from lab import metrics
 from lab.metrics import (
     STAT_FIELDS,
     ULP_BIN_EDGES,
     ULP_BIN_LABELS,
+    _single_core,
     coarser_dtype,
     compare,
     decode_stats,
     pair_stats,
+    segment_stats,
     ulp_distance,
 )
 
@@ -397,3 +400,237 @@ def test_pair_stats_rejects_shape_mismatch_and_non_floating() -> None:
         pair_stats(torch.ones(3), torch.ones(2, 2))
     with pytest.raises(ValueError, match="not a floating dtype"):
         pair_stats(torch.ones(3, dtype=torch.int64), torch.ones(3, dtype=torch.int64))
+
+
+# ---- the batched path (segment_stats) against the per-pair reference -----------------------
+
+DTYPES = (BF16, FP16, FP32, FP64)
+# Sizes around the batched layout's row widths (64, 128, 256), a few odd ones, 0 and 1.
+SIZES = (0, 1, 2, 3, 63, 64, 65, 127, 128, 129, 255, 256, 257, 300, 1000, 1031, 4096)
+SUMMED = ("sum_abs_diff", "sum_sq_diff", "norm2_a", "norm2_b", "mean_a", "mean_b")
+SPECIALS = (float("nan"), INF, -INF, 0.0, -0.0, 1e-40, -3e-39, 7e4, 1e30, -1e30)
+
+
+def _reference(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pair through `_single_core`, the single-pair reference (and segment_stats' empties)."""
+    if a.numel() == 0:
+        stats = torch.zeros(len(STAT_FIELDS), dtype=FP64)
+        stats[STAT_FIELDS.index("degenerate_a")] = stats[STAT_FIELDS.index("degenerate_b")] = 1
+        return stats, torch.zeros(len(ULP_BIN_EDGES), dtype=FP64)
+    compute = FP64 if FP64 in (a.dtype, b.dtype) else FP32
+    stats, hist = _single_core(
+        a.reshape(-1), b.reshape(-1), coarser_dtype(a.dtype, b.dtype), compute
+    )
+    return stats.reshape(-1), hist.reshape(-1)
+
+
+def _mean_abs(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Mean |x| over the elements finite on both sides: the scale of a signed sum's rounding."""
+    compute = FP64 if FP64 in (x.dtype, y.dtype) else FP32
+    x, y = x.reshape(-1).to(compute), y.reshape(-1).to(compute)
+    finite = x.isfinite() & y.isfinite()
+    return x[finite].double().abs().sum().item() / max(int(finite.sum()), 1)
+
+
+def _assert_batched_matches_reference(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    stats, hists = segment_stats(pairs)
+    assert stats.shape == (len(pairs), len(STAT_FIELDS)) and stats.dtype is FP64
+    assert hists.shape == (len(pairs), len(ULP_BIN_EDGES)) and hists.dtype is FP64
+    for i, (a, b) in enumerate(pairs):
+        want_stats, want_hist = _reference(a, b)
+        where = f"pair {i}: {a.dtype} vs {b.dtype}, shape {tuple(a.shape)}"
+        assert hists[i].tolist() == want_hist.tolist(), where
+        for name, got, want in zip(
+            STAT_FIELDS, stats[i].tolist(), want_stats.tolist(), strict=True
+        ):
+            if name in SUMMED:
+                # float64 sums of the same terms in another order; a signed sum (the means) may
+                # cancel, so its slack scales with the mean magnitude, not the result.
+                scale = {"mean_a": _mean_abs(a, b), "mean_b": _mean_abs(b, a)}.get(name, 0.0)
+                assert got == pytest.approx(want, rel=1e-12, abs=1e-13 * scale), (where, name)
+            else:  # counts, maxima, flags: bit-identical
+                assert got == want, (where, name, got, want)
+
+
+def _random_pair(gen: torch.Generator, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pair of random dtypes and shape whose candidate is a random kind of copy, sprinkled
+    with NaN, +-Inf, +-0, subnormals and values beyond the 16-bit ranges."""
+
+    def pick(n: int) -> int:
+        return int(torch.randint(n, (), generator=gen))
+
+    dtype_a, dtype_b = DTYPES[pick(4)], DTYPES[pick(4)]
+    shape = [(numel,), (1, numel), (numel, 1)][pick(3)]
+    if numel % 8 == 0 and numel:
+        shape = (2, numel // 8, 4)
+    scale = 10.0 ** (6 * torch.rand((), generator=gen).item() - 3)
+    a = torch.randn(numel, generator=gen, dtype=FP64) * scale
+    kind = pick(6)
+    if kind == 0:  # identical values (bit-identical once in a shared dtype)
+        b = a.clone()
+    elif kind == 1:  # nearby
+        b = a * (1 + 1e-3 * torch.randn(numel, generator=gen, dtype=FP64))
+    elif kind == 2:  # unrelated
+        b = torch.randn(numel, generator=gen, dtype=FP64) * scale
+    elif kind == 3:  # one constant on both sides
+        a = torch.full((numel,), scale, dtype=FP64)
+        b = a.clone()
+    elif kind == 4:  # two different constants (one of them zero)
+        a, b = torch.full((numel,), -scale, dtype=FP64), torch.zeros(numel, dtype=FP64)
+    else:  # the candidate is the reference rounded to bfloat16
+        b = a.to(BF16).double()
+    if numel and pick(2):
+        for x in (a, b):
+            where = torch.randint(numel, (max(numel // 20, 1),), generator=gen)
+            x[where] = torch.tensor(SPECIALS, dtype=FP64)[
+                torch.randint(len(SPECIALS), where.shape, generator=gen)
+            ]
+    return a.to(dtype_a).reshape(shape), b.to(dtype_b).reshape(shape)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_batched_stats_match_the_single_pair_reference(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    n_pairs = [1, 2, 7, 40][seed % 4]
+    sizes = torch.tensor(SIZES)[torch.randint(len(SIZES), (n_pairs,), generator=gen)]
+    _assert_batched_matches_reference([_random_pair(gen, int(n)) for n in sizes])
+
+
+@pytest.mark.parametrize("dtype_a", DTYPES)
+@pytest.mark.parametrize("dtype_b", DTYPES)
+def test_batched_stats_match_for_every_dtype_pair(
+    dtype_a: torch.dtype, dtype_b: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(100)
+    a = torch.randn(3, 333, generator=gen, dtype=FP64) * 100
+    b = a + torch.randn(a.shape, generator=gen, dtype=FP64) * 0.1
+    b[0, :5] = torch.tensor([float("nan"), INF, -INF, -0.0, 0.0])
+    pairs = [(a.to(dtype_a), b.to(dtype_b)), (a[:, :7].to(dtype_a), b[:, :7].to(dtype_b))]
+    pairs.append((torch.full((130,), -2.5, dtype=dtype_a), torch.full((130,), -2.5, dtype=dtype_b)))
+    _assert_batched_matches_reference(pairs)
+
+
+def test_batched_stats_of_real_activation_shapes_and_mixed_dtypes() -> None:
+    # Layouts like a model's outputs: bf16 and fp32 tensors of assorted shapes in one batch.
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(1, 16, 64), (1, 16, 192), (1, 64), (2, 4, 16, 16), (1, 8, 3), (1,), (5, 7, 11)]
+    pairs = []
+    for i, shape in enumerate(shapes * 3):
+        x = torch.randn(shape, generator=gen)
+        reference = x.to(BF16) if i % 3 else x
+        candidate = [x.to(BF16), x + 1e-3, x * (1 + 1e-2)][i % 3]
+        pairs.append((reference, candidate.to([BF16, FP32, FP16][i % 3])))
+    _assert_batched_matches_reference(pairs)
+
+
+def test_batched_stats_of_non_contiguous_scalar_and_grad_tracking_tensors() -> None:
+    x = torch.randn(40, 70, dtype=FP32, requires_grad=True)
+    y = x.detach() + 1e-3
+    pairs = [
+        (x.T, y.T),  # non-contiguous
+        (x[:, 3], y[:, 3]),  # strided
+        (x[0, 0], y[0, 0]),  # 0-dim
+        (x * 2, y * 2),  # tracked by autograd
+    ]
+    _assert_batched_matches_reference(pairs)
+
+
+def test_non_finite_rows_inside_a_large_pair_are_masked_per_element() -> None:
+    # Only some rows of a multi-row pair hold NaN/Inf: those are reduced with masks, the others
+    # without, and the pair's statistics must still be exact.
+    a = torch.randn(5000, generator=torch.Generator().manual_seed(3))
+    b = a + 1e-2
+    a[[17, 1500, 4999]] = torch.tensor([float("nan"), INF, -INF])
+    b[[18, 2600]] = torch.tensor([-INF, float("nan")])
+    _assert_batched_matches_reference([(a, b), (a.to(BF16), b), (a[:100], b[:100])])
+
+
+def test_padding_does_not_move_side_extremes_or_degeneracy() -> None:
+    # Constant non-zero pairs whose sizes leave padding zeros in their last row: zeros there
+    # must neither break the constant (degenerate) nor lower a negative maximum.
+    pairs = [(torch.full((n,), -3.0), torch.full((n,), 5.0, dtype=BF16)) for n in (2, 65, 129, 300)]
+    pairs.append((torch.full((70,), 0.125), torch.full((70,), 0.125)))
+    stats, _ = segment_stats(pairs)
+    fields = {name: stats[:, i].tolist() for i, name in enumerate(STAT_FIELDS)}
+    assert fields["degenerate_a"] == fields["degenerate_b"] == [1.0] * 5
+    assert fields["max_abs_a"] == [3.0, 3.0, 3.0, 3.0, 0.125]
+    assert fields["mean_a"] == [-3.0, -3.0, -3.0, -3.0, 0.125]
+    _assert_batched_matches_reference(pairs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_identical_pairs_give_exact_zeros_in_a_batch(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(11)
+    pairs = []
+    for n in (1, 64, 100, 1000):
+        x = (torch.randn(n, generator=gen) * 1e3).to(dtype)
+        x[::7] = float("nan")
+        x[1::9] = -INF
+        pairs.append((x, x.clone()))
+    stats, hists = segment_stats(pairs)
+    fields = {name: stats[:, i] for i, name in enumerate(STAT_FIELDS)}
+    for name in ("sum_abs_diff", "max_abs_diff", "max_ulp", "sum_sq_diff", "max_abs_diff_rounded"):
+        assert fields[name].tolist() == [0.0] * 4, name
+    # NaN equals NaN for the bit-exact count; only the finite elements reach the histogram.
+    assert fields["bitexact"].tolist() == fields["numel"].tolist()
+    assert hists[:, 0].tolist() == fields["finite"].tolist()
+    assert hists[:, 1:].sum().item() == 0
+    assert fields["norm2_a"].tolist() == fields["norm2_b"].tolist()
+
+
+def test_batched_stats_keep_pair_order_across_groups_and_chunks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Tiny chunks: every group is laid out in several passes, in the order of dtype pairs.
+    monkeypatch.setattr(metrics, "_CHUNK_NUMEL", 300)
+    gen = torch.Generator().manual_seed(5)
+    pairs = [_random_pair(gen, n) for n in (200, 0, 129, 1, 500, 64, 3, 257, 0, 90)]
+    _assert_batched_matches_reference(pairs)
+    alone = [segment_stats([pair]) for pair in pairs]
+    stats, hists = segment_stats(pairs)
+    assert torch.equal(hists, torch.cat([h for _, h in alone]))
+    exact = [i for i, name in enumerate(STAT_FIELDS) if name not in SUMMED]
+    assert torch.equal(stats[:, exact], torch.cat([s for s, _ in alone])[:, exact])
+
+
+def test_a_pair_larger_than_a_chunk_is_reduced_in_pieces_and_combined() -> None:
+    # Bounded memory: the pair is cut into chunk-sized flat pieces whose sums, counts and
+    # extremes recombine into exactly the whole pair's statistics.
+    n = 2 * metrics._CHUNK_NUMEL + 5
+    a = torch.randn(n, generator=torch.Generator().manual_seed(9))
+    b = a.to(BF16)
+    a[-3] = float("nan")
+    b[n // 2] = INF
+    constant = torch.full((n,), -0.75)
+    _assert_batched_matches_reference([(a, b), (constant, constant.to(BF16))])
+
+
+def test_batched_stats_without_host_reads_or_kept_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The path devices other than the CPU take: every row masked (no data-dependent branch),
+    # and fresh buffers (here filled with garbage) instead of the CPU's kept scratch ones.
+    def fresh(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        if dtype.is_floating_point:
+            return torch.full(shape, float("nan"), dtype=dtype, device=device)
+        return torch.full(shape, 12345, dtype=dtype, device=device)
+
+    monkeypatch.setattr(metrics, "_host_reads_are_cheap", lambda device: False)
+    monkeypatch.setattr(metrics, "_scratch", fresh)
+    gen = torch.Generator().manual_seed(31)
+    for n_pairs in (1, 9, 30):
+        sizes = torch.tensor(SIZES)[torch.randint(len(SIZES), (n_pairs,), generator=gen)]
+        _assert_batched_matches_reference([_random_pair(gen, int(n)) for n in sizes])
+
+
+@pytest.mark.gpu
+def test_batched_stats_on_cuda_match_the_reference() -> None:
+    gen = torch.Generator().manual_seed(21)
+    for n_pairs in (2, 9, 30):
+        sizes = torch.tensor(SIZES)[torch.randint(len(SIZES), (n_pairs,), generator=gen)]
+        pairs = [_random_pair(gen, int(n)) for n in sizes]
+        _assert_batched_matches_reference([(a.cuda(), b.cuda()) for a, b in pairs])
+
+
+def test_unknown_metrics_kernel_names_the_known_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LAB_METRICS_KERNEL", "fast")
+    with pytest.raises(ValueError, match=r"'fast' is not a metrics kernel\. Known: fused"):
+        metrics._single_stats(torch.device("cuda"))

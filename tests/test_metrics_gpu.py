@@ -1,4 +1,4 @@
-"""On the GPU the single-pair metrics run compiled; they must equal the eager reference."""
+"""On the GPU a pair is reduced by the fused kernel (or compiled); both equal the eager core."""
 
 from __future__ import annotations
 
@@ -18,7 +18,12 @@ pytestmark = pytest.mark.gpu
         (torch.float32, torch.float32),
     ],
 )
-def test_compiled_stats_equal_eager(dtype_a: torch.dtype, dtype_b: torch.dtype) -> None:
+@pytest.mark.parametrize("kernel", ["fused", "compiled"])
+def test_device_stats_equal_eager(
+    dtype_a: torch.dtype, dtype_b: torch.dtype, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LAB_METRICS_KERNEL", kernel)
+    expected = metrics._fused_rows if kernel == "fused" else metrics._COMPILED.get("cuda")
     gen = torch.Generator("cuda").manual_seed(0)
     a = torch.randn(3, 4097, 129, device="cuda", generator=gen)
     b = a + 1e-3 * torch.randn(a.shape, device="cuda", generator=gen)
@@ -29,6 +34,8 @@ def test_compiled_stats_equal_eager(dtype_a: torch.dtype, dtype_b: torch.dtype) 
         a.reshape(-1), b.reshape(-1), metrics.coarser_dtype(a.dtype, b.dtype), torch.float32
     )
     assert not metrics._COMPILED.get("failed"), "torch.compile fell back to eager"
+    if kernel == "fused":
+        assert metrics._single_stats(a.device) is expected, "triton missing: fused not used"
     assert torch.equal(compiled_hist, eager_hist[0])
     # Sums may be reduced in another order by the fused kernel: float64 accumulation keeps
     # them within a few ULPs; maxima, counts and flags must be exact.
