@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lab.capture import ROOT, flatten_output
+from lab.pairing import Aliases
 from lab.result import Skipped
 from lab.weights import PairedWeights
 
@@ -98,6 +99,7 @@ class _Lockstep:
         self.done = {"a": False, "b": False}
         self.errors: dict[str, BaseException] = {}
         self.order = 0
+        self.aliases = {"a": Aliases(), "b": Aliases()}
         self.sdpa: dict[str, contextlib.ExitStack] = {}
 
     # ---- one side's thread ---------------------------------------------------------------
@@ -164,21 +166,24 @@ class _Lockstep:
         call = calls.get(label, 0)
         calls[label] = call + 1
         parked = False
+        aliases = self.aliases[key]
         for idx, leaf in flatten_output(output):
             k = (label, call, idx)
+            name = aliases.name(leaf)
             theirs = self.held[other].pop(k, None)
             if theirs is not None:
                 if key == "a":
-                    order, a, b = self._next_order(), leaf, theirs[1]
+                    order, a, b, names = self._next_order(), leaf, theirs[1], (name, theirs[3])
                 else:
-                    order, a, b = theirs[0], theirs[1], leaf
-                self.run.collector.compare(order, k, a, b)
+                    order, a, b, names = theirs[0], theirs[1], leaf, (theirs[3], name)
+                self.run.collector.compare(order, k, a, b, names=names)
             elif self.done[other]:
                 reason = f"only on side {self.sides[key].name!r}"
                 self.run.collector.skipped.append(Skipped(label, call, idx, reason))
             else:
                 order = self._next_order() if key == "a" else -1
-                self.held[key][k] = [order, leaf, False]
+                # [order, tensor, copied yet, alias name]
+                self.held[key][k] = [order, leaf, False, name]
                 parked = True
         if parked:
             self._pause(key)

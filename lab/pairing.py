@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,37 @@ class _Pending:
     shape: tuple[int, ...]
     stats: torch.Tensor | None = None
     hist: torch.Tensor | None = None
+    same_as: _Pending | None = None
+    """An earlier pair of the very same two tensors, whose numbers this one takes."""
+
+    def resolved(self) -> _Pending:
+        """The pending pair that holds the numbers (itself, or the one it repeats)."""
+        return self if self.same_as is None else self.same_as
+
+
+class Aliases:
+    """Names each tensor object of one forward; the same object, unedited, keeps its name.
+
+    A Dropout in eval mode, an attention module returning its `to_out` output, an embedder
+    returning its last linear's output: a forward hands the very same tensor out of several
+    modules. The pair of those two objects needs reducing once. A tensor edited in place in
+    between (its `_version` moved) or freed and its id reused gets a new name.
+    """
+
+    def __init__(self) -> None:
+        self._names: dict[int, tuple[weakref.ref, int, int]] = {}
+        self._count = 0
+
+    def name(self, tensor: Any) -> int | None:
+        """The tensor's name (None for a non-tensor)."""
+        if not isinstance(tensor, torch.Tensor):
+            return None
+        known = self._names.get(id(tensor))
+        if known is not None and known[0]() is tensor and known[1] == tensor._version:
+            return known[2]
+        self._count += 1
+        self._names[id(tensor)] = (weakref.ref(tensor), tensor._version, self._count)
+        return self._count
 
 
 # On CPU, pairs below this many elements are cloned and reduced together in one batched pass
@@ -47,13 +79,25 @@ class Collector:
         self.skipped: list[Skipped] = []
         self._batch: list[tuple[_Pending, torch.Tensor, torch.Tensor]] = []
         self._batch_numel = 0
+        self._by_names: dict[tuple[int, int], _Pending] = {}
+        self.repeats = 0
+        """Pairs that repeated an earlier pair of the same two tensors (reduced once)."""
 
     def compare(
-        self, order: int, key: tuple[str, int, str], a: Any, b: Any, *, a_owned: bool = False
+        self,
+        order: int,
+        key: tuple[str, int, str],
+        a: Any,
+        b: Any,
+        *,
+        a_owned: bool = False,
+        names: tuple[int | None, int | None] | None = None,
     ) -> None:
         """Pair one leaf of each side (reduced now, or deferred to a batched flush).
 
         `a_owned`: `a` is already a private copy nothing else edits (no second copy needed).
+        `names`: the two leaves' `Aliases` names in their forwards; a pair of names seen
+        before takes the earlier pair's numbers instead of being reduced again.
         """
         module, call, output = key
         if (
@@ -71,6 +115,13 @@ class Collector:
         pending = _Pending(order, module, call, output, self.module_classes.get(module, "?"),
                            a.dtype, b.dtype, tuple(a.shape))  # fmt: skip
         self.pending.append(pending)
+        if names is not None and None not in names:
+            earlier = self._by_names.get(names)
+            if earlier is not None:
+                pending.same_as = earlier
+                self.repeats += 1
+                return
+            self._by_names[names] = pending
         if a.numel() >= _DEFER_NUMEL or a.device.type == "cuda":
             # On the GPU one fused kernel per pair, queued behind the forward, costs less than
             # copies for a batch; on CPU only large pairs go alone.
@@ -102,8 +153,8 @@ class Collector:
         if not self.pending:
             return []
         # One host transfer for every pair of the run.
-        stats = torch.stack([p.stats for p in self.pending]).cpu()
-        hists = torch.stack([p.hist for p in self.pending]).cpu()
+        stats = torch.stack([p.resolved().stats for p in self.pending]).cpu()
+        hists = torch.stack([p.resolved().hist for p in self.pending]).cpu()
         rows = [
             LayerDivergence(
                 order=p.order,

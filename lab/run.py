@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -15,7 +16,7 @@ from lab.capture import ROOT, ModuleHooks, flatten_output
 from lab.devices import resolve_device
 from lab.errors import DegenerateOutputError, NonFiniteOutputError, PairError
 from lab.families import Inputs
-from lab.pairing import Collector
+from lab.pairing import Aliases, Collector
 from lab.precision.dtypes import parse_dtype
 from lab.precision.input_policy import apply_input_dtype_policy
 from lab.result import Result, Skipped
@@ -261,7 +262,7 @@ def pair(
             side_b.to_dict(),
             collector.rows(),
             list(collector.skipped),
-            {**result_meta, "timings_s": dict(timings)},
+            {**result_meta, "timings_s": dict(timings), "repeated_pairs": collector.repeats},
         )
 
     phase = {"side": side_a.name}
@@ -352,13 +353,24 @@ class _Store:
     def __init__(self) -> None:
         self.tensors: dict[tuple[str, int, str], Any] = {}
         self.order: dict[tuple[str, int, str], int] = {}
+        self.names: dict[tuple[str, int, str], int | None] = {}
+        self.aliases_a, self.aliases_b = Aliases(), Aliases()
+        # One copy per tensor object, alive while some kept output still refers to it.
+        self._copies: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
     def keep(self, label: str, call: int, output: Any) -> None:
         for idx, leaf in flatten_output(output):
             key = (label, call, idx)
             self.order.setdefault(key, len(self.order))
-            # Cloned: a later in-place op of the forward must not edit what we compare.
-            self.tensors[key] = leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf
+            name = self.names[key] = self.aliases_a.name(leaf)
+            if not isinstance(leaf, torch.Tensor) or name is None:
+                self.tensors[key] = leaf
+                continue
+            # Copied: a later in-place op of the forward must not edit what we compare.
+            copy = self._copies.get(name)
+            if copy is None:
+                copy = self._copies[name] = leaf.detach().clone()
+            self.tensors[key] = copy
 
     def compare(self, run: _PairRun, label: str, call: int, output: Any) -> None:
         for idx, leaf in flatten_output(output):
@@ -367,7 +379,9 @@ class _Store:
                 reason = f"only on side {run.side_b.name!r}"
                 run.collector.skipped.append(Skipped(label, call, idx, reason))
                 continue
-            run.collector.compare(self.order[key], key, self.tensors.pop(key), leaf, a_owned=True)
+            names = (self.names.pop(key), self.aliases_b.name(leaf))
+            a = self.tensors.pop(key)
+            run.collector.compare(self.order[key], key, a, leaf, a_owned=True, names=names)
 
     def report_leftovers(self, run: _PairRun) -> None:
         for module, call, idx in sorted(self.tensors, key=self.order.__getitem__):

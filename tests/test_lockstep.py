@@ -187,3 +187,38 @@ def test_lockstep_on_cuda_equals_two_pass_bitwise(family_name: str) -> None:
     assert _rows(lockstep) == _rows(two_pass) == _rows(streamed)
     same = lab.pair(model, inputs, a, a)
     assert all(r.metrics.max_ulp == 0 for r in same.rows)
+
+
+def test_aliases_name_one_tensor_object_until_it_is_edited() -> None:
+    from lab.pairing import Aliases
+
+    aliases = Aliases()
+    x = torch.randn(4)
+    first = aliases.name(x)
+    assert aliases.name(x) == first  # the same object, unedited (a Dropout in eval mode)
+    assert aliases.name(x.view(2, 2)) != first  # another object over the same memory
+    x.mul_(2)
+    assert aliases.name(x) != first  # edited in place: its numbers changed
+    assert aliases.name(None) is None
+
+
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_repeated_tensor_pairs_are_reduced_once_with_the_same_numbers(
+    built: dict, lockstep: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fam, model, inputs = _model_inputs(built, "wan2_2")
+    a, b = lab.Side.rollout(fam), lab.Side.fp32_reference(fam)
+    shared = lab.pair(model, inputs, a, b, lockstep=lockstep)
+    # attn1.to_out.0, attn1.to_out.1 (Dropout) and attn1 hand out one tensor per side.
+    assert shared.meta["repeated_pairs"] >= 3 * len(model.blocks)
+    labels = {r.label(): r.metrics for r in shared.rows}
+    assert labels["blocks.0.attn1"] == labels["blocks.0.attn1.to_out.0"]
+    assert labels["blocks.0.attn1"].max_ulp > 0  # a real difference, reused not zeroed
+
+    from lab.pairing import Aliases
+
+    counter = iter(range(1, 10**9))
+    monkeypatch.setattr(Aliases, "name", lambda self, t: next(counter))  # every leaf new
+    separate = lab.pair(model, inputs, a, b, lockstep=lockstep)
+    assert separate.meta["repeated_pairs"] == 0
+    assert _rows(shared) == _rows(separate)
