@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -138,13 +139,26 @@ def measure(
         # CPU default is two passes (cheapest for tiny tensors); lockstep shown beside it.
         cases.append(("lockstep", {"mode": "propagated", "lockstep": True}))
     if preset == "full" and capture_depth is None:
+        # The metric kernels on a side stream, free to overlap the forward's next kernels.
+        cases.append(("side_stream", {"mode": "propagated", "_env": {"LAB_METRICS_STREAM": "1"}}))
         # The lockstep machinery with only the model output compared: threads, baton, casts.
         cases.append(("root_only", {"mode": "propagated", "names_filter": lambda n: n == ROOT}))
     for name, kwargs in cases:
         holder: dict[str, Any] = {}
 
         def run(kwargs: dict[str, Any] = kwargs, holder: dict = holder) -> None:
-            holder["r"] = lab.pair(model, inputs, a, b, stream=stream, **kwargs)
+            kwargs = dict(kwargs)
+            env = kwargs.pop("_env", {})
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                holder["r"] = lab.pair(model, inputs, a, b, stream=stream, **kwargs)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
 
         try:
             # Local mode re-runs every module: timed once, it is the slow diagnostic mode.
@@ -158,6 +172,7 @@ def measure(
                 row[f"{name}_peak_vs_plain"] = peak / max(
                     row["plain_a_peak_gib"], row["plain_b_peak_gib"]
                 )
+            row[f"{name}_repeated_pairs"] = holder["r"].meta.get("repeated_pairs")
             if name == "propagated":
                 row["model_output_rel_max"] = holder["r"].output_metrics()["model_output_rel_max"]
                 row["lockstep"] = holder["r"].meta.get("lockstep")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -81,6 +82,7 @@ class Collector:
         self._batch_numel = 0
         self._by_names: dict[tuple[int, int], _Pending] = {}
         self.repeats = 0
+        self._stream: torch.cuda.Stream | None = None
         """Pairs that repeated an earlier pair of the same two tensors (reduced once)."""
 
     def compare(
@@ -122,9 +124,12 @@ class Collector:
                 self.repeats += 1
                 return
             self._by_names[names] = pending
-        if a.numel() >= _DEFER_NUMEL or a.device.type == "cuda":
+        if a.device.type == "cuda":
             # On the GPU one fused kernel per pair, queued behind the forward, costs less than
-            # copies for a batch; on CPU only large pairs go alone.
+            # copies for a batch.
+            self._reduce_on_device(pending, a, b)
+            return
+        if a.numel() >= _DEFER_NUMEL:
             # Called from inside a side's forward: the metrics must not run under its autocast.
             with torch.autocast(a.device.type, enabled=False):
                 pending.stats, pending.hist = pair_stats(a, b)
@@ -135,6 +140,25 @@ class Collector:
         self._batch_numel += a.numel()
         if self._batch_numel >= _FLUSH_NUMEL:
             self.flush()
+
+    def _reduce_on_device(self, pending: _Pending, a: torch.Tensor, b: torch.Tensor) -> None:
+        """One pair's kernel, on the forward's stream or (LAB_METRICS_STREAM=1) a side stream.
+
+        On a side stream the metric kernels may overlap the forward's next kernels; the two
+        tensors are then marked as in use by that stream, so the caching allocator does not
+        hand their memory out again before the kernel has read them.
+        """
+        if self._stream is None and os.environ.get("LAB_METRICS_STREAM", "0") == "1":
+            self._stream = torch.cuda.Stream(device=a.device)
+        with torch.autocast("cuda", enabled=False):
+            if self._stream is None:
+                pending.stats, pending.hist = pair_stats(a, b)
+                return
+            self._stream.wait_stream(torch.cuda.current_stream(a.device))
+            with torch.cuda.stream(self._stream):
+                pending.stats, pending.hist = pair_stats(a, b)
+            a.record_stream(self._stream)
+            b.record_stream(self._stream)
 
     def flush(self) -> None:
         """Reduce every deferred pair in one segmented pass."""
@@ -152,6 +176,8 @@ class Collector:
         self.flush()
         if not self.pending:
             return []
+        if self._stream is not None:
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
         # One host transfer for every pair of the run.
         stats = torch.stack([p.resolved().stats for p in self.pending]).cpu()
         hists = torch.stack([p.resolved().hist for p in self.pending]).cpu()

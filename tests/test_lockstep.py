@@ -189,6 +189,22 @@ def test_lockstep_on_cuda_equals_two_pass_bitwise(family_name: str) -> None:
     assert all(r.metrics.max_ulp == 0 for r in same.rows)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("family_name", ["flux", "wan2_2"])
+def test_metrics_on_a_side_stream_give_the_same_rows(
+    family_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fam = lab.family(family_name)
+    model = fam.build("reduced", 0, device="cuda")
+    inputs = fam.make_inputs("reduced", 0, device="cuda")
+    a, b = lab.Side.rollout(fam, device="cuda"), lab.Side.fp32_reference(fam, device="cuda")
+    same_stream = lab.pair(model, inputs, a, b)
+    monkeypatch.setenv("LAB_METRICS_STREAM", "1")
+    side_stream = lab.pair(model, inputs, a, b, stream=True)
+    assert any(r.metrics.max_ulp > 0 for r in same_stream.rows)
+    assert _rows(side_stream) == _rows(same_stream)
+
+
 def test_aliases_name_one_tensor_object_until_it_is_edited() -> None:
     from lab.pairing import Aliases
 
