@@ -139,8 +139,11 @@ def measure(
         # CPU default is two passes (cheapest for tiny tensors); lockstep shown beside it.
         cases.append(("lockstep", {"mode": "propagated", "lockstep": True}))
     if preset == "full" and capture_depth is None:
-        # The metric kernels on a side stream, free to overlap the forward's next kernels.
-        cases.append(("side_stream", {"mode": "propagated", "_env": {"LAB_METRICS_STREAM": "1"}}))
+        # The metric kernels on a side stream, overlapping the forward's next kernels (the
+        # default since data/gpu/full_pair_h200.json, whose `propagated` ran on one stream),
+        # and on the forward's own stream.
+        for name, flag in (("side_stream", "1"), ("same_stream", "0")):
+            cases.append((name, {"mode": "propagated", "_env": {"LAB_METRICS_STREAM": flag}}))
         # The lockstep machinery with only the model output compared: threads, baton, casts.
         cases.append(("root_only", {"mode": "propagated", "names_filter": lambda n: n == ROOT}))
     for name, kwargs in cases:

@@ -142,13 +142,14 @@ class Collector:
             self.flush()
 
     def _reduce_on_device(self, pending: _Pending, a: torch.Tensor, b: torch.Tensor) -> None:
-        """One pair's kernel, on the forward's stream or (LAB_METRICS_STREAM=1) a side stream.
+        """One pair's kernel, on a side stream (default) or the forward's (LAB_METRICS_STREAM=0).
 
-        On a side stream the metric kernels may overlap the forward's next kernels; the two
-        tensors are then marked as in use by that stream, so the caching allocator does not
-        hand their memory out again before the kernel has read them.
+        On a side stream the metric kernels overlap the forward's next kernels (Wan2.2-A14B
+        full, 1020 pairs on an H200: 7.37 s against 8.18 s on the forward's stream, the same
+        peak memory). The two tensors are marked as in use by that stream, so the caching
+        allocator does not hand their memory out again before the kernel has read them.
         """
-        if self._stream is None and os.environ.get("LAB_METRICS_STREAM", "0") == "1":
+        if self._stream is None and os.environ.get("LAB_METRICS_STREAM", "1") == "1":
             self._stream = torch.cuda.Stream(device=a.device)
         with torch.autocast("cuda", enabled=False):
             if self._stream is None:

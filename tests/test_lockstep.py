@@ -198,8 +198,9 @@ def test_metrics_on_a_side_stream_give_the_same_rows(
     model = fam.build("reduced", 0, device="cuda")
     inputs = fam.make_inputs("reduced", 0, device="cuda")
     a, b = lab.Side.rollout(fam, device="cuda"), lab.Side.fp32_reference(fam, device="cuda")
+    monkeypatch.setenv("LAB_METRICS_STREAM", "0")
     same_stream = lab.pair(model, inputs, a, b)
-    monkeypatch.setenv("LAB_METRICS_STREAM", "1")
+    monkeypatch.setenv("LAB_METRICS_STREAM", "1")  # the default
     side_stream = lab.pair(model, inputs, a, b, stream=True)
     assert any(r.metrics.max_ulp > 0 for r in same_stream.rows)
     assert _rows(side_stream) == _rows(same_stream)
