@@ -68,7 +68,8 @@ OnInput = Callable[[str, int, torch.nn.Module, tuple, dict], None]
 class ModuleHooks:
     """Forward hooks on every (filtered) module that report each call with its call index.
 
-    `paused()` turns reporting off, for re-running modules from inside a hook.
+    `paused()` turns reporting off, for re-running modules from inside a hook. Without
+    `on_input`, only forward hooks are installed and `on_output` gets empty kwargs.
     """
 
     def __init__(
@@ -118,6 +119,11 @@ class ModuleHooks:
                     label = name or ROOT
                 if self.names_filter is not None and not self.names_filter(label):
                     continue
+                if self.on_input is None:
+                    # Outputs only: one plain hook a module, the call counted as it returns
+                    # (the same index as counting at the start, unless a module calls itself).
+                    handles.append(module.register_forward_hook(self._post_only(label)))
+                    continue
                 handles.append(module.register_forward_pre_hook(self._pre(label), with_kwargs=True))
                 handles.append(
                     module.register_forward_hook(
@@ -138,6 +144,18 @@ class ModuleHooks:
             self._pending.setdefault(label, []).append(call)
             if self.on_input is not None:
                 self.on_input(label, call, module, args, kwargs)
+
+        return hook
+
+    def _post_only(self, label: str) -> Callable[..., None]:
+        calls, on_output, empty = self.calls, self.on_output, {}
+
+        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            if self._paused:
+                return
+            call = calls.get(label, 0)
+            calls[label] = call + 1
+            on_output(label, call, module, args, empty, output)
 
         return hook
 

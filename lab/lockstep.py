@@ -160,6 +160,12 @@ class _Lockstep:
     # ---- hooks (run in the side's thread) ---------------------------------------------------
 
     def on_output(self, label: str, output: Any) -> None:
+        # Pairing is no part of the side's forward: no autocast emulation (a torch-function
+        # mode, thread-local) between our tensor calls and torch.
+        with torch._C.DisableTorchFunction():
+            self._on_output(label, output)
+
+    def _on_output(self, label: str, output: Any) -> None:
         key = _current_key()
         other = "b" if key == "a" else "a"
         calls = self.calls[key]

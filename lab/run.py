@@ -359,6 +359,10 @@ class _Store:
         self._copies: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
     def keep(self, label: str, call: int, output: Any) -> None:
+        with torch._C.DisableTorchFunction():  # see `compare`
+            self._keep(label, call, output)
+
+    def _keep(self, label: str, call: int, output: Any) -> None:
         for idx, leaf in flatten_output(output):
             key = (label, call, idx)
             self.order.setdefault(key, len(self.order))
@@ -373,6 +377,13 @@ class _Store:
             self.tensors[key] = copy
 
     def compare(self, run: _PairRun, label: str, call: int, output: Any) -> None:
+        # Bookkeeping, copies and metrics are no part of the side's forward: no autocast
+        # emulation (a Python torch-function mode) between them and torch, which would cost
+        # ~5 us a tensor call on a tiny CPU model.
+        with torch._C.DisableTorchFunction():
+            self._compare(run, label, call, output)
+
+    def _compare(self, run: _PairRun, label: str, call: int, output: Any) -> None:
         for idx, leaf in flatten_output(output):
             key = (label, call, idx)
             if key not in self.tensors:

@@ -1,0 +1,130 @@
+"""Where a tiny CPU paired forward spends its time, stage by stage, against the two plain forwards.
+
+Run: `python bench/cpu_overhead.py [OUT.json] [--threads 2] [--repeat 40]`. For each family at
+`tiny` it times, interleaved and taking each stage's minimum over --repeat rounds (this
+machine's noise is one-sided: other work only ever adds time):
+- plain: `forward_side` of each side with a prebuilt WeightView (the issue's baseline);
+- setup: `pair` capturing nothing (names_filter rejects every module): views, contexts, meta;
+- hooks: both plain forwards with a no-op forward hook on every module;
+- copies: both forwards copying every floating module output (what two-pass pairing holds);
+- metrics: `segment_stats` over every (a, b) output pair of the two sides, one batch;
+- pair: `lab.pair(...)` (two-pass, the CPU default) and `lab.pair(..., lockstep=True)`.
+Prints one JSON row per family and writes them all to OUT.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import lab
+from lab.capture import ModuleHooks, flatten_output
+from lab.metrics import segment_stats
+from lab.weights import WeightView
+
+
+def _floating(output: Any) -> list[torch.Tensor]:
+    return [
+        leaf
+        for _, leaf in flatten_output(output)
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
+    ]
+
+
+def measure(name: str, repeat: int) -> dict[str, Any]:
+    fam = lab.family(name)
+    model = fam.build("tiny", 0)
+    inputs = fam.make_inputs("tiny", 0)
+    a, b = lab.Side.rollout(fam), lab.Side.trainer(fam)
+    views = {a.name: WeightView(model, a), b.name: WeightView(model, b)}
+
+    def plain() -> None:
+        for side in (a, b):
+            lab.forward_side(model, inputs, side, view=views[side.name])
+
+    def with_hooks(on_output: Callable[..., None]) -> Callable[[], None]:
+        hooks = ModuleHooks(model, on_output)
+
+        def run() -> None:
+            with hooks.attached():
+                plain()
+
+        return run
+
+    copies: list[torch.Tensor] = []
+
+    def keep(label: str, call: int, module: Any, args: Any, kwargs: Any, out: Any) -> None:
+        copies.extend(t.detach().clone() for t in _floating(out))
+
+    outputs: dict[str, list[torch.Tensor]] = {}
+    for side in (a, b):
+        got: list[torch.Tensor] = []
+        hooks = ModuleHooks(model, lambda *x, got=got: got.extend(_floating(x[-1])))
+        with hooks.attached():
+            lab.forward_side(model, inputs, side, view=views[side.name])
+        outputs[side.name] = [t.detach().clone() for t in got]
+    pairs = [
+        (x, y) for x, y in zip(outputs[a.name], outputs[b.name], strict=True) if x.shape == y.shape
+    ]
+
+    def nothing(name: str) -> bool:
+        return False
+
+    stages: dict[str, Callable[[], Any]] = {
+        "plain": plain,
+        "setup": lambda: lab.pair(model, inputs, a, b, names_filter=nothing, check_outputs=False),
+        "hooks": with_hooks(lambda *x: None),
+        "copies": with_hooks(keep),
+        "metrics": lambda: segment_stats(pairs),
+        "pair": lambda: lab.pair(model, inputs, a, b),
+        "pair_lockstep": lambda: lab.pair(model, inputs, a, b, lockstep=True),
+    }
+    best = {k: float("inf") for k in stages}
+    for fn in stages.values():
+        fn()  # warm-up
+    for _ in range(repeat):
+        for key, fn in stages.items():
+            copies.clear()
+            start = time.perf_counter()
+            fn()
+            best[key] = min(best[key], time.perf_counter() - start)
+    ms = {f"{k}_ms": v * 1e3 for k, v in best.items()}
+    plain_ms = ms["plain_ms"]
+    row: dict[str, Any] = {"family": name, "pairs": len(pairs), **ms}
+    row["pair_vs_plain"] = ms["pair_ms"] / plain_ms
+    row["pair_lockstep_vs_plain"] = ms["pair_lockstep_ms"] / plain_ms
+    # Incremental costs over the two plain forwards, each as a fraction of them.
+    row["share_hooks"] = (ms["hooks_ms"] - plain_ms) / plain_ms
+    row["share_copies"] = (ms["copies_ms"] - ms["hooks_ms"]) / plain_ms
+    row["share_metrics"] = ms["metrics_ms"] / plain_ms
+    row["share_setup"] = ms["setup_ms"] / plain_ms - 1.0
+    row["share_rest"] = (
+        row["pair_vs_plain"]
+        - 1.0
+        - sum(row[k] for k in ("share_hooks", "share_copies", "share_metrics", "share_setup"))
+    )
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("out", nargs="?")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=40)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = [measure(name, args.repeat) for name in lab.families()]
+    if args.out:
+        meta = {"torch": torch.__version__, "threads": args.threads, "repeat": args.repeat}
+        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
