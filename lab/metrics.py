@@ -809,10 +809,15 @@ class PairMetrics:
 
 
 def decode_stats(
-    stats: torch.Tensor, hist: torch.Tensor, dtype_a: torch.dtype, dtype_b: torch.dtype
+    stats: torch.Tensor | Sequence[float],
+    hist: torch.Tensor | Sequence[float],
+    dtype_a: torch.dtype,
+    dtype_b: torch.dtype,
 ) -> PairMetrics:
-    """Turn one (host-side) stats vector into named metrics."""
-    s = dict(zip(STAT_FIELDS, stats.tolist(), strict=True))
+    """Turn one (host-side) stats vector, a tensor or its `tolist()`, into named metrics."""
+    if isinstance(stats, torch.Tensor):
+        stats, hist = stats.tolist(), hist.tolist()
+    s = dict(zip(STAT_FIELDS, stats, strict=True))
     finite = max(s["finite"], 1.0)
     denom = s["norm2_a"] + s["norm2_b"]
     cosine = s["sum_sq_diff"] / denom if denom > 0 else 0.0
@@ -832,7 +837,7 @@ def decode_stats(
         nonfinite_b=int(s["nonfinite_b"]),
         # One element is trivially constant: only larger tensors can be degenerate.
         degenerate=bool(s["numel"] > 1 and s["degenerate_a"] and s["degenerate_b"]),
-        ulp_hist=tuple(int(v) for v in hist.tolist()),
+        ulp_hist=tuple(int(v) for v in hist),
         mean_a=s["mean_a"],
         mean_b=s["mean_b"],
         max_abs_a=s["max_abs_a"],

@@ -180,8 +180,8 @@ class Collector:
         if self._stream is not None:
             torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
         # One host transfer for every pair of the run.
-        stats = torch.stack([p.resolved().stats for p in self.pending]).cpu()
-        hists = torch.stack([p.resolved().hist for p in self.pending]).cpu()
+        stats = torch.stack([p.resolved().stats for p in self.pending]).cpu().tolist()
+        hists = torch.stack([p.resolved().hist for p in self.pending]).cpu().tolist()
         rows = [
             LayerDivergence(
                 order=p.order,
@@ -192,9 +192,9 @@ class Collector:
                 dtype_a=dtype_name(p.dtype_a),
                 dtype_b=dtype_name(p.dtype_b),
                 shape=p.shape,
-                metrics=decode_stats(stats[i], hists[i], p.dtype_a, p.dtype_b),
+                metrics=decode_stats(row, hist, p.dtype_a, p.dtype_b),
             )
-            for i, p in enumerate(self.pending)
+            for p, row, hist in zip(self.pending, stats, hists, strict=True)
         ]
         return sorted(rows, key=lambda r: r.order)
 
