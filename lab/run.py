@@ -577,6 +577,8 @@ def pair_family(
     trainer: dict[str, Any] | None = None,
     checkpoint: str | None = None,
     capture_depth: int | None = None,
+    stream: bool | None = None,
+    lockstep: bool | None = None,
 ) -> Result:
     """Build (or load) a family model and pair its rollout side against its trainer side.
 
@@ -595,6 +597,8 @@ def pair_family(
         checkpoint: A local diffusers checkpoint directory to load instead of seeded weights.
         capture_depth: Capture only modules this many levels deep (1 = every block's output);
             None captures every module.
+        stream: Cast weights block by block (see `pair`); None: for "full" and checkpoints.
+        lockstep: Two forwards in lockstep (see `pair`); None: on CUDA or when streaming.
 
     Returns:
         The Result, with family, preset, seed and sigma in its meta.
@@ -627,4 +631,16 @@ def pair_family(
 
     names_filter = depth_filter(capture_depth) if capture_depth is not None else None
     meta["capture_depth"] = capture_depth
-    return pair(model, inputs, side_a, side_b, mode, meta=meta, names_filter=names_filter)
+    if stream is None:
+        stream = preset == "full" or bool(checkpoint)
+    return pair(
+        model,
+        inputs,
+        side_a,
+        side_b,
+        mode,
+        meta=meta,
+        names_filter=names_filter,
+        stream=stream,
+        lockstep=lockstep,
+    )

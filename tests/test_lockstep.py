@@ -239,3 +239,11 @@ def test_repeated_tensor_pairs_are_reduced_once_with_the_same_numbers(
     separate = lab.pair(model, inputs, a, b, lockstep=lockstep)
     assert separate.meta["repeated_pairs"] == 0
     assert _rows(shared) == _rows(separate)
+
+
+def test_pair_family_passes_stream_and_lockstep_through() -> None:
+    default = lab.pair_family("qwen_image")
+    streamed = lab.pair_family("qwen_image", stream=True, lockstep=True)
+    assert default.meta["lockstep"] is False and default.meta["stream"] is False
+    assert streamed.meta["lockstep"] is True and streamed.meta["stream"] is True
+    assert _rows(streamed) == _rows(default)
