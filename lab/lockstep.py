@@ -28,6 +28,7 @@ import torch
 from lab.capture import ROOT, flatten_output
 from lab.pairing import Aliases
 from lab.result import Skipped
+from lab.run import _autocast_context, _sdpa_context
 from lab.weights import PairedWeights
 
 if TYPE_CHECKING:
@@ -115,8 +116,6 @@ class _Lockstep:
                 stack.enter_context(torch.no_grad())
                 if device.type == "cuda":
                     stack.enter_context(torch.cuda.device(device))
-                from lab.run import _autocast_context
-
                 stack.enter_context(_autocast_context(side, device))
                 self._resume(key)
                 try:
@@ -133,8 +132,6 @@ class _Lockstep:
             self.baton.give(other)
 
     def _resume(self, key: str) -> None:
-        from lab.run import _sdpa_context
-
         self.weights.activate(key)
         stack = contextlib.ExitStack()
         stack.enter_context(_sdpa_context(self.sides[key].attention_backend))
