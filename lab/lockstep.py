@@ -28,7 +28,7 @@ import torch
 from lab.capture import ROOT, flatten_output
 from lab.pairing import Aliases
 from lab.result import Skipped
-from lab.run import _autocast_context, _sdpa_context
+from lab.run import sdpa_context, side_autocast
 from lab.weights import PairedWeights
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ class _Lockstep:
                 stack.enter_context(torch.no_grad())
                 if device.type == "cuda":
                     stack.enter_context(torch.cuda.device(device))
-                stack.enter_context(_autocast_context(side, device))
+                stack.enter_context(side_autocast(side, device))
                 self._resume(key)
                 try:
                     self.run.model(**self.inputs[key].kwargs)
@@ -134,7 +134,7 @@ class _Lockstep:
     def _resume(self, key: str) -> None:
         self.weights.activate(key)
         stack = contextlib.ExitStack()
-        stack.enter_context(_sdpa_context(self.sides[key].attention_backend))
+        stack.enter_context(sdpa_context(self.sides[key].attention_backend))
         self.sdpa[key] = stack
 
     def _suspend(self, key: str) -> None:

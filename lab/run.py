@@ -37,7 +37,8 @@ _SDPA_BACKENDS = {
 # ---- one side's forward context ----------------------------------------------------------
 
 
-def _sdpa_context(backend: str) -> contextlib.AbstractContextManager:
+def sdpa_context(backend: str) -> contextlib.AbstractContextManager:
+    """The SDPA kernel selection of a side's `attention_backend` (global flags, restored)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if backend == "default":
@@ -53,7 +54,8 @@ def _sdpa_context(backend: str) -> contextlib.AbstractContextManager:
     return sdpa_kernel(getattr(SDPBackend, _SDPA_BACKENDS[backend]))
 
 
-def _autocast_context(side: Side, device: torch.device) -> contextlib.AbstractContextManager:
+def side_autocast(side: Side, device: torch.device) -> contextlib.AbstractContextManager:
+    """The side's autocast (thread-local), or autocast switched off for a side without it."""
     if not side.autocast:
         # Switch off any autocast active around us (an outer side in local mode).
         return torch.autocast(device.type, enabled=False)
@@ -80,8 +82,8 @@ def side_context(
     with contextlib.ExitStack() as stack:
         if root is not None:
             stack.enter_context(ops_applied(root, side.engine_ops, side.op_switches))
-        stack.enter_context(_sdpa_context(side.attention_backend))
-        stack.enter_context(_autocast_context(side, device))
+        stack.enter_context(sdpa_context(side.attention_backend))
+        stack.enter_context(side_autocast(side, device))
         yield
 
 
