@@ -721,6 +721,21 @@ METRIC_KERNELS: tuple[str, ...] = ("fused", "compiled", "eager")
 """Single-pair cores on CUDA, chosen with the LAB_METRICS_KERNEL environment variable."""
 
 
+def metrics_kernel() -> str:
+    """The CUDA metrics core LAB_METRICS_KERNEL names ("fused" when unset).
+
+    Raises:
+        ValueError: A value not in METRIC_KERNELS.
+    """
+    kernel = os.environ.get("LAB_METRICS_KERNEL", "fused")
+    if kernel not in METRIC_KERNELS:
+        raise ValueError(
+            f"LAB_METRICS_KERNEL={kernel!r} is not a metrics kernel. Known: "
+            f"{', '.join(METRIC_KERNELS)}."
+        )
+    return kernel
+
+
 def _single_stats(device: torch.device) -> Any:
     """The single-pair core for `device`: on CUDA the fused Triton kernel by default.
 
@@ -734,12 +749,7 @@ def _single_stats(device: torch.device) -> Any:
     """
     if device.type != "cuda":
         return _single_core
-    kernel = os.environ.get("LAB_METRICS_KERNEL", "fused")
-    if kernel not in METRIC_KERNELS:
-        raise ValueError(
-            f"LAB_METRICS_KERNEL={kernel!r} is not a metrics kernel. Known: "
-            f"{', '.join(METRIC_KERNELS)}."
-        )
+    kernel = metrics_kernel()
     if kernel == "eager":
         return _single_core
     if kernel == "fused":

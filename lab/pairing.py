@@ -71,6 +71,21 @@ _DEFER_NUMEL = 1 << 20
 _FLUSH_NUMEL = 1 << 24
 
 
+def metrics_on_side_stream() -> bool:
+    """LAB_METRICS_STREAM: "1" (default) runs CUDA metric kernels on a side stream, "0" not.
+
+    Raises:
+        ValueError: Any other value.
+    """
+    value = os.environ.get("LAB_METRICS_STREAM", "1")
+    if value not in ("0", "1"):
+        raise ValueError(
+            f"LAB_METRICS_STREAM={value!r}: use '1' (metric kernels on a side stream, the "
+            "default) or '0' (on the forward's stream)."
+        )
+    return value == "1"
+
+
 class Collector:
     """Compares leaves as they arrive; keeps only the small on-device stat vectors."""
 
@@ -149,7 +164,7 @@ class Collector:
         peak memory). The two tensors are marked as in use by that stream, so the caching
         allocator does not hand their memory out again before the kernel has read them.
         """
-        if self._stream is None and os.environ.get("LAB_METRICS_STREAM", "1") == "1":
+        if self._stream is None and metrics_on_side_stream():
             self._stream = torch.cuda.Stream(device=a.device)
         with torch.autocast("cuda", enabled=False):
             if self._stream is None:

@@ -16,7 +16,8 @@ from lab.capture import ROOT, ModuleHooks, flatten_output
 from lab.devices import resolve_device
 from lab.errors import DegenerateOutputError, NonFiniteOutputError, PairError
 from lab.families import Inputs
-from lab.pairing import Aliases, Collector
+from lab.metrics import metrics_kernel
+from lab.pairing import Aliases, Collector, metrics_on_side_stream
 from lab.precision.dtypes import parse_dtype
 from lab.precision.input_policy import apply_input_dtype_policy
 from lab.result import Result, Skipped
@@ -229,6 +230,9 @@ def pair(
     device = model_device(model)
     for side in (side_a, side_b):
         check_side_device(side, device)
+    # The metric switches are read inside the forwards: refuse a bad one before they start.
+    metrics_kernel()
+    metrics_on_side_stream()
     blocks = _block_classes(model, side_a, side_b) if stream else ()
     if stream and not blocks:
         raise ValueError(

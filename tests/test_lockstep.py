@@ -247,3 +247,24 @@ def test_pair_family_passes_stream_and_lockstep_through() -> None:
     assert default.meta["lockstep"] is False and default.meta["stream"] is False
     assert streamed.meta["lockstep"] is True and streamed.meta["stream"] is True
     assert _rows(streamed) == _rows(default)
+
+
+def test_metrics_stream_switch_rejects_other_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lab.pairing import metrics_on_side_stream
+
+    assert metrics_on_side_stream() is True
+    monkeypatch.setenv("LAB_METRICS_STREAM", "0")
+    assert metrics_on_side_stream() is False
+    monkeypatch.setenv("LAB_METRICS_STREAM", "yes")
+    with pytest.raises(ValueError, match="LAB_METRICS_STREAM='yes': use '1'"):
+        metrics_on_side_stream()
+
+
+@pytest.mark.parametrize("name", ["LAB_METRICS_STREAM", "LAB_METRICS_KERNEL"])
+def test_pair_refuses_a_bad_metrics_switch_before_running(
+    built: dict, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fam, model, inputs = _model_inputs(built, "wan2_2")
+    monkeypatch.setenv(name, "fast")
+    with pytest.raises(ValueError, match=f"{name}='fast'"):
+        lab.pair(model, inputs, lab.Side.rollout(fam), lab.Side.trainer(fam))
