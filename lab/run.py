@@ -138,7 +138,7 @@ def forward_side(
             f"forward_side: the WeightView was made for Side({view.side.name!r}) on another "
             f"model or side; build it as WeightView(model, side) for Side({side.name!r})."
         )
-    view = view if view is not None else WeightView(model, side)
+    view = view if view is not None else WeightView.shared(model, side)
     cast = side_inputs(inputs, side, device)
     with torch.no_grad(), view.applied(), side_context(side, device, model):
         return model(**cast.kwargs)
@@ -240,8 +240,11 @@ def pair(
             f"{type(model).__name__} declares no _no_split_modules. Set "
             "side.replace(fsdp_wrap_classes=(...)) on one side."
         )
-    view_a = WeightView(model, side_a, stream_classes=blocks)
-    view_b = WeightView(model, side_b, cache=(mode == "local"), stream_classes=blocks)
+    view_a = WeightView.shared(model, side_a, stream_classes=blocks)
+    if mode == "local":
+        view_b = WeightView(model, side_b, cache=True, stream_classes=blocks)
+    else:
+        view_b = WeightView.shared(model, side_b, stream_classes=blocks)
     inputs_a = side_inputs(inputs, side_a, device)
     inputs_b = side_inputs(inputs, side_b, device)
     module_classes = {(n or ROOT): type(m).__name__ for n, m in model.named_modules()}

@@ -9,6 +9,7 @@ afterwards. The model object, its hooks and its parameters stay the same objects
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -167,8 +168,48 @@ class WeightView:
             if t is not None
         }
         self._module_names = {id(m): n for n, m in model.named_modules()}
+        self._slots = [(p, p.data) for _, p in named]
+        self._buffer_slots = [
+            (module, b, t)
+            for module in model.modules()
+            for b, t in module._buffers.items()
+            if t is not None
+        ]
         self.streamed_ids = _outermost(model, stream_classes)
         """Ids of the blocks whose weights are cast by hooks (outermost of stream_classes)."""
+
+    @classmethod
+    def shared(
+        cls, model: torch.nn.Module, side: Side, *, stream_classes: tuple[str, ...] = ()
+    ) -> WeightView:
+        """A view for (model, side) reused across calls while the model is unchanged.
+
+        Planning a side's dtypes walks every module and parameter (~0.5-1 ms on a tiny model,
+        as long as several of its modules). The view is kept per model and reused as long as
+        the model has the same modules, parameters (the same tensors: `param.data` not
+        replaced) and buffers; otherwise it is planned again. Views that cache casts are never
+        shared (their casts would outlive in-place updates of the master). Only CPU models
+        share: next to a GPU forward planning costs nothing, and a kept view would keep
+        replaced parameter tensors (GiBs at full size) alive until its next use.
+        """
+        first = next(model.parameters(), None)
+        if first is None or first.device.type != "cpu":
+            return cls(model, side, stream_classes=stream_classes)
+        views = _SHARED.setdefault(model, {})
+        key = (repr(side), stream_classes)
+        view = views.get(key)
+        if view is None or not view._unchanged():
+            view = views[key] = cls(model, side, stream_classes=stream_classes)
+        return view
+
+    def _unchanged(self) -> bool:
+        """The model still has this view's modules, parameter tensors and buffers."""
+        if sum(1 for _ in self.model.modules()) != len(self._module_names):
+            return False
+        for param, master in self._slots:
+            if param.data_ptr() != master.data_ptr() or param.shape != master.shape:
+                return False
+        return all(module._buffers.get(name) is t for module, name, t in self._buffer_slots)
 
     def cast_key(self, master: torch.Tensor, dtype: torch.dtype | None) -> tuple[Any, ...]:
         """What `cast` computes from `master`: equal keys give bit-identical tensors.
@@ -300,6 +341,12 @@ def _named_modules_skipping(
         if id(child) in skip:
             continue
         yield from _named_modules_skipping(child, skip, f"{prefix}.{name}" if prefix else name)
+
+
+_SHARED: weakref.WeakKeyDictionary[torch.nn.Module, dict[Any, WeightView]] = (
+    weakref.WeakKeyDictionary()
+)
+"""`WeightView.shared`'s views, per model (dropped with the model)."""
 
 
 class PairedWeights:

@@ -280,3 +280,26 @@ def test_rounding_only_first_divergence_is_labelled() -> None:
     beyond = flux.summary()["first_non_rounding_divergence"]
     assert beyond is not None and beyond.startswith("transformer_blocks.0.norm1")
     assert beyond != flux.first_divergence().label()
+
+
+def test_shared_weight_views_are_replanned_when_the_model_changes(built: dict) -> None:
+    from lab.weights import WeightView
+
+    fam, model, inputs = _model_inputs(built, "wan2_2")
+    side = lab.Side.rollout(fam)
+    view = WeightView.shared(model, side)
+    assert WeightView.shared(model, side) is view  # unchanged model: planned once
+    assert WeightView.shared(model, side.replace(attention_backend="math")) is not view
+    before = lab.pair(model, inputs, side, lab.Side.trainer(fam))
+    weight = model.proj_out.weight
+    original = weight.data
+    try:
+        weight.data = original * 2  # new parameter tensor: the old master must not be used
+        replanned = WeightView.shared(model, side)
+        assert replanned is not view
+        assert replanned._masters[id(weight)].data_ptr() == weight.data_ptr()
+        after = lab.pair(model, inputs, side, lab.Side.trainer(fam))
+        out_before = before.root_rows()[0].metrics.max_abs_a
+        assert after.root_rows()[0].metrics.max_abs_a != out_before
+    finally:
+        weight.data = original
