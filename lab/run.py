@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import torch
 
-from lab.capture import ROOT, ModuleHooks, flatten_output
+from lab.capture import ModuleHooks, flatten_output
 from lab.devices import resolve_device
 from lab.errors import DegenerateOutputError, NonFiniteOutputError, PairError
 from lab.families import Inputs
@@ -247,8 +247,7 @@ def pair(
         view_b = WeightView.shared(model, side_b, stream_classes=blocks)
     inputs_a = side_inputs(inputs, side_a, device)
     inputs_b = side_inputs(inputs, side_b, device)
-    module_classes = {(n or ROOT): type(m).__name__ for n, m in model.named_modules()}
-    collector = Collector(module_classes)
+    collector = Collector(view_a.module_classes)
     timings: dict[str, float] = {}
     result_meta = {
         **(meta or {}),
@@ -275,8 +274,11 @@ def pair(
         )
 
     phase = {"side": side_a.name}
-    was_training = model.training
-    model.eval()
+    # Eval mode for the pair, and back: only the modules that were training are touched (a
+    # recursive model.eval()/train() walk costs as much as a tiny model's module).
+    training = [m for m in model.modules() if m.training]
+    for m in training:
+        m.training = False
     try:
         with torch.no_grad():
             run = _PairRun(
@@ -317,7 +319,8 @@ def pair(
             result,
         ) from err
     finally:
-        model.train(was_training)
+        for m in training:
+            m.training = True
     result = partial()
     if check_outputs:
         _check_outputs(result, side_a, side_b)
@@ -341,8 +344,11 @@ class _PairRun:
     timings: dict[str, float]
     phase: dict[str, str]
 
-    def forward(self, which: str, hooks: ModuleHooks) -> None:
-        """Run side `which` ("a" or "b") over the whole model with `hooks`, timed."""
+    def forward(self, which: str, hooks: ModuleHooks | None) -> None:
+        """Run side `which` ("a" or "b") over the whole model with `hooks`, timed.
+
+        `hooks=None`: the caller has attached its hooks already.
+        """
         side, view, inputs = (
             (self.side_a, self.view_a, self.inputs_a)
             if which == "a"
@@ -350,7 +356,8 @@ class _PairRun:
         )
         self.phase["side"] = side.name
         start = time.perf_counter()
-        with hooks.attached(), view.applied(), side_context(side, self.device, self.model):
+        attached = hooks.attached() if hooks is not None else contextlib.nullcontext()
+        with attached, view.applied(), side_context(side, self.device, self.model):
             self.model(**inputs.kwargs)
         _sync(self.device)
         self.timings[f"{which}_s"] = time.perf_counter() - start
@@ -411,22 +418,18 @@ class _Store:
 
 def _run_propagated(run: _PairRun) -> None:
     store = _Store()
-    run.forward(
-        "a",
-        ModuleHooks(
-            run.model,
-            lambda lb, c, m, a, k, out: store.keep(lb, c, out),
-            names_filter=run.names_filter,
-        ),
+    # One set of hooks for both passes: side A's outputs are kept, side B's compared.
+    on = {"output": lambda lb, c, out: store.keep(lb, c, out)}
+    hooks = ModuleHooks(
+        run.model,
+        lambda lb, c, m, a, k, out: on["output"](lb, c, out),
+        names_filter=run.names_filter,
     )
-    run.forward(
-        "b",
-        ModuleHooks(
-            run.model,
-            lambda lb, c, m, a, k, out: store.compare(run, lb, c, out),
-            names_filter=run.names_filter,
-        ),
-    )
+    with hooks.attached():
+        run.forward("a", None)
+        hooks.calls.clear()  # side B's calls count from zero again
+        on["output"] = lambda lb, c, out: store.compare(run, lb, c, out)
+        run.forward("b", None)
     store.report_leftovers(run)
 
 

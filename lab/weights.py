@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from lab.capture import ROOT
 from lab.precision.dtypes import dtype_name, parse_dtype
 from lab.precision.param_rules import (
     ParamDtypeMaps,
@@ -168,6 +169,8 @@ class WeightView:
             if t is not None
         }
         self._module_names = {id(m): n for n, m in model.named_modules()}
+        self.module_classes = {(n or ROOT): type(m).__name__ for n, m in model.named_modules()}
+        """Module path (ROOT for the model) -> class name, for result rows."""
         self._slots = [(p, p.data) for _, p in named]
         self._buffer_slots = [
             (module, b, t)
