@@ -102,29 +102,12 @@ def _forward_for(
 def ops_applied(
     root: torch.nn.Module, groups: tuple[str, ...], switches: Mapping[str, Any]
 ) -> Iterator[None]:
-    """Give every module in `root` the forward this side asks for; restore all on exit."""
-    _load_definitions()
-    saved: list[tuple[torch.nn.Module, Any]] = []
-    missing = object()
-    try:
-        for module in root.modules():
-            factory = _forward_for(module, groups, switches)
-            current = module.__dict__.get("forward", missing)
-            if factory is None and current is missing:
-                continue
-            saved.append((module, current))
-            if factory is None:
-                # An outer side's patch: this side runs the class's own forward.
-                del module.__dict__["forward"]
-            else:
-                module.forward = factory(module)
+    """Give every module in `root` the forward this side asks for; restore all on exit.
+
+    A module an outer side patched runs this side's forward (its patch, or the class's own).
+    """
+    with ops_dispatched(root, {"": (groups, switches)}, lambda: ""):
         yield
-    finally:
-        for module, previous in reversed(saved):
-            if previous is missing:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = previous
 
 
 @contextlib.contextmanager
@@ -153,9 +136,16 @@ def ops_dispatched(
             current_forward = module.__dict__.get("forward", missing)
             if all(f is None for f in factories.values()) and current_forward is missing:
                 continue
+            saved.append((module, current_forward))
+            if all(f is None for f in factories.values()):
+                # An outer side's patch: every side here runs the class's own forward.
+                del module.__dict__["forward"]
+                continue
             own = type(module).forward.__get__(module)
             forwards = {k: own if f is None else f(module) for k, f in factories.items()}
-            saved.append((module, current_forward))
+            if len(forwards) == 1:
+                (module.forward,) = forwards.values()
+                continue
 
             def dispatch(*args: Any, _forwards: dict = forwards, **kwargs: Any) -> Any:
                 return _forwards[current()](*args, **kwargs)
