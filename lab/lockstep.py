@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -78,8 +79,6 @@ def _own_inputs(inputs_a: Inputs, inputs_b: Inputs) -> Inputs:
 
     Either forward may edit its inputs in place while the other is parked.
     """
-    from dataclasses import replace
-
     shared = {id(v) for v in inputs_a.kwargs.values() if isinstance(v, torch.Tensor)}
     kwargs = {
         k: v.clone() if isinstance(v, torch.Tensor) and id(v) in shared else v

@@ -22,7 +22,7 @@ from lab.precision.dtypes import parse_dtype
 from lab.precision.input_policy import apply_input_dtype_policy
 from lab.result import Result, Skipped
 from lab.sides import Side
-from lab.weights import WeightView, _outermost
+from lab.weights import WeightView, outermost
 
 Mode = Literal["propagated", "local"]
 MODES: tuple[str, ...] = ("propagated", "local")
@@ -298,7 +298,7 @@ def pair(
             if lockstep:
                 from lab.lockstep import run_lockstep
 
-                block_ids = _outermost(model, _block_classes(model, side_a, side_b))
+                block_ids = outermost(model, _block_classes(model, side_a, side_b))
                 run_lockstep(run, block_ids, stream=stream)
             elif mode == "propagated":
                 _run_propagated(run)

@@ -161,24 +161,23 @@ class WeightView:
         self._param_names = {id(p): n for n, p in named}
         # Masters are taken now, before any view is applied, so a view nested inside another
         # side's view still casts from the fp32 master rather than from the outer side's copy.
-        self._masters = {id(p): p.data for _, p in named}
-        self._buffer_masters = {
-            f"{m}.{b}" if m else b: t
-            for m, module in model.named_modules()
-            for b, t in module._buffers.items()
-            if t is not None
-        }
-        self._module_names = {id(m): n for n, m in model.named_modules()}
-        self.module_classes = {(n or ROOT): type(m).__name__ for n, m in model.named_modules()}
-        """Module path (ROOT for the model) -> class name, for result rows."""
         self._slots = [(p, p.data) for _, p in named]
+        self._masters = {id(p): master for p, master in self._slots}
+        modules = list(model.named_modules())
+        self._module_names = {id(m): n for n, m in modules}
+        self.module_classes = {(n or ROOT): type(m).__name__ for n, m in modules}
+        """Module path (ROOT for the model) -> class name, for result rows."""
         self._buffer_slots = [
             (module, b, t)
-            for module in model.modules()
+            for _, module in modules
             for b, t in module._buffers.items()
             if t is not None
         ]
-        self.streamed_ids = _outermost(model, stream_classes)
+        self._buffer_masters = {
+            ".".join(x for x in (self._module_names[id(module)], b) if x): t
+            for module, b, t in self._buffer_slots
+        }
+        self.streamed_ids = outermost(model, stream_classes)
         """Ids of the blocks whose weights are cast by hooks (outermost of stream_classes)."""
 
     @classmethod
@@ -317,8 +316,8 @@ class WeightView:
             self._undo(undo)
 
 
-def _outermost(model: torch.nn.Module, classes: tuple[str, ...]) -> set[int]:
-    """Ids of the modules of `classes` not nested inside another such module."""
+def outermost(model: torch.nn.Module, classes: tuple[str, ...]) -> set[int]:
+    """Ids of the modules of `classes` not nested inside another such module (the blocks)."""
     if not classes:
         return set()
     found: set[int] = set()
@@ -378,7 +377,6 @@ class PairedWeights:
             raise ValueError("PairedWeights: the views were made for different models.")
         self.views = views
         self.model = next(iter(views.values())).model
-        self.blocks = blocks
         self.stream = stream
         self._outside: dict[str, list[tuple[Entry, torch.Tensor]]] = {}
         self._inside: dict[str, dict[int, list[tuple[Entry, torch.Tensor]]]] = {
