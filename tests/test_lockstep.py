@@ -252,6 +252,7 @@ def test_pair_family_passes_stream_and_lockstep_through() -> None:
 def test_metrics_stream_switch_rejects_other_values(monkeypatch: pytest.MonkeyPatch) -> None:
     from lab.pairing import metrics_on_side_stream
 
+    monkeypatch.delenv("LAB_METRICS_STREAM", raising=False)
     assert metrics_on_side_stream() is True
     monkeypatch.setenv("LAB_METRICS_STREAM", "0")
     assert metrics_on_side_stream() is False
