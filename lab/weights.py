@@ -442,11 +442,11 @@ class PairedWeights:
 
     def exit_block(self, key: str, module: torch.nn.Module) -> None:
         """Side `key` left block `module`; when streaming, the last side out drops its casts."""
-        self._inside[key].pop(id(module), None)
+        entries = self._inside[key].pop(id(module), [])
         if not self.stream or any(id(module) in inside for inside in self._inside.values()):
             return
         self._block_cache.pop(id(module), None)
-        for entry in self.views[key].entries(module, set()):
+        for entry, _ in entries:  # the block's slots, as this side filled them on entry
             saved = self._originals.pop(entry.slot, None)
             if saved is not None:
                 entry.put(saved[1])
