@@ -1,0 +1,138 @@
+"""Atomic file writes: a reader sees the old file or the complete new one, never a torn one.
+
+Every file the lab writes (result.json, baselines, dump manifests and tensors, reports, sweep
+tables, figures) goes through one mechanism: write a temporary file in the target's directory,
+flush and fsync it, `os.replace` it onto the target, then fsync the directory so the rename itself
+survives a crash. On any exception (a full disk, a writer that raises, Ctrl-C) the temporary is
+removed and the old file is left exactly as it was.
+
+    atomic_write_text(path, json.dumps(doc))
+    atomic_write_bytes(path, payload)
+    with atomic_path("table.csv") as tmp:       # for writers that take a file name
+        frame.to_csv(tmp, index=False)
+
+The temporary is `.<name>.<random>.tmp<suffix>` beside the target: same filesystem (so the rename
+is atomic), hidden, and with the target's suffix so writers that pick a format by suffix
+(matplotlib's savefig, pandas' compression="infer") still do. It is created with mode 0o666 minus
+the umask, as `open(path, "w")` would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+_CHUNK = 1 << 20
+"""Bytes per os.write call (a short write is retried from where it stopped)."""
+
+
+def atomic_write_bytes(path: str | Path, data: bytes | bytearray | memoryview) -> Path:
+    """Write `data` to `path` atomically (parent folders created).
+
+    Args:
+        path: The file to write or replace.
+        data: The complete new contents.
+
+    Returns:
+        The path written.
+
+    Raises:
+        OSError: The write, fsync or rename failed (e.g. ENOSPC); `path` is unchanged and no
+            temporary is left behind.
+    """
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC | getattr(os, "O_BINARY", 0))
+        try:
+            view = memoryview(data).cast("B")
+            while view:
+                written = os.write(fd, view[:_CHUNK])
+                view = view[written:]
+        finally:
+            os.close(fd)
+    return path
+
+
+def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> Path:
+    """Write `text` to `path` atomically in `encoding` (parent folders created).
+
+    Raises:
+        OSError: As `atomic_write_bytes`; `path` is unchanged.
+    """
+    return atomic_write_bytes(path, text.encode(encoding))
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path to write; on success it is fsynced and renamed onto `path`.
+
+    For writers that take a file name (safetensors' save_file, matplotlib's savefig, pandas'
+    to_csv). The temporary exists (empty) when yielded; the writer replaces its contents.
+
+    Args:
+        path: The file to write or replace (parent folders created).
+
+    Yields:
+        The temporary path, in the same directory and with the same suffix as `path`.
+
+    Raises:
+        FileNotFoundError: The writer removed the temporary instead of writing it.
+        OSError: The fsync or rename failed; `path` is unchanged and the temporary removed.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _create_temporary(path)
+    try:
+        yield tmp
+        if not tmp.is_file():
+            raise FileNotFoundError(
+                f"atomic_path: the writer left no file at {str(tmp)!r}; {str(path)!r} is unchanged."
+            )
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    _fsync_directory(path.parent)
+
+
+def _create_temporary(path: Path) -> Path:
+    # O_EXCL on a fresh random name: two writers of one target never share a temporary.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        tmp = path.with_name(f".{path.stem}.{secrets.token_hex(4)}.tmp{path.suffix}")
+        try:
+            os.close(os.open(tmp, flags, 0o666))
+        except FileExistsError:
+            continue
+        return tmp
+    raise FileExistsError(f"atomic_path: could not create a temporary beside {str(path)!r}.")
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the rename durable; skipped where directories cannot be opened (Windows)."""
+    if os.name != "posix":
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        # Some filesystems (certain FUSE and network mounts) cannot fsync a directory; the
+        # rename has happened and is as durable as that filesystem allows.
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
