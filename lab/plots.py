@@ -585,6 +585,8 @@ def _ratio_text(value: float, baseline: float | None) -> str:
 def save_figure(fig: Any, path: str | Path, *, dpi: int = 130) -> Path:
     """Write a matplotlib figure (PNG/SVG by suffix), creating parent folders."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
+    from lab.atomic import atomic_path  # a failed write leaves the old figure whole
+
+    with atomic_path(path) as tmp:  # the format comes from the target, not the temporary
+        fig.savefig(tmp, dpi=dpi, format=path.suffix.lstrip(".").lower() or "png")
     return path

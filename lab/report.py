@@ -160,9 +160,9 @@ metrics are candidate vs reference.</p>
 {"".join(body)}
 </body></html>
 """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(page, encoding="utf-8")
-    return path
+    from lab.atomic import atomic_write_text  # a failed write leaves the old report whole
+
+    return atomic_write_text(path, page, encoding="utf-8")
 
 
 # ---- inputs -------------------------------------------------------------------------------
