@@ -9,6 +9,7 @@ import torch
 
 import lab
 from lab.families import FAMILY_NAMES, PRESETS
+from lab.precision.param_rules import explain_rules, ruled_param_dtypes
 
 
 @pytest.fixture(scope="module", params=FAMILY_NAMES)
@@ -107,6 +108,24 @@ def test_real_size_presets_build_on_meta(family_name: str, preset: str) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     assert n_params > 10_000_000, "reduced/full should be real width"
     assert inputs.keys_with_role("latents")
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_fp32_rule_suggestions_compile_at_every_preset_and_variant(
+    family_name: str, preset: str
+) -> None:
+    fam = lab.family(family_name)
+    rules = dict(fam.fp32_rule_suggestions)
+    assert rules, f"{family_name} suggests no fp32 rule"
+    assert set(rules.values()) == {"fp32"}
+    for variant in (None, *fam.variants):
+        # Names only: the meta device builds the real-width class without allocating it.
+        model = fam.build(preset, device="meta", variant=variant)
+        matches = explain_rules(model, rules)  # raises on a glob that matches nothing
+        assert all(m.names for m in matches)
+        ruled = ruled_param_dtypes(model, rules)
+        classes = {type(model.get_submodule(n.rpartition(".")[0])).__name__ for n in ruled}
+        assert any("Norm" in c for c in classes), f"{family_name}: no norm among {classes}"
 
 
 def test_real_shapes_match_the_record() -> None:

@@ -136,6 +136,11 @@ class Family:
     """What the engine's pipeline casts at the boundary; None = same as input_dtype_policy."""
     param_dtype_rules: Mapping[str, str] = field(default_factory=dict)
     """The trainer's FSDP plan param_dtype_patterns (ordered globs, later wins)."""
+    fp32_rule_suggestions: Mapping[str, str] = field(default_factory=dict)
+    """The fp32 rules an engineer tries first on the trainer side: norms, modulation (adaLN
+    linears, scale-shift tables), embeddings and the output head, as ordered glob -> "fp32" on
+    this family's own parameter names. Each glob matches at every preset and variant
+    (tests/test_families.py). A starting point for `param_dtype_rules`, not the FSDP plan."""
     engine_fp32_modules: tuple[str, ...] = ()
     """Module-name components the engine keeps in fp32 when it loads at rollout_dtype."""
     engine_ops: tuple[str, ...] = ()

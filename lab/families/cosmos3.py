@@ -278,6 +278,15 @@ FAMILY = Family(
     input_dtype_policy={"latents": "default", "cond": None, "timestep": "fp32"},
     # No FSDP param-dtype plan for Cosmos3 in the record.
     param_dtype_rules={},
+    # No adaLN: the timestep embedding is added to the noisy tokens. "*norm*" is every RMSNorm
+    # (layer norms of both pathways, q/k norms, the final norms; the edge variant's too).
+    fp32_rule_suggestions={
+        "*norm*": "fp32",
+        "embed_tokens.*": "fp32",
+        "proj_in.*": "fp32",
+        "time_embedder.*": "fp32",
+        "proj_out.*": "fp32",
+    },
     # Cosmos3OmniTransformer._keep_in_fp32_modules.
     engine_fp32_modules=("time_embedder",),
     prepare_model=prepare_model,

@@ -162,6 +162,20 @@ FAMILY = Family(
     # (latents and text already in the transformer dtype, guidance fp32).
     input_dtype_policy={"latents": None, "cond": None, "timestep": None},
     param_dtype_rules={},
+    # The block LayerNorms are affine-free: the norms with parameters are the q/k RMSNorms.
+    fp32_rule_suggestions={
+        "*.norm_q.*": "fp32",
+        "*.norm_k.*": "fp32",
+        "*.norm_added_*": "fp32",
+        "*.norm1.linear.*": "fp32",  # double-stream adaLN-Zero modulation
+        "*.norm1_context.linear.*": "fp32",
+        "single_transformer_blocks.*.norm.linear.*": "fp32",
+        "norm_out.linear.*": "fp32",
+        "x_embedder.*": "fp32",
+        "time_text_embed.*": "fp32",  # timestep, guidance and pooled-text embedders
+        "context_embedder.*": "fp32",
+        "proj_out.*": "fp32",
+    },
     # FluxTransformer2DModel._keep_in_fp32_modules is None: a bf16 load keeps nothing in fp32.
     engine_fp32_modules=(),
     notes=(

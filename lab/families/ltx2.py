@@ -248,6 +248,20 @@ FAMILY = Family(
     # positions included) on the latent dtype, and the rollout runs it bf16.
     input_dtype_policy={"latents": "default", "cond": "default", "timestep": None},
     param_dtype_rules={},
+    # The block norms are affine-free (norm_elementwise_affine=False): the norms with parameters
+    # are the q/k RMSNorms. Modulation: every scale_shift_table and the AdaLayerNormSingle
+    # linears (time, prompt, audio-video cross-attention); embeddings: their timestep MLPs.
+    fp32_rule_suggestions={
+        "*.norm_q.*": "fp32",
+        "*.norm_k.*": "fp32",
+        "*scale_shift_table": "fp32",
+        "*time_embed.linear.*": "fp32",
+        "*prompt_adaln.linear.*": "fp32",
+        "av_cross_attn_*.linear.*": "fp32",
+        "*.emb.timestep_embedder.*": "fp32",
+        "*proj_in.*": "fp32",
+        "*proj_out.*": "fp32",
+    },
     engine_fp32_modules=(),
     notes=(
         "sglang-d's native LTX forward builds RoPE positions in the latent dtype (bf16), while "

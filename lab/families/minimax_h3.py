@@ -303,6 +303,22 @@ FAMILY = Family(
     input_dtype_policy={"latents": None, "cond": None, "timestep": None},
     # The record's FSDP plan: input and output heads and the timestep MLP in fp32.
     param_dtype_rules={"*proj_in.*": "fp32", "*time_embedder.*": "fp32", "*proj_out.*": "fp32"},
+    # The plan's heads and time MLP plus every RMSNorm, the per-block adaLN projection and the
+    # output modulation.
+    fp32_rule_suggestions={
+        "*.norm1.*": "fp32",
+        "*.norm2.*": "fp32",
+        "*.norm_q.*": "fp32",
+        "*.norm_k.*": "fp32",
+        "*final_norm.*": "fp32",
+        "norm_out.norm.*": "fp32",
+        "*.adaln_proj.*": "fp32",
+        "norm_out.linear.*": "fp32",
+        "*proj_in.*": "fp32",
+        "context_embedder.*": "fp32",
+        "time_embedder.*": "fp32",
+        "*proj_out.*": "fp32",
+    },
     engine_fp32_modules=_KEEP_IN_FP32,
     init_weights=init_weights,
     notes=(

@@ -159,6 +159,19 @@ FAMILY = Family(
     rollout_dtype="bf16",
     input_dtype_policy={"latents": None, "cond": None, "timestep": None},
     param_dtype_rules={},
+    fp32_rule_suggestions={
+        "txt_norm.*": "fp32",
+        "*.norm_q.*": "fp32",
+        "*.norm_k.*": "fp32",
+        "*.norm_added_*": "fp32",
+        "*.img_mod.*": "fp32",  # per-stream modulation linears (6 chunks each)
+        "*.txt_mod.*": "fp32",
+        "norm_out.linear.*": "fp32",
+        "img_in.*": "fp32",
+        "txt_in.*": "fp32",
+        "time_text_embed.*": "fp32",
+        "proj_out.*": "fp32",
+    },
     # QwenImageTransformer2DModel._keep_in_fp32_modules is None: a bf16 load keeps nothing fp32.
     engine_ops=("sgld", "qwen_image"),
     engine_fp32_modules=(),

@@ -116,6 +116,20 @@ FAMILY = Family(
     rollout_dtype="fp16",
     input_dtype_policy={"latents": None, "cond": None, "timestep": None},
     param_dtype_rules={},
+    # Norm1 / norm1_context / norm_out LayerNorms are affine-free: the norms with parameters are
+    # the q/k RMSNorms (attn, attn2 and the added context stream).
+    fp32_rule_suggestions={
+        "*.norm_q.*": "fp32",
+        "*.norm_k.*": "fp32",
+        "*.norm_added_*": "fp32",
+        "*.norm1.linear.*": "fp32",  # adaLN-Zero modulation (6 or 9 chunks)
+        "*.norm1_context.linear.*": "fp32",
+        "norm_out.linear.*": "fp32",
+        "pos_embed.*": "fp32",  # the patch conv (the positional table is a buffer)
+        "time_text_embed.*": "fp32",
+        "context_embedder.*": "fp32",
+        "proj_out.*": "fp32",
+    },
     engine_ops=("sgld",),
     engine_fp32_modules=(),
     notes="No FSDP plan overrides; the engine's sgld patch group is the SD3-shaped one.",

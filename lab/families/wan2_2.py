@@ -158,6 +158,17 @@ FAMILY = Family(
     # The record's FSDP plan. scale_shift_table and time_embedder were once pinned too, then
     # dropped: sglang-d loads them in bf16, and pinning them left blocks.0's output 1.45e-2 off.
     param_dtype_rules={"*.norm2.*": "fp32"},
+    # The plan's norm2 first, then the q/k norms, the root and per-block scale_shift_tables, the
+    # condition embedder (time MLP, time_proj modulation, text MLP) and the heads.
+    fp32_rule_suggestions={
+        "*.norm2.*": "fp32",
+        "*.norm_q.*": "fp32",
+        "*.norm_k.*": "fp32",
+        "*scale_shift_table": "fp32",
+        "condition_embedder.*": "fp32",
+        "patch_embedding.*": "fp32",
+        "proj_out.*": "fp32",
+    },
     # sglang-d keeps every FP32LayerNorm's affine params fp32 (norm2 is the only one with params;
     # norm1/norm3 are affine-free, listed so a from_pretrained-like cast treats them as diffusers'
     # keep list does). scale_shift_table and time_embedder are loaded in bf16, unlike diffusers'
