@@ -200,7 +200,9 @@ def plot_divergence_by_layer(
         fig.update_yaxes(type="log", title=_metric_axis(result, metric), exponentformat="e")
         fig.update_xaxes(title="module output, forward completion order")
         fig.update_layout(title=title, template="plotly_white", height=420, hovermode="closest")
-        return fig
+        return attach_static_twin(
+            fig, lambda: plot_divergence_by_layer(result, metric, title=title, backend="matplotlib")
+        )
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(11, 4.2), constrained_layout=True)
@@ -353,7 +355,12 @@ def plot_steps_by_layers(
         )
         fig.update_xaxes(title="step", type="category")
         fig.update_layout(title=title, template="plotly_white", height=160 + 14 * len(labels))
-        return fig
+        return attach_static_twin(
+            fig,
+            lambda: plot_steps_by_layers(
+                results, metric, modules=modules, title=title, backend="matplotlib"
+            ),
+        )
 
     from matplotlib.colors import LogNorm
 
@@ -456,7 +463,9 @@ def plot_ulp_histogram(
         fig.update_yaxes(type="log", title="elements")
         fig.update_xaxes(title="ULP distance, coarser dtype of the pair", type="category")
         fig.update_layout(title=title, template="plotly_white", barmode="group", height=380)
-        return fig
+        return attach_static_twin(
+            fig, lambda: plot_ulp_histogram(result, modules, title=title, backend="matplotlib")
+        )
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 3.8), constrained_layout=True)
@@ -550,7 +559,9 @@ def plot_overlay(
         fig.update_yaxes(type="log", title=ylabel, exponentformat="e")
         fig.update_xaxes(title="module output, baseline forward order")
         fig.update_layout(title=title, template="plotly_white", height=420)
-        return fig
+        return attach_static_twin(
+            fig, lambda: plot_overlay(runs, metric, title=title, backend="matplotlib")
+        )
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(11, 4.2), constrained_layout=True)
@@ -582,11 +593,205 @@ def _ratio_text(value: float, baseline: float | None) -> str:
     return f"x{value / baseline:.3g}"
 
 
-def save_figure(fig: Any, path: str | Path, *, dpi: int = 130) -> Path:
-    """Write a matplotlib figure (PNG/SVG by suffix), creating parent folders."""
-    path = Path(path)
-    from lab.atomic import atomic_path  # a failed write leaves the old figure whole
+# ---- showing and saving -----------------------------------------------------------------
 
-    with atomic_path(path) as tmp:  # the format comes from the target, not the temporary
-        fig.savefig(tmp, dpi=dpi, format=path.suffix.lstrip(".").lower() or "png")
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+"""The mime type JupyterLab's bundled plotly renderer draws (interactive, no network)."""
+SAVE_SUFFIXES: dict[str, tuple[str, ...]] = {
+    "matplotlib": (".png", ".svg", ".pdf"),
+    "plotly": (".png", ".svg", ".json", ".html"),
+}
+_DPI = 130
+# plotly.js goes into a text/html output only for a plotly figure without a static twin, and
+# only once per kernel: later outputs of the same notebook page reuse window.Plotly.
+_plotlyjs_published = False
+
+
+def show(fig: Any, save_as: str | Path | None = None) -> None:
+    """Display a figure inline, stored in the notebook, and optionally write it to a file.
+
+    In a live JupyterLab a plotly figure is interactive (hover, zoom) through the plotly
+    renderer that ships with the `plotly` package; the same output carries a PNG that a
+    notebook rendered later without a kernel or network (`jupyter nbconvert --to html`,
+    GitHub) shows instead. A matplotlib figure is shown as a PNG and closed, so it does not
+    show twice. Outside IPython nothing is displayed and only `save_as` is written.
+
+    Args:
+        fig: A matplotlib Figure or a plotly go.Figure (every `lab` plot function returns
+            one of them).
+        save_as: Also write the figure here, format by suffix: .png/.svg/.pdf for matplotlib;
+            .png/.svg (its static twin), .json (`plotly.io.read_json` reads it back) or .html
+            (one self-contained file with plotly.js, ~4.7 MB) for plotly.
+
+    Raises:
+        ValueError: For something that is not a figure, or an unsupported `save_as` suffix.
+    """
+    backend = _figure_backend(fig, "show")
+    try:
+        bundle = figure_mimebundle(fig) if _in_ipython() else None
+        if save_as is not None:
+            save_figure(fig, save_as)
+        if bundle is not None:
+            from IPython.display import display
+
+            display(bundle, raw=True)
+    finally:
+        if backend == "matplotlib":
+            _pyplot().close(fig)
+
+
+def figure_mimebundle(fig: Any) -> dict[str, Any]:
+    """The display data `show` publishes for `fig`: mime type -> content.
+
+    matplotlib: `image/png` (base64) and `text/plain`.
+    plotly: `application/vnd.plotly.v1+json` (the figure; JupyterLab ranks its renderer above
+    HTML and images, and draws it from the PNG on first hover), `image/png` of the figure's
+    matplotlib twin (what nbconvert and other static viewers show: nbconvert's HTML exporter
+    prefers text/html, so none is sent) and `text/plain`. A plotly figure without a twin
+    (one not made by `lab`) gets `text/html` instead of the PNG: its div, with plotly.js
+    inlined in the first such output of the kernel session only.
+
+    Raises:
+        ValueError: For something that is not a matplotlib or plotly figure.
+    """
+    import base64
+
+    backend = _figure_backend(fig, "figure_mimebundle")
+    if backend == "matplotlib":
+        png = _matplotlib_png(fig)
+        return {"image/png": base64.b64encode(png).decode(), "text/plain": _plain(fig)}
+    import json
+
+    import plotly.io as pio
+
+    figure = json.loads(pio.to_json(fig, validate=False, remove_uids=True))
+    figure["config"] = {"displaylogo": False, "responsive": True}
+    bundle: dict[str, Any] = {PLOTLY_MIME: figure}
+    twin = _static_png(fig)
+    if twin is not None:
+        bundle["image/png"] = base64.b64encode(twin).decode()
+    else:
+        global _plotlyjs_published
+        bundle["text/html"] = fig.to_html(
+            full_html=False, include_plotlyjs=not _plotlyjs_published, include_mathjax=False,
+            config=figure["config"],
+        )  # fmt: skip
+        _plotlyjs_published = True
+    bundle["text/plain"] = _plain(fig)
+    return bundle
+
+
+def save_figure(fig: Any, path: str | Path, *, dpi: int = _DPI) -> Path:
+    """Write a matplotlib or plotly figure, format by suffix, creating parent folders.
+
+    matplotlib: .png, .svg, .pdf. plotly: .json (the figure, for `plotly.io.read_json`),
+    .html (self-contained: plotly.js inlined, opens offline), .png/.svg (the figure's
+    matplotlib twin, which every `lab` plot function attaches).
+
+    Returns:
+        The path written.
+
+    Raises:
+        ValueError: For an unsupported suffix, or a static format of a plotly figure that
+            has no matplotlib twin.
+    """
+    backend = _figure_backend(fig, "save_figure")
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in SAVE_SUFFIXES[backend]:
+        raise ValueError(
+            f"save_figure: cannot write a {backend} figure to {str(path)!r}: suffix "
+            f"{suffix or '(none)'!r}. Use one of {list(SAVE_SUFFIXES[backend])}."
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if backend == "matplotlib":
+        fig.savefig(path, dpi=dpi)
+    elif suffix == ".json":
+        import plotly.io as pio
+
+        pio.write_json(fig, path, validate=False, remove_uids=True)
+    elif suffix == ".html":
+        fig.write_html(
+            path, include_plotlyjs=True, include_mathjax=False, full_html=True,
+            config={"displaylogo": False, "responsive": True},
+        )  # fmt: skip
+    else:
+        twin = _static_twin(fig)
+        if twin is None:
+            raise ValueError(
+                f"save_figure: this plotly figure has no matplotlib twin, so {str(path)!r} "
+                "cannot be drawn without a browser. Save it as .html or .json, or make it "
+                "with a lab plot function (they attach one)."
+            )
+        try:
+            twin.savefig(path, dpi=dpi)
+        finally:
+            _pyplot().close(twin)
     return path
+
+
+def attach_static_twin(fig: Any, build: Any) -> Any:
+    """Attach `build() -> matplotlib Figure`, the static twin of plotly `fig`; return `fig`.
+
+    `show` and `save_figure` call it (lazily, once per use) for the PNG a static viewer
+    shows. Every `lab` plot function with a plotly backend attaches its matplotlib version.
+    """
+    fig._lab_static_twin = build
+    return fig
+
+
+def _static_twin(fig: Any) -> Any:
+    build = getattr(fig, "_lab_static_twin", None)
+    return build() if build is not None else None
+
+
+def _static_png(fig: Any) -> bytes | None:
+    twin = _static_twin(fig)
+    if twin is None:
+        return None
+    try:
+        return _matplotlib_png(twin)
+    finally:
+        _pyplot().close(twin)
+
+
+def _matplotlib_png(fig: Any) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=_DPI)
+    return buf.getvalue()
+
+
+def _figure_backend(fig: Any, where: str) -> str:
+    """'matplotlib' or 'plotly' for a figure of that library.
+
+    Raises:
+        ValueError: For anything else (an Axes, a path, None), naming its type.
+    """
+    if hasattr(fig, "to_plotly_json"):
+        return "plotly"
+    if hasattr(fig, "savefig") and hasattr(fig, "canvas"):
+        return "matplotlib"
+    hint = " Pass its figure: `ax.figure`." if hasattr(fig, "get_figure") else ""
+    raise ValueError(
+        f"{where}: expected a matplotlib Figure or a plotly go.Figure, got "
+        f"{type(fig).__name__}.{hint}"
+    )
+
+
+def _plain(fig: Any) -> str:
+    title = ""
+    if hasattr(fig, "to_plotly_json"):
+        title = fig.layout.title.text or ""
+    elif fig.axes:
+        title = fig._suptitle.get_text() if fig._suptitle else fig.axes[0].get_title()
+    return f"<{type(fig).__module__.split('.')[0]} figure{': ' + title if title else ''}>"
+
+
+def _in_ipython() -> bool:
+    try:
+        from IPython.core.interactiveshell import InteractiveShell
+    except ImportError:
+        return False
+    return InteractiveShell.initialized()
