@@ -14,7 +14,13 @@ import torch
 
 from lab.capture import ModuleHooks, flatten_output
 from lab.devices import resolve_device
-from lab.errors import DegenerateOutputError, NonFiniteOutputError, PairError
+from lab.errors import (
+    DegenerateOutputError,
+    NonFiniteOutputError,
+    PairError,
+    dtype_mismatch_fix,
+    failing_module,
+)
 from lab.families import Inputs
 from lab.metrics import metrics_kernel
 from lab.pairing import Aliases, Collector, metrics_on_side_stream
@@ -313,10 +319,21 @@ def pair(
                 " Out of GPU memory: use a smaller preset, names_filter to capture fewer "
                 "modules, or mode='propagated' (local mode caches side B's weights)."
             )
+        where = failing_module(err, model)
+        module, module_class = where if where is not None else (None, None)
+        failed, view = (side_b, view_b) if side == side_b.name else (side_a, view_a)
+        fix = dtype_mismatch_fix(err, failed, module, view.plan.param_dtypes) if module else None
         raise PairError(
-            f"pair: side {side!r} failed after {len(result.rows)} compared pair(s): "
-            f"{type(err).__name__}: {err}.{hint} The pairs compared so far are in err.result.",
+            f"pair: side {side!r} failed after {len(result.rows)} compared pair(s)"
+            + (f", in module {module!r} ({module_class})" if module else "")
+            + f": {type(err).__name__}: {err}.{hint}"
+            + (f" {fix}" if fix else "")
+            + " The pairs compared so far are in err.result.",
             result,
+            side=side,
+            module=module,
+            module_class=module_class,
+            fix=fix,
         ) from err
     finally:
         for m in training:
