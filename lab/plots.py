@@ -703,19 +703,9 @@ def save_figure(fig: Any, path: str | Path, *, dpi: int = _DPI) -> Path:
             f"save_figure: cannot write a {backend} figure to {str(path)!r}: suffix "
             f"{suffix or '(none)'!r}. Use one of {list(SAVE_SUFFIXES[backend])}."
         )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if backend == "matplotlib":
-        fig.savefig(path, dpi=dpi)
-    elif suffix == ".json":
-        import plotly.io as pio
+    from lab.atomic import atomic_path  # a failed write leaves the old figure whole
 
-        pio.write_json(fig, path, validate=False, remove_uids=True)
-    elif suffix == ".html":
-        fig.write_html(
-            path, include_plotlyjs=True, include_mathjax=False, full_html=True,
-            config={"displaylogo": False, "responsive": True},
-        )  # fmt: skip
-    else:
+    if backend == "plotly" and suffix in (".png", ".svg"):
         twin = _static_twin(fig)
         if twin is None:
             raise ValueError(
@@ -724,9 +714,21 @@ def save_figure(fig: Any, path: str | Path, *, dpi: int = _DPI) -> Path:
                 "with a lab plot function (they attach one)."
             )
         try:
-            twin.savefig(path, dpi=dpi)
+            return save_figure(twin, path, dpi=dpi)
         finally:
             _pyplot().close(twin)
+    with atomic_path(path) as tmp:  # the format comes from the target, not the temporary
+        if backend == "matplotlib":
+            fig.savefig(tmp, dpi=dpi, format=suffix.lstrip("."))
+        elif suffix == ".json":
+            import plotly.io as pio
+
+            pio.write_json(fig, tmp, validate=False, remove_uids=True)
+        else:
+            fig.write_html(
+                tmp, include_plotlyjs=True, include_mathjax=False, full_html=True,
+                config={"displaylogo": False, "responsive": True},
+            )  # fmt: skip
     return path
 
 
