@@ -116,3 +116,7 @@ def dtype_mismatch_fix(
         f"Fix: check side {side.name!r}'s dtypes at {module!r}: its input_dtype_policy, "
         "param_dtype, param_dtype_rules and autocast (autocast casts matmul inputs to one dtype)."
     )
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded as asked (the message names the file)."""
