@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 
-from lab.precision.dtypes import parse_dtype
+import torch
+
+from lab.precision.dtypes import DTYPES, dtype_name, parse_dtype
 from lab.precision.input_policy import PASSTHROUGH, check_input_dtype_policy
 
 if TYPE_CHECKING:
@@ -25,8 +28,88 @@ class PrecisionWarning(UserWarning):
     """A setting the dtype-control spec strongly advises against."""
 
 
+_TORCH_DTYPES = frozenset(DTYPES.values())
+_FALSE_WORDS = frozenset({"false", "no", "off", "0", "n", "f", "none", ""})
+_TRUE_WORDS = frozenset({"true", "yes", "on", "1", "y", "t"})
+
+
 def _frozen(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return MappingProxyType(dict(mapping or {}))
+
+
+def _kind(value: Any) -> str:
+    """'a string', 'an int', ... for error messages."""
+    name = {str: "string", int: "int", float: "float", list: "list", dict: "dict"}.get(
+        type(value), type(value).__name__
+    )
+    return f"an {name}" if name[0] in "aeiou" else f"a {name}"
+
+
+def _dtype_name(value: Any, where: str) -> str:
+    """A dtype field's value as its name: "bf16" stays, torch.bfloat16 becomes "bf16".
+
+    A torch.dtype is accepted and stored by name, so `to_dict` stays JSON and two sides that
+    mean the same dtype compare equal; anything else goes through the one parser's errors.
+    """
+    return dtype_name(parse_dtype(value, where=where))
+
+
+def _check_bool(value: Any, where: str, spell: Callable[[bool], str]) -> None:
+    """Refuse anything but True/False: the string "no" is truthy and would mean True.
+
+    `spell(v)` writes the fix for value v, e.g. "autocast=False".
+    """
+    if isinstance(value, bool):
+        return
+    if isinstance(value, str):
+        word = value.strip().lower()
+        fix = (
+            f"Use {spell(False)}."
+            if word in _FALSE_WORDS
+            else f"Use {spell(True)}."
+            if word in _TRUE_WORDS
+            else f"Use {spell(True)} or {spell(False)}."
+        )
+        raise ValueError(
+            f"{where}: expected True or False, got {value!r} (a string). {fix} In a sweep grid "
+            "or JSON write true/false without quotes."
+        )
+    raise ValueError(
+        f"{where}: expected True or False, got {value!r} ({_kind(value)}). "
+        f"Use {spell(True)} or {spell(False)}."
+    )
+
+
+def _names(value: Any, where: str, attr: str, example: str) -> tuple[str, ...]:
+    """A tuple of names; a bare string is refused (it would iterate as its characters)."""
+    if isinstance(value, str):
+        raise ValueError(
+            f"{where}: expected a tuple of names, got the string {value!r} (it would be read as "
+            f"{len(value)} one-character names). Use {attr}=({value!r},)."
+        )
+    if not isinstance(value, list | tuple):
+        raise ValueError(
+            f"{where}: expected a tuple of names such as {example}, got {value!r} ({_kind(value)})."
+        )
+    bad = [v for v in value if not isinstance(v, str)]
+    if bad:
+        raise ValueError(
+            f"{where}: every entry must be a string, got {bad[0]!r} ({_kind(bad[0])}). "
+            f"Example: {attr}={example}."
+        )
+    return tuple(value)
+
+
+def _mapping(value: Any, where: str, example: str) -> dict[str, Any]:
+    """A mapping with string keys (rules, policies and switches are all keyed by name)."""
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"{where}: expected a mapping such as {example}, got {value!r} ({_kind(value)})."
+        )
+    bad = [k for k in value if not isinstance(k, str)]
+    if bad:
+        raise ValueError(f"{where}: keys must be strings, got {bad[0]!r} ({_kind(bad[0])}).")
+    return dict(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,17 +158,56 @@ class Side:
 
     def __post_init__(self) -> None:
         where = f"Side({self.name!r})"
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(
+                f"Side.name: expected a non-empty string such as 'rollout', got {self.name!r}."
+            )
+        # Every field is checked for its type here, so a wrong type cannot silently mean
+        # something else later ("no" is a truthy string; "norm2" iterates as five names).
         for attr in ("master_dtype", "forward_dtype", "rollout_precision", "reduce_dtype"):
-            parse_dtype(getattr(self, attr), where=f"{where}.{attr}")
-        if self.param_dtype is not None:
-            parse_dtype(self.param_dtype, where=f"{where}.param_dtype")
-        if self.autocast_dtype is not None:
-            parse_dtype(self.autocast_dtype, where=f"{where}.autocast_dtype")
-        for pattern, value in dict(self.param_dtype_rules).items():
-            parse_dtype(value, where=f"{where}.param_dtype_rules[{pattern!r}]")
-        policy = check_input_dtype_policy(
-            self.input_dtype_policy, where=f"{where}.input_dtype_policy"
+            self._set(attr, _dtype_name(getattr(self, attr), f"{where}.{attr}"))
+        for attr in ("param_dtype", "autocast_dtype"):
+            if getattr(self, attr) is not None:
+                self._set(attr, _dtype_name(getattr(self, attr), f"{where}.{attr}"))
+        for attr in ("autocast", "cast_buffers"):
+            _check_bool(getattr(self, attr), f"{where}.{attr}", lambda v, a=attr: f"{a}={v}")
+        for attr, example in (
+            ("keep_fp32_modules", "('norm2',)"),
+            ("fsdp_wrap_classes", "('WanTransformerBlock',)"),
+            ("engine_ops", "('wan',)"),
+        ):
+            self._set(attr, _names(getattr(self, attr), f"{where}.{attr}", attr, example))
+        rules = _mapping(
+            self.param_dtype_rules, f"{where}.param_dtype_rules", "{'*.norm2.*': 'fp32'}"
         )
+        self._set(
+            "param_dtype_rules",
+            {
+                pattern: _dtype_name(value, f"{where}.param_dtype_rules[{pattern!r}]")
+                for pattern, value in rules.items()
+            },
+        )
+        policy = (
+            _mapping(self.input_dtype_policy, f"{where}.input_dtype_policy", "{'latents': 'fp32'}")
+            if self.input_dtype_policy is not None
+            else {}
+        )
+        policy = {
+            key: dtype_name(value)
+            if isinstance(value, torch.dtype) and value in _TORCH_DTYPES
+            else value
+            for key, value in policy.items()
+        }
+        policy = check_input_dtype_policy(policy, where=f"{where}.input_dtype_policy")
+        switches = _mapping(
+            self.op_switches, f"{where}.op_switches", "{'drop_identity_mask': True}"
+        )
+        for attr in ("autocast_policy", "attention_backend"):
+            value = getattr(self, attr)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(
+                    f"{where}.{attr}: expected a string, got {value!r} ({_kind(value)})."
+                )
         if self.autocast_policy is not None and self.autocast_policy not in AUTOCAST_POLICIES:
             known = ", ".join(repr(p) for p in AUTOCAST_POLICIES)
             raise ValueError(
@@ -97,17 +219,36 @@ class Side:
                 f"{where}.attention_backend: unknown backend {self.attention_backend!r}. "
                 f"Known: {', '.join(ATTENTION_BACKENDS)}."
             )
-        if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
+        if isinstance(self.device, torch.device):
+            self._set("device", str(self.device))
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"{where}.device: {self.device!r} is not 'cpu', 'cuda' or 'cuda:N'.")
-        from lab.precision.engine_ops import check_engine_ops
+        from lab.precision.engine_ops import SWITCHES, check_engine_ops
 
-        object.__setattr__(self, "engine_ops", tuple(self.engine_ops))
-        check_engine_ops(self.engine_ops, dict(self.op_switches), where=f"{where}.engine_ops")
-        object.__setattr__(self, "op_switches", _frozen(self.op_switches))
-        object.__setattr__(self, "input_dtype_policy", _frozen(policy))
-        object.__setattr__(self, "param_dtype_rules", _frozen(self.param_dtype_rules))
-        object.__setattr__(self, "keep_fp32_modules", tuple(self.keep_fp32_modules))
-        object.__setattr__(self, "fsdp_wrap_classes", tuple(self.fsdp_wrap_classes))
+        for switch, value in switches.items():
+            known = SWITCHES.get(switch)
+            if known is not None and all(isinstance(v, bool) for v in known.values):
+                _check_bool(
+                    value,
+                    f"{where}.op_switches[{switch!r}]",
+                    lambda v, k=switch: f"op_switches={{{k!r}: {v}}}",
+                )
+        check_engine_ops(self.engine_ops, switches, where=f"{where}.engine_ops")
+        self._set("op_switches", _frozen(switches))
+        self._set("input_dtype_policy", _frozen(policy))
+        self._set("param_dtype_rules", _frozen(self.param_dtype_rules))
+        # Parsed once here, so code that needs torch dtypes never parses a name again.
+        self._set(
+            "_torch_dtypes",
+            {
+                "master": DTYPES[self.master_dtype],
+                "forward": DTYPES[self.forward_dtype],
+                "rollout": DTYPES[self.rollout_precision],
+                "reduce": DTYPES[self.reduce_dtype],
+                "param": DTYPES[self.resolved_param_dtype],
+                "autocast": DTYPES[self.resolved_autocast_dtype],
+            },
+        )
         if self.forward_dtype != self.rollout_precision:
             warnings.warn(
                 f"{where}: forward_dtype {self.forward_dtype!r} differs from rollout_precision "
@@ -193,14 +334,48 @@ class Side:
             raise ValueError(
                 f"Side.replace: unknown field(s) {unknown}. Known: {', '.join(sorted(known))}."
             )
-        if "input_dtype_policy" in changes and changes["input_dtype_policy"] is not None:
+        if isinstance(changes.get("input_dtype_policy"), Mapping):
             changes["input_dtype_policy"] = {
                 **dict(self.input_dtype_policy),
                 **dict(changes["input_dtype_policy"]),
             }
         return dataclasses.replace(self, **changes)
 
+    def _set(self, attr: str, value: Any) -> None:
+        # The dataclass is frozen; __post_init__ stores the validated, normalised values.
+        object.__setattr__(self, attr, value)
+
     # ---- derived ------------------------------------------------------------------------
+
+    @property
+    def master_torch_dtype(self) -> torch.dtype:
+        """`master_dtype` as a torch.dtype (parsed once, in __post_init__)."""
+        return self._torch_dtypes["master"]
+
+    @property
+    def forward_torch_dtype(self) -> torch.dtype:
+        """`forward_dtype` as a torch.dtype."""
+        return self._torch_dtypes["forward"]
+
+    @property
+    def rollout_torch_dtype(self) -> torch.dtype:
+        """`rollout_precision` as a torch.dtype."""
+        return self._torch_dtypes["rollout"]
+
+    @property
+    def reduce_torch_dtype(self) -> torch.dtype:
+        """`reduce_dtype` as a torch.dtype."""
+        return self._torch_dtypes["reduce"]
+
+    @property
+    def param_torch_dtype(self) -> torch.dtype:
+        """`resolved_param_dtype` as a torch.dtype."""
+        return self._torch_dtypes["param"]
+
+    @property
+    def autocast_torch_dtype(self) -> torch.dtype:
+        """`resolved_autocast_dtype` as a torch.dtype."""
+        return self._torch_dtypes["autocast"]
 
     @property
     def resolved_param_dtype(self) -> str:
@@ -232,7 +407,21 @@ class Side:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Side:
-        """Inverse of `to_dict` (warnings silenced: the side was already reported once)."""
+        """Inverse of `to_dict` (warnings silenced: the side was already reported once).
+
+        Raises:
+            ValueError: Not a mapping, no name, an unknown field, or a field of the wrong type.
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"Side.from_dict: expected a mapping of fields, got {_kind(data)}.")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known, key=str)
+        if unknown:
+            raise ValueError(
+                f"Side.from_dict: unknown field(s) {unknown}. Known: {', '.join(sorted(known))}."
+            )
+        if "name" not in data:
+            raise ValueError("Side.from_dict: the side has no 'name' field.")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", PrecisionWarning)
             return cls(**dict(data))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import torch
 
@@ -73,3 +76,99 @@ def test_local_mode_failure_names_the_failing_side() -> None:
     bad = lab.Side.rollout(fam, input_dtype_policy={"cond": "fp32"})
     with pytest.raises(PairError, match=r"side 'rollout' failed"):
         lab.pair(model, inputs, lab.Side.trainer(fam), bad, "local")
+
+
+# ---- every field is type-checked (issue 14 item 2) ----------------------------------------
+
+
+@pytest.mark.parametrize("word", ["no", "False", "false", "0", "off"])
+def test_a_string_for_autocast_is_refused_with_the_fix(word: str) -> None:
+    trainer = lab.Side.trainer(lab.family("flux"))
+    expected = (
+        rf"Side\('trainer'\)\.autocast: expected True or False, got '{word}' \(a string\)\. "
+        r"Use autocast=False\."
+    )
+    with pytest.raises(ValueError, match=expected):
+        trainer.replace(autocast=word)
+
+
+def test_a_sweeps_autocast_override_string_is_refused() -> None:
+    # What a notebook does with a sweep's trainer overrides: Side.trainer(fam, **overrides).
+    fam = lab.family("wan2_2")
+    with pytest.raises(ValueError, match=r"autocast: expected True or False, got 'false'"):
+        lab.Side.trainer(fam, **{"autocast": "false"})
+    with pytest.raises(ValueError, match=r"cast_buffers: expected True or False, got 1 \(an int\)"):
+        lab.Side.rollout(fam, cast_buffers=1)
+    with pytest.raises(ValueError, match=r"op_switches\['drop_identity_mask'\]: expected True"):
+        lab.Side.rollout(fam, op_switches={"drop_identity_mask": "yes"})
+
+
+def test_a_bare_string_for_a_tuple_of_names_is_refused() -> None:
+    fam = lab.family("wan2_2")
+    with pytest.raises(ValueError, match=r"Use keep_fp32_modules=\('norm2',\)"):
+        lab.Side.rollout(fam, keep_fp32_modules="norm2")
+    with pytest.raises(ValueError, match=r"fsdp_wrap_classes: every entry must be a string"):
+        lab.Side.trainer(fam, fsdp_wrap_classes=[1])
+
+
+def test_mappings_and_strings_are_type_checked() -> None:
+    trainer = lab.Side.trainer(lab.family("flux"))
+    with pytest.raises(ValueError, match=r"param_dtype_rules: expected a mapping"):
+        trainer.replace(param_dtype_rules=[("*.norm*", "fp32")])
+    with pytest.raises(ValueError, match=r"attention_backend: expected a string, got 3"):
+        trainer.replace(attention_backend=3)
+    with pytest.raises(ValueError, match=r"device: 'cuda:x' is not"):
+        trainer.replace(device="cuda:x")
+    with pytest.raises(ValueError, match=r"Side\.name: expected a non-empty string"):
+        trainer.replace(name="")
+
+
+def test_torch_dtypes_are_accepted_as_their_names_in_every_dtype_field() -> None:
+    fam = lab.family("flux")
+    by_name = lab.Side.trainer(
+        fam,
+        master_dtype="fp32",
+        autocast_dtype="bf16",
+        param_dtype="bf16",
+        param_dtype_rules={"*.norm*": "fp32"},
+        input_dtype_policy={"cond": "fp32"},
+    )
+    by_dtype = lab.Side.trainer(
+        fam,
+        master_dtype=torch.float32,
+        forward_dtype=torch.bfloat16,
+        rollout_precision=torch.bfloat16,
+        reduce_dtype=torch.float32,
+        autocast_dtype=torch.bfloat16,
+        param_dtype=torch.bfloat16,
+        param_dtype_rules={"*.norm*": torch.float32},
+        input_dtype_policy={"cond": torch.float32},
+        device=torch.device("cpu"),
+    )
+    assert by_dtype == by_name
+    data = by_dtype.to_dict()
+    assert data["forward_dtype"] == "bf16" and data["param_dtype_rules"] == {"*.norm*": "fp32"}
+    assert data["input_dtype_policy"]["cond"] == "fp32" and data["device"] == "cpu"
+    assert lab.Side.from_dict(json.loads(json.dumps(data))) == by_name
+    with pytest.raises(ValueError, match=r"forward_dtype: Unsupported dtype 'torch.float64'"):
+        by_name.replace(forward_dtype=torch.float64)
+
+
+def test_parsed_torch_dtypes_are_exposed_without_changing_the_serialized_form() -> None:
+    side = lab.Side.trainer(lab.family("flux"), reduce_dtype="bf16", autocast_dtype="fp16")
+    assert side.forward_torch_dtype is torch.bfloat16
+    assert side.master_torch_dtype is torch.float32
+    assert side.reduce_torch_dtype is torch.bfloat16
+    assert side.param_torch_dtype is torch.bfloat16  # param_dtype None: the forward dtype
+    assert side.autocast_torch_dtype is torch.float16
+    assert side.replace(param_dtype="fp32").param_torch_dtype is torch.float32
+    assert set(side.to_dict()) == {f.name for f in dataclasses.fields(side)}
+
+
+def test_from_dict_names_unknown_and_missing_fields() -> None:
+    data = lab.Side.rollout(lab.family("flux")).to_dict()
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['autocst'\]"):
+        lab.Side.from_dict({**data, "autocst": False})
+    data.pop("name")
+    with pytest.raises(ValueError, match=r"has no 'name' field"):
+        lab.Side.from_dict(data)
