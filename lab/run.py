@@ -608,6 +608,7 @@ def pair_family(
     capture_depth: int | None = None,
     stream: bool | None = None,
     lockstep: bool | None = None,
+    init: str | None = None,
 ) -> Result:
     """Build (or load) a family model and pair its rollout side against its trainer side.
 
@@ -628,6 +629,8 @@ def pair_family(
             None captures every module.
         stream: Cast weights block by block (see `pair`); None: for "full" and checkpoints.
         lockstep: Two forwards in lockstep (see `pair`); None: on CUDA or when streaming.
+        init: Seeded-weight regime for `Family.build` ("trained", "bf16_shipped", "plain");
+            None = the build default. Recorded as meta["init"] ("checkpoint" when loaded).
 
     Returns:
         The Result, with family, preset, seed and sigma in its meta.
@@ -642,9 +645,18 @@ def pair_family(
         model = fam.load(checkpoint, device=device)
     else:
         model = fam.build(
-            preset, seed, variant=variant, device=device, expert=fam.expert_for_sigma(sigma)
+            preset,
+            seed,
+            variant=variant,
+            device=device,
+            expert=fam.expert_for_sigma(sigma),
+            **({} if init is None else {"init": init}),
         )
-    inputs = fam.make_inputs(preset, seed, batch, cfg, variant=variant, sigma=sigma, device=device)
+    # A checkpoint's own config sets the input widths: the preset's may be another size.
+    own_config = dict(model.config) if checkpoint else None
+    inputs = fam.make_inputs(
+        preset, seed, batch, cfg, variant=variant, sigma=sigma, device=device, config=own_config
+    )
     meta = dict(
         family=family_name,
         preset=preset,
@@ -655,6 +667,7 @@ def pair_family(
         variant=variant,
         checkpoint=checkpoint,
         expert=fam.expert_for_sigma(sigma),
+        init="checkpoint" if checkpoint else getattr(model, "lab_init", None),
     )
     from lab.capture import depth_filter
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -236,43 +237,111 @@ class Family:
             self.prepare_model(model)
         return model
 
-    def load(self, path: str | Path, *, device: str | torch.device = "cpu") -> torch.nn.Module:
-        """Load a local diffusers checkpoint directory (config.json + weights) in fp32.
+    def load(
+        self,
+        path: str | Path,
+        *,
+        variant: str | None = None,
+        subfolder: str | None = None,
+        device: str | torch.device = "cpu",
+    ) -> torch.nn.Module:
+        """Load a local diffusers checkpoint in fp32 from exactly the files from_pretrained reads.
+
+        The weights are chosen as diffusers 0.42.1's `from_pretrained` chooses them: the index
+        `diffusion_pytorch_model.safetensors.index[.<variant>].json` (or the legacy
+        `diffusion_pytorch_model.safetensors.<variant>.index.json`) and the shards it names when
+        present, otherwise the single `diffusion_pytorch_model[.<variant>].safetensors`. Other
+        `.safetensors` files in the folder (an EMA copy, another variant) are never read. What
+        was read is recorded on the model as `model.lab_checkpoint`: {"directory", "class_name",
+        "variant", "index", "files", "dtypes" (stored dtype -> tensor count)}.
+
+        Args:
+            path: A model directory (config.json + weights) or a pipeline directory, whose
+                `transformer/` subfolder is used.
+            variant: The weights variant of `save_pretrained(variant=...)`, e.g. "fp16" (not a
+                family variant). None reads the plain files, as from_pretrained does.
+            subfolder: The model's folder inside `path` (e.g. "transformer_2").
+            device: Where to build the model.
 
         Raises:
-            FileNotFoundError: If the directory or its config.json is missing.
+            FileNotFoundError: No config.json, or none of the weight files diffusers looks for
+                (the message lists the .safetensors files there are and the variants they hint).
+            CheckpointError: Another class's checkpoint (naming both and the family it belongs
+                to), a truncated or unreadable safetensors file or index (naming it), a tensor
+                in two shards, or weights that do not fit the class.
         """
         from lab.devices import resolve_device
+        from lab.errors import CheckpointError
+        from lab.precision.dtypes import dtype_name
 
-        path = Path(path)
-        if not (path / "config.json").is_file():
-            sub = path / "transformer"
-            if (sub / "config.json").is_file():
-                path = sub
-            else:
-                raise FileNotFoundError(
-                    f"family {self.name!r}: {str(path)!r} holds no config.json (nor transformer/"
-                    "config.json). Point load() at a directory written by save_pretrained()."
-                )
+        path = _model_directory(self.name, Path(path), subfolder)
         cls = self.model_cls()
+        try:
+            config = cls.load_config(str(path))
+        except Exception as err:  # diffusers wraps a broken config.json in EnvironmentError
+            raise CheckpointError(
+                f"family {self.name!r}: cannot read {str(path / 'config.json')!r}: {err}"
+            ) from err
+        class_name = config.get("_class_name")
+        if class_name is not None and class_name != self.model_class:
+            raise CheckpointError(
+                f"family {self.name!r}: {str(path)!r} holds a {class_name} checkpoint "
+                f"(config.json _class_name), not {self.model_class}. "
+                f"{_family_hint(class_name)}"
+            )
+        files, index = _checkpoint_files(path, variant)
         dev = resolve_device(device)
         # Built from config on the target device, then filled from the safetensors files in fp32:
         # diffusers' from_pretrained would need accelerate for its keep-in-fp32 path, and the
-        # lab wants an fp32 master regardless (sides cast from it).
+        # lab wants an fp32 master regardless (sides cast from it). One file at a time, so the
+        # host holds at most one shard.
         with dev:
-            model = cls.from_config(cls.load_config(str(path)))
-        state = _read_safetensors(path)
-        missing, unexpected = model.load_state_dict(
-            {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()},
-            strict=False,
-        )
+            model = cls.from_config(config)
+        expected = set(model.state_dict())
+        seen: dict[str, str] = {}
+        dtypes: dict[str, int] = {}
+        unexpected: list[str] = []
+        for file in files:
+            state = _read_safetensors(file)
+            twice = sorted(k for k in state if k in seen)
+            if twice:
+                raise CheckpointError(
+                    f"family {self.name!r}: {twice[:3]} are stored both in {seen[twice[0]]!r} "
+                    f"and {file.name!r}; which one diffusers would keep depends on the order. "
+                    "Remove the stray file or fix the index."
+                )
+            for key, tensor in state.items():
+                seen[key] = file.name
+                label = dtype_name(tensor.dtype)
+                dtypes[label] = dtypes.get(label, 0) + 1
+            unexpected += sorted(k for k in state if k not in expected)
+            model.load_state_dict(
+                {
+                    k: v.to(torch.float32) if v.is_floating_point() else v
+                    for k, v in state.items()
+                    if k in expected
+                },
+                strict=False,
+            )
+            del state
+        missing = sorted(expected - set(seen))
         if missing or unexpected:
-            raise ValueError(
-                f"family {self.name!r}: checkpoint {str(path)!r} does not fit "
-                f"{self.model_class}: missing {sorted(missing)[:5]}, unexpected "
-                f"{sorted(unexpected)[:5]}. Is it a {self.title} transformer directory?"
+            raise CheckpointError(
+                f"family {self.name!r}: checkpoint {str(path)!r} "
+                f"({', '.join(f.name for f in files)}) does not fit {self.model_class}: "
+                f"missing {missing[:5]} ({len(missing)}), "
+                f"unexpected {unexpected[:5]} ({len(unexpected)}). Is it a {self.title} "
+                "transformer directory of the same diffusers version?"
             )
         model = model.eval()
+        model.lab_checkpoint = {
+            "directory": str(path),
+            "class_name": class_name or self.model_class,
+            "variant": variant,
+            "index": index.name if index is not None else None,
+            "files": [f.name for f in files],
+            "dtypes": dict(sorted(dtypes.items())),
+        }
         if self.prepare_model is not None:
             self.prepare_model(model)
         return model
@@ -291,6 +360,7 @@ class Family:
         sigma: float = 0.75,
         latents: Any = None,
         device: str | torch.device = "cpu",
+        config: Mapping[str, Any] | None = None,
     ) -> Inputs:
         """The tensors the family's rollout pipeline hands its DiT, tagged by role.
 
@@ -304,6 +374,8 @@ class Family:
             sigma: Flow-matching sigma of this step, in [0, 1].
             latents: Use these latents (model layout) instead of drawing new ones.
             device: Where the tensors go.
+            config: The model's own config (a loaded checkpoint's `model.config`) instead of
+                the preset's: widths and channels come from it, sizes still from `preset`.
 
         Raises:
             ValueError: Bad preset, batch < 1, sigma outside [0, 1], or a bad dtype name.
@@ -311,7 +383,11 @@ class Family:
         from lab.devices import resolve_device
         from lab.precision.dtypes import parse_dtype
 
-        config = self.config(preset, variant)
+        preset_config = self.config(preset, variant)
+        if config is not None:
+            config = {k: v for k, v in config.items() if not k.startswith("_")}
+        else:
+            config = preset_config
         if batch < 1:
             raise ValueError(f"make_inputs: batch must be >= 1, got {batch!r}.")
         if not 0.0 <= float(sigma) <= 1.0:
@@ -338,17 +414,120 @@ class Family:
         ]
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a diffusers checkpoint directory (single file or sharded index)."""
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+"""diffusers' SAFETENSORS_WEIGHTS_NAME."""
+INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+"""diffusers' SAFE_WEIGHTS_INDEX_NAME."""
+
+
+def _add_variant(name: str, variant: str | None) -> str:
+    """diffusers.utils.hub_utils._add_variant: the variant goes before the last suffix."""
+    if variant is None:
+        return name
+    parts = name.split(".")
+    return ".".join([*parts[:-1], variant, parts[-1]])
+
+
+def _model_directory(family_name: str, path: Path, subfolder: str | None) -> Path:
+    """The folder holding config.json: `path`, `path/subfolder`, or a pipeline's transformer/."""
+    if subfolder is not None:
+        candidates = [path / subfolder]
+    else:
+        candidates = [path, path / "transformer"]
+    for folder in candidates:
+        if (folder / "config.json").is_file():
+            return folder
+    where = f"{str(candidates[0])!r}" if subfolder else f"{str(path)!r} (nor its transformer/)"
+    raise FileNotFoundError(
+        f"family {family_name!r}: {where} holds no config.json. Point load() at a directory "
+        "written by save_pretrained(), or at a pipeline folder with subfolder='transformer'."
+    )
+
+
+def _checkpoint_files(path: Path, variant: str | None) -> tuple[list[Path], Path | None]:
+    """The weight files diffusers' from_pretrained reads from `path`, and the index if sharded.
+
+    Mirrors diffusers 0.42.1 (_fetch_index_file, _fetch_index_file_legacy,
+    _get_checkpoint_shard_files) for a local folder with use_safetensors=True.
+    """
+    from lab.errors import CheckpointError
+
+    index = path / _add_variant(INDEX_NAME, variant)
+    if variant is not None and not index.is_file():
+        legacy = path / f"{WEIGHTS_NAME}.{variant}.index.json"
+        index = legacy if legacy.is_file() else index
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise CheckpointError(
+                f"checkpoint index {str(index)!r} is unreadable ({type(err).__name__}: {err}); "
+                "it should be the JSON save_pretrained writes, with a 'weight_map'."
+            ) from None
+        bad = [s for s in shards if not isinstance(s, str) or Path(s).name != s or s in (".", "..")]
+        if bad:
+            raise CheckpointError(
+                f"checkpoint index {str(index)!r} names shards outside its folder: {bad[:3]}; "
+                "shard names must be plain file names (diffusers refuses them too)."
+            )
+        absent = [s for s in shards if not (path / s).is_file()]
+        if absent:
+            raise FileNotFoundError(
+                f"checkpoint index {str(index)!r} names {len(absent)} shard(s) missing from "
+                f"{str(path)!r}: {absent[:3]}. Copy the whole checkpoint folder."
+            )
+        return [path / s for s in shards], index
+    single = path / _add_variant(WEIGHTS_NAME, variant)
+    if single.is_file():
+        return [single], None
+    present = sorted(p.name for p in path.glob("*.safetensors"))
+    hints = sorted(
+        {
+            p.split(".")[1]
+            for p in present
+            if p.startswith("diffusion_pytorch_model.") and p.count(".") >= 2
+        }
+        - {"safetensors"}
+    )
+    hint = f" Variants there: {hints}; pass variant=..." if hints else ""
+    pickled = (
+        " Only pickled .bin weights? Re-save with safe_serialization=True."
+        if (path / _add_variant("diffusion_pytorch_model.bin", variant)).is_file()
+        else ""
+    )
+    raise FileNotFoundError(
+        f"{str(path)!r} holds neither {index.name} nor {single.name} (variant={variant!r}), "
+        f"which is what diffusers' from_pretrained reads. .safetensors files there: "
+        f"{present or 'none'}.{hint}{pickled}"
+    )
+
+
+def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file, on CPU in its stored dtype.
+
+    Raises:
+        CheckpointError: A truncated or corrupt file, naming it and its size.
+    """
     from safetensors.torch import load_file
 
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(
-            f"{str(path)!r} holds no .safetensors weights; save with save_pretrained("
-            "safe_serialization=True)."
-        )
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
+    from lab.errors import CheckpointError
+
+    try:
+        return load_file(str(file))
+    except Exception as err:  # safetensors raises SafetensorError / OSError for a torn file
+        raise CheckpointError(
+            f"checkpoint file {str(file)!r} ({file.stat().st_size} bytes) cannot be read: {err}. "
+            "It is truncated or corrupt; copy it again from the source."
+        ) from None
+
+
+def _family_hint(class_name: str) -> str:
+    """Which lab family a diffusers class belongs to, as advice for the error."""
+    from lab.families import FAMILY_NAMES, family
+
+    owners = [n for n in FAMILY_NAMES if family(n).model_class == class_name]
+    if owners:
+        name = owners[0]
+        return f"It is a {name!r} checkpoint: load it with lab.family({name!r}).load(...)."
+    return "No lab family uses that class."
