@@ -205,24 +205,29 @@ class Result:
         }
 
     def to_json(self, path: str | Path) -> Path:
-        """Write `to_dict()` to `path` (parents created). Returns the path."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1, allow_nan=True))
-        return path
+        """Write `to_dict()` to `path` atomically (parents created). Returns the path.
+
+        The document is serialized before the file is touched, and written to a temporary that
+        replaces `path` only once complete (lab.atomic): a full disk or an unserializable meta
+        value leaves an earlier file whole and never a 0-byte one.
+        """
+        from lab.atomic import atomic_write_text
+
+        return atomic_write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=True))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Result:
-        """Rebuild a Result from `to_dict()` output.
+    def from_dict(cls, data: dict[str, Any], *, where: str = "Result.from_dict") -> Result:
+        """Rebuild a Result from `to_dict()` output (rows with or without extra keys).
+
+        Args:
+            data: The document.
+            where: What to name in errors (from_json passes the file).
 
         Raises:
-            ValueError: On a document of another schema.
+            ValueError: On a document of another schema, or one whose fields are missing or of
+                the wrong type (each listed with its place, e.g. `rows[3].max_ulp`).
         """
-        if data.get("schema") != SCHEMA:
-            raise ValueError(
-                f"Result.from_dict: schema {data.get('schema')!r} is not {SCHEMA!r}; "
-                "was this file written by Result.to_json?"
-            )
+        _check_document(data, where)
         metric_fields = {f.name for f in dataclasses.fields(PairMetrics)}
         rows = []
         for r in data["rows"]:
@@ -252,8 +257,138 @@ class Result:
 
     @classmethod
     def from_json(cls, path: str | Path) -> Result:
-        """Read a file written by `to_json`."""
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """Read a file written by `to_json`.
+
+        Raises:
+            FileNotFoundError: No such file.
+            ValueError: An empty, truncated or non-JSON file, or a document that is not a
+                Result (another schema, missing fields, fields of the wrong type); the message
+                names the file and what is wrong.
+        """
+        path = Path(path)
+        where = f"Result.from_json({str(path)!r})"
+        if not path.exists():
+            raise FileNotFoundError(f"{where}: no such file. Write one with Result.to_json(path).")
+        if path.is_dir():
+            raise ValueError(f"{where}: is a directory; pass the result.json inside it.")
+        raw = path.read_bytes()
+        if not raw.strip():
+            raise ValueError(
+                f"{where}: the file is empty ({len(raw)} bytes); it was not written completely "
+                "(re-run, or restore it from the run that wrote it)."
+            )
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(
+                f"{where}: not a UTF-8 text file (byte {err.start}); is it a result.json?"
+            ) from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            # A torn write stops mid-token: the decoder fails at the end, or on a string
+            # that never closes.
+            ends_early = err.pos >= len(text.rstrip()) or err.msg.startswith("Unterminated")
+            cut = "; the document ends early: the file is truncated" if ends_early else ""
+            raise ValueError(
+                f"{where}: not valid JSON ({err.msg} line {err.lineno}, column {err.colno})"
+                f"{cut}. Only files written by Result.to_json can be read."
+            ) from None
+        return cls.from_dict(data, where=where)
+
+
+def _check_document(data: Any, where: str) -> None:
+    """Raise one ValueError listing every missing or mistyped field of a Result document."""
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{where}: expected a JSON object (a Result document), got {type(data).__name__}."
+        )
+    if data.get("schema") != SCHEMA:
+        raise ValueError(
+            f"{where}: schema {data.get('schema')!r} is not {SCHEMA!r}; "
+            "was this file written by Result.to_json?"
+        )
+    problems: list[str] = []
+
+    def need(obj: dict[str, Any], key: str, kind: str, place: str, optional: bool = False) -> None:
+        if key not in obj:
+            if not optional:
+                problems.append(f"{place}{key}: missing")
+            return
+        if not _is_kind(obj[key], kind):
+            problems.append(f"{place}{key}: expected {kind}, got {obj[key]!r:.60}")
+
+    for key, kind in (("mode", "str"), ("side_a", "object"), ("side_b", "object")):
+        need(data, key, kind, "")
+    need(data, "rows", "list", "")
+    need(data, "meta", "object", "", optional=True)
+    need(data, "skipped", "list", "", optional=True)
+    row_kinds = {**_ROW_KINDS, **{k: _metric_kind(t) for k, t in _metric_types().items()}}
+    for i, r in enumerate(data.get("rows") if isinstance(data.get("rows"), list) else []):
+        if not isinstance(r, dict):
+            problems.append(f"rows[{i}]: expected an object, got {r!r:.60}")
+            continue
+        for key, kind in row_kinds.items():
+            need(r, key, kind, f"rows[{i}].")
+    for i, sk in enumerate(data.get("skipped") if isinstance(data.get("skipped"), list) else []):
+        if not isinstance(sk, dict):
+            problems.append(f"skipped[{i}]: expected an object, got {sk!r:.60}")
+            continue
+        for key, kind in (("module", "str"), ("call", "int"), ("output", "str"), ("reason", "str")):
+            need(sk, key, kind, f"skipped[{i}].")
+        extra = sorted(set(sk) - {"module", "call", "output", "reason"})
+        if extra:
+            problems.append(f"skipped[{i}]: unknown keys {extra}")
+    if problems:
+        more = f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""
+        raise ValueError(
+            f"{where}: not a valid Result document, {len(problems)} problem(s): "
+            f"{'; '.join(problems[:6])}{more}."
+        )
+
+
+_ROW_KINDS: dict[str, str] = {
+    "order": "int", "module": "str", "call": "int", "output": "str", "module_class": "str",
+    "dtype_a": "str", "dtype_b": "str", "shape": "shape",
+}  # fmt: skip
+
+
+def _metric_types() -> dict[str, Any]:
+    import typing
+
+    return typing.get_type_hints(PairMetrics)
+
+
+def _metric_kind(annotation: Any) -> str:
+    if annotation is bool:
+        return "bool"
+    if annotation is int:
+        return "int"
+    if annotation is float:
+        return "number"
+    return "int list"  # ulp_hist: tuple[int, ...]
+
+
+def _is_kind(value: Any, kind: str) -> bool:
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "object":
+        return isinstance(value, dict)
+    if kind == "list":
+        return isinstance(value, list)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "number":
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind == "int list":
+        return isinstance(value, list) and all(_is_kind(v, "int") for v in value)
+    if kind == "shape":
+        return isinstance(value, str) and (
+            value == "" or all(part.isdigit() for part in value.split("x"))
+        )
+    raise AssertionError(f"unknown kind {kind!r}")
 
 
 def _clean(value: Any) -> Any:

@@ -3,17 +3,30 @@
 from __future__ import annotations
 
 import errno
+import io
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
+import lab
 from lab.atomic import atomic_path, atomic_write_bytes, atomic_write_text
+from lab.baselines import load_baseline, save_baseline
+from lab.errors import CheckpointError
+from lab.result import Result
 
 
 def _enospc_after(monkeypatch: pytest.MonkeyPatch, real_bytes: int) -> None:
-    """Make os.write put `real_bytes` on disk, then fail as a full disk does."""
-    real_write = os.write
+    """Make writes put `real_bytes` on disk, then fail as a full disk does.
+
+    Patches both ways a file gets written: os.write (lab.atomic) and io.open in a write mode
+    (Path.write_text, open(...).write), so the same fault reaches any writer.
+    """
+    real_write, real_open = os.write, io.open
     left = {"n": real_bytes}
 
     def write(fd: int, data: bytes) -> int:
@@ -23,7 +36,34 @@ def _enospc_after(monkeypatch: pytest.MonkeyPatch, real_bytes: int) -> None:
         left["n"] -= n
         return n
 
+    class FullDiskFile:
+        def __init__(self, file: Any) -> None:
+            self._file = file
+
+        def write(self, data: Any) -> int:
+            room = max(left["n"], 0)
+            left["n"] -= len(data)
+            self._file.write(data[:room])
+            self._file.flush()
+            if left["n"] < 0:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return len(data)
+
+        def __enter__(self) -> FullDiskFile:
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            self._file.close()
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._file, name)
+
+    def open_(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        handle = real_open(file, mode, *args, **kwargs)
+        return FullDiskFile(handle) if any(c in mode for c in "wax+") else handle
+
     monkeypatch.setattr(os, "write", write)
+    monkeypatch.setattr(io, "open", open_)
 
 
 def _leftovers(folder: Path) -> list[str]:
@@ -104,14 +144,6 @@ def _umask() -> int:
 
 # ---- item 1: fam.load reads exactly what from_pretrained reads -------------------------------
 
-import json  # noqa: E402
-
-import torch  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-import lab  # noqa: E402
-from lab.errors import CheckpointError  # noqa: E402
-
 
 def _equal_states(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
@@ -146,7 +178,10 @@ def test_load_reads_the_index_and_ignores_variants_and_strays(
 
     assert _equal_states(flux_model, loaded), "fp16 or EMA weights leaked into the fp32 master"
     info = loaded.lab_checkpoint
-    assert info["files"] == shards and info["index"] == "diffusion_pytorch_model.safetensors.index.json"
+    assert (
+        info["files"] == shards
+        and info["index"] == "diffusion_pytorch_model.safetensors.index.json"
+    )
     assert info["variant"] is None and info["class_name"] == "FluxTransformer2DModel"
     assert info["dtypes"] == {"fp32": len(flux_model.state_dict())}
 
@@ -244,3 +279,106 @@ def test_pair_family_checkpoint_builds_inputs_from_its_config(tmp_path: Path) ->
     ctx = next(r for r in result.rows if r.module == "context_embedder")
     assert ctx.shape[-1] == fam.config("tiny")["num_attention_heads"] * 16
     assert result.meta["checkpoint"] == str(tmp_path / "wide")
+
+
+# ---- item 7 + raw errors: results and baselines -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def result() -> Result:
+    return lab.pair_family("flux")
+
+
+def test_to_json_on_a_full_disk_keeps_the_old_file(
+    result: Result, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = result.to_json(tmp_path / "result.json")
+    before = path.read_bytes()
+    assert len(before) > 4096, "the document should be larger than the partial write below"
+    _enospc_after(monkeypatch, 4096)
+    with pytest.raises(OSError):
+        result.to_json(path)
+    with pytest.raises(OSError):
+        result.to_json(tmp_path / "fresh.json")
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert not (tmp_path / "fresh.json").exists(), "a failed first write left a file behind"
+    assert _leftovers(tmp_path) == []
+    assert len(Result.from_json(path).rows) == len(result.rows)
+
+
+def test_to_json_with_an_unserializable_meta_writes_nothing(result: Result, tmp_path: Path) -> None:
+    bad = Result(result.mode, result.side_a, result.side_b, result.rows, [], {"x": object()})
+    with pytest.raises(TypeError):
+        bad.to_json(tmp_path / "r.json")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_baseline_overwrite_on_a_full_disk_keeps_the_old_baseline(
+    result: Result, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = save_baseline(result, "flux_tiny", directory=tmp_path)
+    before = path.read_bytes()
+    _enospc_after(monkeypatch, 100)
+    with pytest.raises(OSError):
+        save_baseline(result, "flux_tiny", directory=tmp_path, overwrite=True)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert _leftovers(tmp_path) == []
+    assert len(load_baseline("flux_tiny", directory=tmp_path).rows) == len(result.rows)
+
+
+def test_from_json_on_empty_truncated_and_foreign_files_names_the_file(
+    result: Result, tmp_path: Path
+) -> None:
+    full = result.to_json(tmp_path / "full.json").read_bytes()
+    cases = {
+        "empty.json": (b"", r"the file is empty \(0 bytes\)"),
+        "blank.json": (b"\n  \n", r"the file is empty"),
+        "cut.json": (full[: len(full) // 2], r"not valid JSON \(.*line \d+.*truncated"),
+        "picture.json": (b"\x89PNG\r\n\x1a\n\x00\x00\xff", r"not a UTF-8 text file"),
+        "list.json": (b"[1, 2]", r"expected a JSON object .*got list"),
+        "other.json": (b'{"schema": "precision-lab/dump/1"}', r"schema 'precision-lab/dump/1'"),
+    }
+    for name, (data, pattern) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError, match=pattern) as err:
+            Result.from_json(tmp_path / name)
+        assert str(tmp_path / name) in str(err.value), name
+    with pytest.raises(FileNotFoundError, match=r"missing\.json.*no such file"):
+        Result.from_json(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="is a directory"):
+        Result.from_json(tmp_path)
+
+
+def test_from_json_checks_field_types(result: Result, tmp_path: Path) -> None:
+    doc = result.to_dict()
+    doc["rows"][0]["max_ulp"] = "abc"
+    doc["rows"][1]["shape"] = "4 by 8"
+    doc["rows"][2]["degenerate"] = 1
+    del doc["rows"][3]["module"]
+    doc["skipped"] = [{"module": "x", "call": "0", "output": "", "reason": "r"}]
+    doc["side_a"] = "rollout"
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError) as err:
+        Result.from_json(tmp_path / "bad.json")
+    msg = str(err.value)
+    assert "bad.json" in msg and "6 problem(s)" in msg
+    for place in (
+        "side_a: expected object",
+        "rows[0].max_ulp: expected number, got 'abc'",
+        "rows[1].shape: expected shape",
+        "rows[2].degenerate: expected bool, got 1",
+        "rows[3].module: missing",
+        "skipped[0].call: expected int, got '0'",
+    ):
+        assert place in msg, place
+
+
+def test_from_json_accepts_rows_with_and_without_extra_keys(result: Result, tmp_path: Path) -> None:
+    doc = result.to_dict()
+    doc["rows"][0]["why"] = {"note": "a later schema addition"}
+    doc["rows"][1].pop("why", None)
+    (tmp_path / "r.json").write_text(json.dumps(doc))
+    back = Result.from_json(tmp_path / "r.json")
+    assert [r.row()["max_ulp"] for r in back.rows] == [r.row()["max_ulp"] for r in result.rows]
