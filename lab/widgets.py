@@ -3,13 +3,17 @@
     panel = control_panel("flux", "tiny")      # one call in a notebook shows it
     panel.set("trainer.input_dtype_policy.latents", "fp32")
     panel.run()                                 # what the Run button does
-    panel.last_result, panel.message
+    panel.select("transformer_blocks.0.attn")   # what clicking that point does
+    panel.last_result, panel.selected, panel.message
 
 Everything the widgets do goes through `ControlPanel` methods, so tests drive the panel
 without a browser. The model is built once per (family, preset, device, seed, expert) and
 kept, so a toggle and a re-run on the tiny preset only re-runs `pair`. A bad setting (a rule
 with an unknown dtype, a glob matching nothing, an unknown policy value) never raises out of
 the panel: it becomes `panel.message`, shown in red, and the last good result stays on screen.
+A forward that fails part-way is shown with its side, module and fix, and the pairs compared
+before it. The divergence plot is a plotly FigureWidget (hover, zoom, click; clicks need the
+`anywidget` package, which plotly>=6 uses for FigureWidget).
 """
 
 from __future__ import annotations
@@ -17,17 +21,21 @@ from __future__ import annotations
 import datetime as _dt
 import html
 import io
+import re
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ipywidgets as W
 
+from lab.capture import ROOT
+from lab.errors import PairError
 from lab.families import FAMILY_NAMES, PRESETS
 from lab.families import family as get_family
-from lab.precision.dtypes import DTYPES
+from lab.precision.dtypes import DTYPES, dtype_name
 from lab.precision.engine_ops import PATCH_GROUPS, SWITCHES, _load_definitions
 from lab.precision.input_policy import POLICY_KEYS
 from lab.precision.param_rules import RuleMatch, block_wraps, compile_param_dtype_maps
@@ -35,6 +43,7 @@ from lab.precision.param_rules import explain_rules as _explain_rules
 from lab.result import Result
 from lab.run import MODES, pair
 from lab.sides import ATTENTION_BACKENDS, AUTOCAST_POLICIES, PrecisionWarning, Side
+from lab.weights import plan_weights
 
 SIDE_NAMES: tuple[str, ...] = ("rollout", "trainer")
 """The reference side first, the candidate second, as in every table of the lab."""
@@ -133,11 +142,127 @@ def rule_matches_table(matches: Sequence[RuleMatch]) -> Any:
     )
 
 
+# ---- one module's detail ------------------------------------------------------------------
+
+_DETAIL_COLUMNS: tuple[str, ...] = (
+    "label",
+    "module_class",
+    "shape",
+    "dtype_a",
+    "dtype_b",
+    "rel_max",
+    "max_abs_diff",
+    "mean_abs_diff",
+    "max_ulp",
+    "bitexact_frac",
+    "cosine_dist",
+    "rounding_only",
+)
+
+
+@dataclass(frozen=True)
+class ModuleDetail:
+    """What clicking a point of the divergence plot shows (`ControlPanel.select` returns it)."""
+
+    label: str
+    """The selected entry: one paired output `module[:output][#call]`, or a module path."""
+    side_names: tuple[str, str]
+    """(reference, candidate), the order of every dtype column below."""
+    rows: Any
+    """The `Result.table()` rows of the entry (a DataFrame, label column first)."""
+    why: tuple[str, ...]
+    """Why each row differs, from the Result's `why` column ("" where it has none)."""
+    param_dtypes: Any
+    """The module's parameters and floating buffers (recursive), one row each: tensor, kind,
+    then per side its dtype and what set it (the rule `glob: dtype`, "keep_fp32_modules",
+    "param_dtype", "cast_buffers" or "not cast")."""
+    ulp_figure: Any
+    """`lab.plots.plot_ulp_histogram` of the entry, as a plotly go.Figure."""
+
+    def html(self) -> str:
+        """The detail as the panel shows it above the ULP histogram."""
+        a, b = self.side_names
+        rows = self.rows.rename(
+            columns={"dtype_a": f"dtype {a} (ref)", "dtype_b": f"dtype {b} (cand)"}
+        )
+        whys = [w for w in dict.fromkeys(self.why) if w]
+        why = (
+            "".join(f"<div class='lab-why'><b>why:</b> {html.escape(w)}</div>" for w in whys)
+            if whys
+            else "<div class='lab-why'><i>no why recorded for this row</i></div>"
+        )
+        params = (
+            self.param_dtypes.to_html(index=False, classes="lab-param-dtypes")
+            if len(self.param_dtypes)
+            else "<i>no parameters or floating buffers</i>"
+        )
+        return (
+            f"<b>selected: {html.escape(self.label)}</b>{why}"
+            + rows.to_html(index=False, float_format=lambda v: f"{v:.3e}", classes="lab-rows")
+            + f"<b>parameter and buffer dtypes</b> ({html.escape(a)} reference, "
+            f"{html.escape(b)} candidate)" + params
+        )
+
+    def _repr_html_(self) -> str:
+        return self.html()
+
+
+def _param_sources(model: Any, side: Side) -> dict[str, tuple[str, str, str]]:
+    """Every parameter's and floating buffer's dtype on `side`, and what set it.
+
+    Returns:
+        name -> (kind "parameter" or "buffer", dtype name, what set it: the rule
+        `glob: dtype`, "keep_fp32_modules", "param_dtype", "cast_buffers" or "not cast").
+    """
+    plan = plan_weights(model, side)
+    rule_of: dict[str, str] = {}
+    if side.param_dtype_rules:
+        for match in _explain_rules(model, side.param_dtype_rules):  # later rules win
+            rule_of.update(dict.fromkeys(match.names, f"{match.pattern}: {match.dtype_name}"))
+    default = side.resolved_param_dtype
+    out = {}
+    for name, dtype in plan.param_dtypes.items():
+        d = dtype_name(dtype)
+        source = rule_of.get(name) or ("param_dtype" if d == default else "keep_fp32_modules")
+        out[name] = ("parameter", d, source)
+    for name, buf in model.named_buffers():
+        if buf is None or not buf.is_floating_point():
+            continue
+        if name in plan.buffer_dtypes:
+            d = dtype_name(plan.buffer_dtypes[name])
+            out[name] = ("buffer", d, "cast_buffers" if d == default else "keep_fp32_modules")
+        else:
+            out[name] = ("buffer", dtype_name(buf.dtype), "not cast")
+    return out
+
+
+def _module_param_table(
+    module: str, sources: tuple[dict[str, tuple[str, str, str]], ...], side_names: tuple[str, str]
+) -> Any:
+    import pandas as pd
+
+    prefix = "" if module == ROOT else f"{module}."
+    names = [n for n in sources[0] if n.startswith(prefix)]
+    a, b = side_names
+    columns = ["tensor", "kind", f"{a} dtype", f"{a} set by", f"{b} dtype", f"{b} set by"]
+    return pd.DataFrame(
+        [
+            (n[len(prefix) :], sources[0][n][0], *sources[0][n][1:], *sources[1][n][1:])
+            for n in names
+        ],
+        columns=columns,
+    )
+
+
 # ---- the panel ----------------------------------------------------------------------------
 
 
 def _style() -> dict[str, str]:
     return {"description_width": "initial"}
+
+
+DEVICES: tuple[str, ...] = ("cpu", "cuda")
+"""The panel's device choices."""
 
 
 def _dropdown(options: Sequence[Any], value: Any, description: str, css: str) -> W.Dropdown:
@@ -178,6 +303,12 @@ class ControlPanel:
         self.rule_matches: dict[str, list[RuleMatch]] = {}
         """Per side: what each rule matched at the last live compile."""
         self.exported: Path | None = None
+        self.selected: ModuleDetail | None = None
+        """The module shown below the plot (a click or `select`), else None."""
+        self.figure: Any = None
+        """The divergence plot on screen: a plotly FigureWidget (an Output without anywidget)."""
+        self._param_dtypes: tuple[dict[str, tuple[str, str, str]], ...] = ({}, {})
+        self._selecting = False
         self._models: dict[tuple, Any] = {}
         self._inputs: dict[tuple, Any] = {}
         self._loading = False
@@ -237,16 +368,19 @@ class ControlPanel:
         control.value = value
         return True
 
-    def apply(self, settings: Mapping[str, Any]) -> bool:
+    def apply(self, settings: Mapping[str, Any]) -> None:
         """`set` each key -> value in order; stops at the first value not taken.
 
-        Returns:
-            True if every value was taken (else `message` says which was not).
+        Returns nothing, so a notebook cell ending in `panel.apply(...)` prints nothing; a
+        value not taken is in `message` (and in red on the panel), which `run_and_export`
+        refuses to run with.
 
         Raises:
             ValueError: For an unknown key.
         """
-        return all(self.set(key, value) for key, value in dict(settings).items())
+        for key, value in dict(settings).items():
+            if not self.set(key, value):
+                return
 
     def run_and_export(self, out_dir: str | Path) -> Path:
         """Headless use (papermill): `run`, then `export` to `out_dir`.
@@ -295,43 +429,94 @@ class ControlPanel:
         """What the Run button does: build Sides, pair them on the cached model, show results.
 
         Returns:
-            The new Result, or None when something was wrong (see `message`; the last good
-            result stays in `last_result` and on screen).
+            The new Result, or None when something was wrong (see `message` and the status
+            line; the last good result stays in `last_result` and on screen).
         """
         bar = self._outputs["progress"]
         bar.value, bar.max, bar.bar_style = 0, _RUN_STAGES, "info"
         start = time.perf_counter()
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", PrecisionWarning)
+        # Warnings are recorded, not printed: the PrecisionWarnings become notes on the panel
+        # (each says what to change); the rest (library internals) are nothing a panel user
+        # can act on.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", PrecisionWarning)
+            try:
                 side_a, side_b = self.sides()
                 model, inputs = self._model_and_inputs()
                 bar.value = 1
-                result = pair(
-                    model,
-                    inputs,
-                    side_a,
-                    side_b,
-                    self.get("mode"),
-                    meta=self._meta(),
-                )
+                result = pair(model, inputs, side_a, side_b, self.get("mode"), meta=self._meta())
                 bar.value = 2
                 traj = self._trajectory(side_a, side_b) if self.get("ratio_drift") else None
                 bar.value = 3
-        except Exception as err:  # the panel shows every failure inline, never a traceback
-            bar.bar_style = "danger"
-            self._show_message(f"{type(err).__name__}: {err}")
-            return None
+                sources = (_param_sources(model, side_a), _param_sources(model, side_b))
+            except Exception as err:  # the panel shows every failure inline, never a traceback
+                self._show_failure(err, time.perf_counter() - start)
+                return None
         self.last_result, self.last_trajectory = result, traj
+        self._param_dtypes = sources
         self._show_result(result, traj)
         bar.value, bar.bar_style = _RUN_STAGES, "success"
         self.last_run_s = time.perf_counter() - start
         notes = [str(w.message) for w in caught if issubclass(w.category, PrecisionWarning)]
         self._show_message("", notes=notes)
-        self._outputs[
-            "status"
-        ].value = f"ran in {self.last_run_s:.2f} s at {_dt.datetime.now():%H:%M:%S}"
+        self._set_status(f"ran in {self.last_run_s:.2f} s at {_dt.datetime.now():%H:%M:%S}")
         return result
+
+    def select(self, module: str) -> ModuleDetail:
+        """What clicking a point of the divergence plot does: show that module's detail.
+
+        The detail (`selected`, and on the panel below the plot): its rows of the table with
+        the `why`, the ULP histogram of its outputs, and the dtype of each of its parameters
+        on both sides with the rule that set it.
+
+        Args:
+            module: A point's label `module[:output][#call]` (one paired output, what a click
+                selects) or a module path (all its outputs and calls together).
+
+        Returns:
+            The detail shown.
+
+        Raises:
+            ValueError: Before the first successful run, or for a name that is no paired
+                output of the last result (naming the nearest ones).
+        """
+        from lab import plots
+
+        result = self.last_result
+        if result is None:
+            raise ValueError("select: nothing to select yet; press Run (or call run()) first.")
+        table = result.table()
+        table.insert(0, "label", [r.label() for r in result.rows])
+        chosen = table[(table["label"] == module) | (table["module"] == module)]
+        if not len(chosen):
+            import difflib
+
+            near = difflib.get_close_matches(module, list(table["label"]), 3, 0.4)
+            raise ValueError(
+                f"select: {module!r} is no paired output of the last result. Nearest: "
+                f"{', '.join(map(repr, near)) or 'none'}. Give a point's label "
+                "(module[:output][#call]) or a module path."
+            )
+        names = (str(result.side_a.get("name")), str(result.side_b.get("name")))
+        detail = ModuleDetail(
+            label=module,
+            side_names=names,
+            rows=chosen[[c for c in (*_DETAIL_COLUMNS, "why") if c in chosen.columns]],
+            why=tuple(str(w) for w in chosen["why"]) if "why" in chosen else ("",) * len(chosen),
+            param_dtypes=_module_param_table(chosen["module"].iloc[0], self._param_dtypes, names),
+            ulp_figure=plots.plot_ulp_histogram(result, [module], backend="plotly"),
+        )
+        self.selected = detail
+        self._outputs["detail"].value = detail.html()
+        self._outputs["detail_plot"].children = (_figure_widget(detail.ulp_figure, "lab-ulp"),)
+        picker = self._outputs["module"]
+        if module in picker.options:
+            self._selecting = True
+            try:
+                picker.value = module
+            finally:
+                self._selecting = False
+        return detail
 
     def export(self, out_dir: str | Path | None = None) -> Path | None:
         """What the Export button does: results.json + report.html (+ PNGs) of the last result.
@@ -506,13 +691,20 @@ class ControlPanel:
 
     def _build_widgets(self, family: str, preset: str, device: str, seed: int) -> None:
         get_family(family)  # an unknown family raises here, with the known names
+        # The dropdowns would refuse these with a bare TraitError ("value not found").
+        for what, value, choices in (("preset", preset, PRESETS), ("device", device, DEVICES)):
+            if value not in choices:
+                raise ValueError(
+                    f"control_panel: unknown {what} {value!r}. Choices: "
+                    f"{', '.join(repr(c) for c in choices)}."
+                )
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"control_panel: seed must be an int, got {seed!r}.")
         self._add(
             "family", _dropdown(FAMILY_NAMES, family, "family", "lab-family"), self._on_family
         )
         self._add("preset", _dropdown(PRESETS, preset, "preset", "lab-preset"), self._on_model)
-        self._add(
-            "device", _dropdown(("cpu", "cuda"), device, "device", "lab-device"), self._on_model
-        )
+        self._add("device", _dropdown(DEVICES, device, "device", "lab-device"), self._on_model)
         self._add(
             "seed",
             W.IntText(
@@ -650,10 +842,26 @@ class ControlPanel:
         o["status"] = W.HTML()
         o["message"] = W.HTML()
         o["summary"] = W.HTML("<i>press Run</i>")
-        o["plot"] = W.Image(format="png", layout=W.Layout(max_width="100%"))
+        o["plot"] = W.Box(layout=W.Layout(width="100%"))
+        o["module"] = W.Dropdown(
+            options=[], description="module", style=_style(), layout=W.Layout(width="60%")
+        )
+        o["module"].observe(self._on_pick, names="value")
+        o["detail"] = W.HTML("<i>click a point of the plot (or pick a module) for its detail</i>")
+        o["detail_plot"] = W.Box(layout=W.Layout(width="100%"))
         o["drift_plot"] = W.Image(format="png", layout=W.Layout(max_width="100%", display="none"))
         o["top_modules"] = W.HTML()
-        for name in ("message", "summary", "plot", "drift_plot", "top_modules", "status"):
+        for name in (
+            "message",
+            "summary",
+            "plot",
+            "module",
+            "detail",
+            "detail_plot",
+            "drift_plot",
+            "top_modules",
+            "status",
+        ):
             o[name].add_class(f"lab-{name.replace('_', '-')}")
 
     def _side_box(self, s: str) -> W.VBox:
@@ -692,6 +900,9 @@ class ControlPanel:
                 o["message"],
                 o["summary"],
                 o["plot"],
+                o["module"],
+                o["detail"],
+                o["detail_plot"],
                 o["drift_plot"],
                 o["top_modules"],
             ]
@@ -760,13 +971,58 @@ class ControlPanel:
         parts += [f"<div style='color:#8a6d00'>note: {html.escape(n)}</div>" for n in notes]
         self._outputs["message"].value = "".join(parts)
 
+    def _set_status(self, text: str, *, failed: bool = False) -> None:
+        colour = "#b00020" if failed else "inherit"
+        self._outputs[
+            "status"
+        ].value = f"<span class='lab-status-text' style='color:{colour}'>{html.escape(text)}</span>"
+
+    def _show_failure(self, err: Exception, seconds: float) -> None:
+        """Message, partial pairs and status line for a run that raised `err`."""
+        self._outputs["progress"].bar_style = "danger"
+        stamp = f"{_dt.datetime.now():%H:%M:%S}"
+        if isinstance(err, PairError) and err.side is not None and err.__cause__ is not None:
+            cause = err.__cause__
+            where = f" in module {err.module!r} ({err.module_class})" if err.module else ""
+            text = f"Run failed on side {err.side!r}{where}: {type(cause).__name__}: {cause}"
+            if err.fix:
+                text += f"\n{err.fix}"
+            status = f"failed at {stamp} on side {err.side!r}" + (
+                f" in {err.module}" if err.module else ""
+            )
+        else:
+            # Python users are pointed at err.result; the panel shows what it holds below.
+            text = _ERR_RESULT_HINT.sub("", f"{type(err).__name__}: {err}")
+            status = f"failed at {stamp}: {type(err).__name__}"
+        self._show_message(text)
+        partial = err.result if isinstance(err, PairError) else None
+        if partial is not None:
+            self._outputs["message"].value += _partial_html(partial, err)
+        self._set_status(f"{status} (after {seconds:.2f} s); see the message below", failed=True)
+
+    def _on_pick(self, change: dict[str, Any]) -> None:
+        if not self._selecting and change["new"]:
+            self._select_inline(change["new"])
+
+    def _on_click(self, trace: Any, points: Any, state: Any) -> None:
+        # plotly calls this once per trace; only the clicked trace gets point indices.
+        if points.point_inds:
+            self._select_inline(_point_label(trace, points.point_inds[0], self.last_result))
+
+    def _select_inline(self, label: str) -> None:
+        try:
+            self.select(label)
+        except Exception as err:  # a callback's exception would only reach the browser console
+            self._show_message(f"select: {type(err).__name__}: {err}")
+
     def _show_result(self, result: Result, traj: Any) -> None:
         from lab import plots
 
         metric = self.get("metric")
         self._outputs["summary"].value = _summary_html(result, traj)
-        fig = plots.plot_divergence_by_layer(result, metric)
-        self._outputs["plot"].value = _png(fig)
+        fig = plots.plot_divergence_by_layer(result, metric, backend="plotly")
+        self.figure = _figure_widget(fig, "lab-divergence", on_click=self._on_click)
+        self._outputs["plot"].children = (self.figure,)
         drift = self._outputs["drift_plot"]
         if traj is not None:
             from lab import drift_plots
@@ -775,14 +1031,95 @@ class ControlPanel:
             drift.layout.display = None
         else:
             drift.layout.display = "none"
+        labels = [r.label() for r in result.rows]
+        keep = self.selected.label if self.selected is not None else None
+        first = result.first_divergence()
+        self._selecting = True
+        try:
+            self._outputs["module"].options = labels
+            self._outputs["module"].value = None
+        finally:
+            self._selecting = False
+        if keep is not None and (keep in labels or any(r.module == keep for r in result.rows)):
+            self.select(keep)
+        elif first is not None:
+            self.select(first.label())
         table = result.table()
         if len(table):
             cols = ["module", "module_class", "dtype_a", "dtype_b", metric, "max_ulp"]
+            cols += ["why"] if "why" in table.columns else []
             top = table.sort_values(metric, ascending=False).head(10)[cols]
             self._outputs["top_modules"].value = (
                 f"<b>most divergent module outputs by {html.escape(metric)}</b>"
                 + top.to_html(index=False, float_format=lambda v: f"{v:.3e}")
             )
+
+
+_ERR_RESULT_HINT = re.compile(
+    r"\s*(The pairs compared so far are in err\.result\.|The Result is in err\.result; pass "
+    r"check_outputs=False to get it returned\.)"
+)
+
+
+def _partial_html(result: Result, err: Exception) -> str:
+    """What `err.result` holds, for a panel that cannot hand the user the object."""
+    n = len(result.rows)
+    if not n:
+        return "<div class='lab-partial'>No pair was compared before the failure.</div>"
+    first = result.first_divergence()
+    last = result.table().tail(8)
+    last.insert(0, "label", [r.label() for r in result.rows[-len(last) :]])
+    cols = ["label", "module_class", "dtype_a", "dtype_b", "rel_max", "max_ulp"]
+    a, b = result.side_a.get("name"), result.side_b.get("name")
+    shown = last[cols].rename(columns={"dtype_a": f"dtype {a}", "dtype_b": f"dtype {b}"})
+    what = "before the failure" if err.__cause__ is not None else "in this run"
+    return (
+        f"<div class='lab-partial'><b>{n} pair(s) compared {what}</b>; first divergence: "
+        f"{html.escape(first.label()) if first is not None else 'none (bit-exact so far)'}. "
+        f"The last {len(last)}:"
+        + shown.to_html(index=False, float_format=lambda v: f"{v:.3e}")
+        + "</div>"
+    )
+
+
+def _point_label(trace: Any, index: int, result: Result | None) -> str:
+    """The label of point `index` of a divergence-plot trace.
+
+    plot_divergence_by_layer puts each output at x = its position in `result.rows`; a
+    customdata label, where a trace carries one, is used first.
+    """
+    custom = getattr(trace, "customdata", None)
+    if custom is not None and len(custom) > index:
+        value = custom[index]
+        return str(value[0] if isinstance(value, list | tuple) else value)
+    if result is None:
+        raise ValueError("the plot shows no result")
+    return result.rows[int(trace.x[index])].label()
+
+
+def _figure_widget(fig: Any, css: str, *, on_click: Callable | None = None) -> W.DOMWidget:
+    """`fig` as a live plotly FigureWidget; without anywidget, an Output showing the figure.
+
+    plotly>=6 builds FigureWidget on anywidget; without it hover and zoom still work (the
+    figure is displayed through plotly's JupyterLab renderer), clicks do not: the module
+    selector below the plot does the same.
+    """
+    import plotly.graph_objects as go
+
+    try:
+        widget = go.FigureWidget(fig)
+    except ImportError:
+        widget = W.Output()
+        with widget:
+            from IPython.display import display
+
+            display(fig)
+    else:
+        if on_click is not None:
+            for trace in widget.data:
+                trace.on_click(on_click)
+    widget.add_class(css)
+    return widget
 
 
 def _default_sides(fam: Any) -> tuple[Side, Side]:
@@ -842,7 +1179,8 @@ def control_panel(
     """Build the control panel; the returned object displays itself as the panel in Jupyter.
 
     Raises:
-        ValueError: An unknown family (the panel's own settings never raise; see `message`).
+        ValueError: An unknown family, preset or device, or a seed that is not an int (the
+            panel's own settings never raise; see `message`).
     """
     return ControlPanel(family, preset, device, seed=seed)
 

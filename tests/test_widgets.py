@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+import lab
+from lab.errors import PairError
 from lab.widgets import ControlPanel, control_panel, format_rules_text, parse_rules_text
 
 
@@ -39,7 +41,10 @@ def test_policy_selector_changes_the_trainer_side_and_the_numbers(panel: Control
         assert _root_rel_max(panel) > 0
         assert _root_rel_max(panel) != before.summary()["model_output_rel_max"]
         assert "model_output_rel_max" in panel._outputs["summary"].value
-        assert panel._outputs["plot"].value[:8] == b"\x89PNG\r\n\x1a\n"
+        assert panel._outputs["plot"].children == (panel.figure,)
+        hovers = [t for trace in panel.figure.data for t in trace.text]
+        assert len(hovers) == len(after.rows)
+        assert any("<b>transformer_blocks.0.norm1.linear</b>" in h for h in hovers)
     finally:
         panel.set("trainer.input_dtype_policy.timestep", "passthrough")
 
@@ -67,7 +72,7 @@ def test_bad_rule_shows_inline_message_and_keeps_last_result(
     panel: ControlPanel, rules: str, expected: str
 ) -> None:
     good = panel.last_result
-    shown = panel._outputs["plot"].value
+    shown = panel.figure
     panel.set("trainer.param_dtype_rules", rules)  # compiles live, like leaving the text box
     try:
         assert re.search(expected, panel.message), panel.message
@@ -76,7 +81,8 @@ def test_bad_rule_shows_inline_message_and_keeps_last_result(
         assert re.search(expected, panel.message), panel.message
         assert "Still showing the last good result" in panel._outputs["message"].value
         assert panel.last_result is good
-        assert panel._outputs["plot"].value == shown
+        assert panel.figure is shown and panel._outputs["plot"].children == (shown,)
+        assert "failed at" in panel._outputs["status"].value
     finally:
         panel.set("trainer.param_dtype_rules", "")
     assert panel.message == ""
@@ -137,3 +143,176 @@ def test_family_change_loads_that_familys_sides() -> None:
     assert p.get("trainer.input_dtype_policy.timestep") == "fp32"
     assert p.message == "", p.message
     assert p.rule_matches["trainer"][0].names
+
+
+# ---- clicking a module ------------------------------------------------------------------
+
+
+def _click(panel: ControlPanel, trace_index: int, point_index: int) -> None:
+    """Send the message the browser's plotly sends on a click (FigureWidget's js2py path)."""
+    trace = panel.figure.data[trace_index]
+    panel.figure._js2py_pointsCallback = {
+        "event_type": "plotly_click",
+        "points": {
+            "xs": [trace.x[point_index]],
+            "ys": [trace.y[point_index]],
+            "point_indexes": [point_index],
+            "trace_indexes": [trace_index],
+        },
+    }
+
+
+def test_run_selects_the_first_divergence_and_shows_its_buffer_dtypes(panel: ControlPanel) -> None:
+    first = panel.last_result.first_divergence()
+    assert first is not None and first.module == "pos_embed", "sd3 tiny diverges at pos_embed"
+    detail = panel.selected
+    assert detail.label == first.label()
+    tensors = detail.param_dtypes.set_index("tensor")
+    # The engine casts the positional table with the weights; FSDP2 leaves the buffer alone.
+    assert tensors.loc["pos_embed", "kind"] == "buffer"
+    assert tuple(tensors.loc["pos_embed", ["rollout dtype", "rollout set by"]]) == (
+        "fp16",
+        "cast_buffers",
+    )
+    assert tuple(tensors.loc["pos_embed", ["trainer dtype", "trainer set by"]]) == (
+        "fp32",
+        "not cast",
+    )
+    assert tensors.loc["proj.weight", "trainer dtype"] == "fp16"
+    assert "pos_embed" in panel._outputs["detail"].value
+
+
+def test_click_on_a_point_shows_that_outputs_row_histogram_and_parameters(
+    panel: ControlPanel,
+) -> None:
+    panel.set("trainer.param_dtype_rules", "*norm1.linear.*: fp32")
+    try:
+        result = panel.run()
+        assert result is not None, panel.message
+        target = "transformer_blocks.0.norm1.linear"
+        row = next(r for r in result.rows if r.module == target)
+        k, trace = next(
+            (k, t) for k, t in enumerate(panel.figure.data) if result.rows.index(row) in t.x
+        )
+        _click(panel, k, list(trace.x).index(result.rows.index(row)))
+
+        detail = panel.selected
+        assert detail is not None and detail.label == row.label() == target
+        assert panel._outputs["module"].value == target, "the picker follows the click"
+        shown = detail.rows.iloc[0]
+        assert (shown["dtype_a"], shown["dtype_b"]) == (row.dtype_a, row.dtype_b)
+        assert shown["rel_max"] == row.metrics.rel_max and row.metrics.rel_max > 0
+        assert list(detail.ulp_figure.data[0].y) == list(row.metrics.ulp_hist)
+        params = detail.param_dtypes.set_index("tensor")
+        assert list(params.index) == ["weight", "bias"]
+        assert set(params["rollout dtype"]) == {"fp16"}
+        assert set(params["rollout set by"]) == {"param_dtype"}
+        assert set(params["trainer dtype"]) == {"fp32"}
+        assert set(params["trainer set by"]) == {"*norm1.linear.*: fp32"}
+        html = panel._outputs["detail"].value
+        assert target in html and "*norm1.linear.*: fp32" in html
+        assert panel._outputs["detail_plot"].children[0].data[0].y == detail.ulp_figure.data[0].y
+    finally:
+        panel.set("trainer.param_dtype_rules", "")
+
+
+def test_select_a_module_path_sums_its_outputs_and_keeps_it_across_runs(
+    panel: ControlPanel,
+) -> None:
+    result = panel.last_result
+    rows = [r for r in result.rows if r.module == "transformer_blocks.0"]
+    assert len(rows) > 1, "a block has two outputs (hidden and context) on sd3 tiny"
+    detail = panel.select("transformer_blocks.0")
+    assert list(detail.rows["label"]) == [r.label() for r in rows]
+    summed = [
+        sum(r.metrics.ulp_hist[i] for r in rows) for i in range(len(rows[0].metrics.ulp_hist))
+    ]
+    assert list(detail.ulp_figure.data[0].y) == summed
+    assert (
+        len(detail.param_dtypes) > 10
+        and detail.param_dtypes["tensor"].str.startswith("norm1").any()
+    )
+    assert panel.run() is not None, panel.message
+    assert panel.selected.label == "transformer_blocks.0", "a re-run keeps the selection"
+
+
+def test_module_picker_selects_like_a_click(panel: ControlPanel) -> None:
+    label = panel.last_result.rows[3].label()
+    panel._outputs["module"].value = label
+    assert panel.selected.label == label
+
+
+def test_select_unknown_module_names_the_nearest() -> None:
+    p = control_panel("flux")
+    with pytest.raises(ValueError, match="nothing to select yet; press Run"):
+        p.select("proj_out")
+    assert p.run() is not None, p.message
+    with pytest.raises(ValueError, match=r"'proj_ot' is no paired output.*Nearest: 'proj_out'"):
+        p.select("proj_ot")
+
+
+# ---- a run that fails -------------------------------------------------------------------
+
+_FAILING = {"trainer.autocast": False, "trainer.param_dtype_rules": "*proj_out*: fp32"}
+
+
+def test_failing_run_names_side_module_and_fix_and_shows_the_partial_pairs() -> None:
+    p = control_panel("flux")
+    assert p.run() is not None, p.message
+    good = p.last_result
+    assert "ran in" in p._outputs["status"].value
+    assert p.apply(_FAILING) is None and p.message == ""
+    assert p.run() is None
+
+    message = p.message
+    assert message.startswith(
+        "Run failed on side 'trainer' in module 'single_transformer_blocks.0.proj_out' (Linear)"
+    ), message
+    assert "mat1 and mat2 must have the same dtype" in message
+    assert "Fix:" in message and "rule '*proj_out*: fp32'" in message
+    assert "Turn autocast on for side 'trainer'" in message
+    assert "err.result" not in p._outputs["message"].value
+    partial = re.search(r"(\d+) pair\(s\) compared before the failure", p._outputs["message"].value)
+    assert partial and int(partial.group(1)) > 0
+    assert "single_transformer_blocks.0.attn" in p._outputs["message"].value, "the last pairs"
+    status = p._outputs["status"].value
+    assert "ran in" not in status
+    assert "failed at" in status and "single_transformer_blocks.0.proj_out" in status
+    assert p._outputs["progress"].bar_style == "danger"
+    assert p.last_result is good
+
+    # The fix the message gives works, and the status line says so.
+    p.set("trainer.autocast", True)
+    assert p.run() is not None, p.message
+    assert "ran in" in p._outputs["status"].value and p.message == ""
+
+
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_pair_error_carries_side_module_and_fix(lockstep: bool) -> None:
+    fam = lab.family("flux")
+    model, inputs = fam.build("tiny", 0), fam.make_inputs("tiny", 0)
+    trainer = lab.Side.trainer(fam).replace(
+        autocast=False, param_dtype_rules={"*proj_out*": "fp32"}
+    )
+    with pytest.raises(PairError) as err:
+        lab.pair(model, inputs, lab.Side.rollout(fam), trainer, lockstep=lockstep)
+    e = err.value
+    assert (e.side, e.module, e.module_class) == (
+        "trainer",
+        "single_transformer_blocks.0.proj_out",
+        "Linear",
+    )
+    assert e.fix is not None and "'*proj_out*: fp32'" in e.fix
+    assert e.result is not None and len(e.result.rows) > 0
+    assert "in module 'single_transformer_blocks.0.proj_out' (Linear)" in str(e)
+
+
+def test_apply_prints_nothing_and_stops_at_the_first_value_not_taken() -> None:
+    p = control_panel("flux")
+    assert p.apply({"trainer.autocast": False}) is None
+    assert p.get("trainer.autocast") is False
+    p.apply({"trainer.input_dtype_policy.latents": "fp64", "trainer.autocast": True})
+    assert "unknown value 'fp64'" in p.message
+    assert p.get("trainer.autocast") is False, "apply stops at the first value not taken"
+    with pytest.raises(RuntimeError, match="unknown value 'fp64'"):
+        p.run_and_export("unused")
