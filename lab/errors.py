@@ -120,3 +120,7 @@ def dtype_mismatch_fix(
 
 class CheckpointError(ValueError):
     """A checkpoint directory that cannot be loaded as asked (the message names the file)."""
+
+
+class ModelInUseError(RuntimeError):
+    """A second thread asked to pair or run a model another thread is pairing or running."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ from lab.capture import ModuleHooks, flatten_output
 from lab.devices import resolve_device
 from lab.errors import (
     DegenerateOutputError,
+    ModelInUseError,
     NonFiniteOutputError,
     PairError,
     dtype_mismatch_fix,
@@ -24,7 +26,7 @@ from lab.errors import (
 from lab.families import Inputs
 from lab.metrics import metrics_kernel
 from lab.pairing import Aliases, Collector, metrics_on_side_stream
-from lab.precision.dtypes import parse_dtype
+from lab.precision.dtypes import dtype_name
 from lab.precision.input_policy import apply_input_dtype_policy
 from lab.result import Result, Skipped
 from lab.sides import Side
@@ -68,7 +70,7 @@ def side_autocast(side: Side, device: torch.device) -> contextlib.AbstractContex
         return torch.autocast(device.type, enabled=False)
     from lab.precision.autocast import autocast_context
 
-    dtype = parse_dtype(side.resolved_autocast_dtype, where=f"Side({side.name!r}).autocast_dtype")
+    dtype = side.autocast_torch_dtype
     if dtype == torch.float32:
         # Autocast to fp32 changes nothing an fp32 forward would not do by itself.
         return torch.autocast(device.type, enabled=False)
@@ -109,6 +111,12 @@ def check_side_device(side: Side, device: torch.device) -> None:
         ValueError: CUDA asked for without a GPU, a side on another device than the model, or
             a CUDA-only attention kernel on CPU.
     """
+    if device.type == "meta":
+        raise ValueError(
+            "The model is on the meta device (shapes only, no weights), which no side can run. "
+            "Build it with device='cpu' or 'cuda' (fam.build(preset, seed, device=...)) or load "
+            "real weights (fam.load(path, device=...))."
+        )
     want = resolve_device(side.device)
     if want.type != device.type:
         raise ValueError(
@@ -122,6 +130,167 @@ def check_side_device(side: Side, device: torch.device) -> None:
         )
 
 
+# ---- what a pair or forward refuses before it starts ----------------------------------------
+
+_IN_USE: weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+_IN_USE_GUARD = threading.Lock()
+
+
+@contextlib.contextmanager
+def model_in_use(model: torch.nn.Module, where: str) -> Iterator[None]:
+    """Hold `model` for one pair or forward; another thread's call is refused, not queued.
+
+    Each side swaps the model's parameter tensors in place, so a second thread pairing the same
+    model meanwhile takes the first side's casts for the fp32 masters and "restores" them (seen:
+    every parameter left bf16 for later runs). The holding thread may nest calls (a trajectory
+    pairs between its forwards); lockstep's two side threads run inside the holder's call.
+
+    Raises:
+        ModelInUseError: Another thread holds the model, naming its class and the fix.
+    """
+    with _IN_USE_GUARD:
+        lock = _IN_USE.get(model)
+        if lock is None:
+            lock = _IN_USE[model] = threading.RLock()
+    if not lock.acquire(blocking=False):
+        raise ModelInUseError(
+            f"{where}: this {type(model).__name__} is being paired or run in another thread right "
+            "now. Its sides swap the parameter tensors in place, so a second call at the same "
+            "time would corrupt it. Wait for the other call to finish, or give this thread its "
+            "own model (copy.deepcopy(model), or fam.build(...) again)."
+        )
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _holding_model(where: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Run the decorated function (model first) inside `model_in_use(model, where)`."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def holding(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            with model_in_use(model, where):
+                return fn(model, *args, **kwargs)
+
+        return holding
+
+    return wrap
+
+
+def check_fp32_master(model: torch.nn.Module, where: str) -> None:
+    """Refuse a model whose parameters are not (at least) fp32: sides cast from an fp32 master.
+
+    A bf16 model taken as the master would be run by `Side.fp32_reference` on bf16-rounded
+    weights while its record says fp32 (issue 14: rel_max 0.06415 instead of 0.06326).
+
+    Raises:
+        ValueError: Naming how many parameters are in which dtype, one of them, and the fix.
+    """
+    low: dict[str, list[str]] = {}
+    total = 0
+    for name, p in model.named_parameters():
+        total += 1
+        if p.is_floating_point() and p.element_size() < 4:
+            low.setdefault(dtype_name(p.dtype), []).append(name)
+    if not low:
+        return
+    counts = ", ".join(f"{len(names)} {d}" for d, names in low.items())
+    first = next(iter(low.values()))[0]
+    raise ValueError(
+        f"{where}: {type(model).__name__} holds {counts} parameter(s) of {total} (e.g. {first!r}), "
+        "but the model must be the fp32 master every side casts from: a side's master_dtype "
+        "'fp32' (and Side.fp32_reference) would otherwise run on weights already rounded while "
+        "its record says fp32. Keep the model in fp32 (Family.build and Family.load give fp32); "
+        "if the rounded weights are what you mean to compare, call model.float() first, so both "
+        "sides cast from exactly those values."
+    )
+
+
+def check_inputs(model: torch.nn.Module, inputs: Inputs, where: str) -> None:
+    """Refuse inputs `model` cannot run: not an Inputs record, meta tensors, another family's.
+
+    Raises:
+        ValueError: Naming the bad kwarg, or the model's class and the inputs' family.
+    """
+    if not isinstance(inputs, Inputs):
+        raise ValueError(
+            f"{where}: inputs must be an Inputs record (fam.make_inputs(preset, seed), or "
+            f"lab.Inputs(kwargs=..., roles=...)), got {type(inputs).__name__}."
+        )
+    for label, record in (("inputs", inputs), ("inputs.negative", inputs.negative)):
+        if record is None:
+            continue
+        for key, value in record.kwargs.items():
+            if any(t.device.type == "meta" for t in _tensors(value)):
+                raise ValueError(
+                    f"{where}: {label}[{key!r}] is on the meta device (a shape without values). "
+                    "Make the inputs with device='cpu' or 'cuda' (fam.make_inputs(preset, seed, "
+                    "device=...))."
+                )
+    if inputs.origin is None:
+        return
+    from lab.families import family as get_family
+
+    family_name, preset, _ = inputs.origin
+    made_for = get_family(family_name).model_class
+    model_class = type(model).__name__
+    if model_class != made_for and any(
+        get_family(n).model_class == model_class for n in _family_names()
+    ):
+        raise ValueError(
+            f"{where}: the model is a {model_class} but the inputs were made by family "
+            f"{family_name!r} (preset {preset!r}), whose model is a {made_for}. Make both from one "
+            "family: fam.build(preset, seed) and fam.make_inputs(preset, seed)."
+        )
+
+
+def _inputs_mismatch_hint(model: torch.nn.Module, inputs: Inputs) -> str:
+    """After a failed forward: name the model's and the inputs' sizes where they differ."""
+    if not isinstance(inputs, Inputs) or inputs.origin is None:
+        return ""
+    from lab.families import family as get_family
+
+    family_name, preset, variant = inputs.origin
+    try:
+        made_for = get_family(family_name).config(preset, variant)
+    except ValueError:
+        return ""
+    config = getattr(model, "config", None)
+    if not isinstance(config, dict):
+        return ""
+    differ = [k for k, v in made_for.items() if k in config and config[k] != v]
+    widths = [k for k in differ if k != "num_layers" and "layers" not in k]
+    if not widths:
+        return ""
+    shown = ", ".join(f"{k}={made_for[k]!r} vs {config[k]!r}" for k in widths[:4])
+    return (
+        f" The inputs were made for {family_name} preset {preset!r}"
+        + (f" variant {variant!r}" if variant else "")
+        + f" and the model ({type(model).__name__}) has other widths ({shown}, inputs vs model):"
+        " build the model and the inputs from one preset."
+    )
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def _family_names() -> tuple[str, ...]:
+    from lab.families import FAMILY_NAMES
+
+    return FAMILY_NAMES
+
+
+@_holding_model("forward_side")
 def forward_side(
     model: torch.nn.Module,
     inputs: Inputs,
@@ -139,6 +308,7 @@ def forward_side(
     """
     device = model_device(model)
     check_side_device(side, device)
+    check_inputs(model, inputs, "forward_side")
     if view is not None and (view.side != side or view.model is not model):
         raise ValueError(
             f"forward_side: the WeightView was made for Side({view.side.name!r}) on another "
@@ -172,6 +342,7 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+@_holding_model("pair")
 def pair(
     model: torch.nn.Module,
     inputs: Inputs,
@@ -236,6 +407,8 @@ def pair(
     device = model_device(model)
     for side in (side_a, side_b):
         check_side_device(side, device)
+    check_fp32_master(model, "pair")
+    check_inputs(model, inputs, "pair")
     # The metric switches are read inside the forwards: refuse a bad one before they start.
     metrics_kernel()
     metrics_on_side_stream()
@@ -328,6 +501,7 @@ def pair(
             + (f", in module {module!r} ({module_class})" if module else "")
             + f": {type(err).__name__}: {err}.{hint}"
             + (f" {fix}" if fix else "")
+            + _inputs_mismatch_hint(model, inputs)
             + " The pairs compared so far are in err.result.",
             result,
             side=side,

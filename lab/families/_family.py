@@ -32,6 +32,9 @@ class Inputs:
     """The unconditional branch, for families whose pipeline runs CFG as a separate forward."""
     sigma: float | None = None
     """The flow-matching sigma the timestep tensors were built from."""
+    origin: tuple[str, str, str | None] | None = None
+    """(family, preset, variant) of the `make_inputs` call that made them; None otherwise.
+    `pair` uses it to name both sides of a model/inputs mismatch."""
 
     def __post_init__(self) -> None:
         missing = sorted(set(self.kwargs) - set(self.roles))
@@ -218,6 +221,7 @@ class Family:
         """
         from lab.devices import resolve_device
 
+        check_seed(seed, where=f"family {self.name!r}: build(seed)")
         cfg = self.config(preset, variant)
         dev = resolve_device(device)
         if expert is not None and expert not in self.experts:
@@ -388,8 +392,9 @@ class Family:
             config = {k: v for k, v in config.items() if not k.startswith("_")}
         else:
             config = preset_config
-        if batch < 1:
-            raise ValueError(f"make_inputs: batch must be >= 1, got {batch!r}.")
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"make_inputs: batch must be an int >= 1, got {batch!r}.")
+        check_seed(seed, where="make_inputs(seed)")
         if not 0.0 <= float(sigma) <= 1.0:
             raise ValueError(f"make_inputs: sigma must lie in [0, 1], got {sigma!r}.")
         torch_dtype = parse_dtype(dtype or self.rollout_dtype, where="make_inputs(dtype)")
@@ -404,7 +409,7 @@ class Family:
             sigma=float(sigma),
             latents=latents,
         )
-        inputs = replace(inputs, sigma=float(sigma))
+        inputs = replace(inputs, sigma=float(sigma), origin=(self.name, preset, variant))
         return inputs.to(resolve_device(device))
 
     def timestep_value(self, sigma: float) -> float:
@@ -412,6 +417,27 @@ class Family:
         return {"t": sigma * 1000.0, "t/1000": sigma, "sigma": sigma, "1-sigma": 1.0 - sigma}[
             self.timestep_presentation
         ]
+
+
+SEED_LIMIT = 2**63 - 2**32
+"""Seeds must stay below this: seeds are offset (experts, prompts, SDE streams) and torch's
+generators take a signed 64-bit seed."""
+
+
+def check_seed(seed: Any, *, where: str = "seed") -> None:
+    """Refuse a seed torch's generators would reject with a bare overflow or type error.
+
+    Raises:
+        ValueError: Not an int, or outside [0, SEED_LIMIT).
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"{where}: expected an int, got {seed!r} ({type(seed).__name__}).")
+    if not 0 <= seed < SEED_LIMIT:
+        raise ValueError(
+            f"{where}: {seed!r} is outside [0, 2**63 - 2**32): torch's generators take a signed "
+            "64-bit seed and the lab offsets seeds per expert, prompt and noise stream. Use a "
+            "smaller non-negative int."
+        )
 
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
