@@ -9,6 +9,7 @@ afterwards. The model object, its hooks and its parameters stay the same objects
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +26,16 @@ from lab.precision.param_rules import (
     ruled_param_dtypes,
 )
 from lab.sides import Side
+
+# A parameter a rule pins to fp32 meets a bf16 activation in torch's rms_norm / layer_norm, which
+# then warns "Mismatch dtype between input and weight ... Cannot dispatch to fused
+# implementation" (ATen layer_norm.cpp) and runs the unfused kernel. That mix is the rule applied
+# as FSDP2 applies it, not something a lab user can change, so this one message is ignored.
+warnings.filterwarnings(
+    "ignore",
+    message=r"Mismatch dtype between input and weight.*Cannot dispatch to fused implementation",
+    category=UserWarning,
+)
 
 
 @dataclass(frozen=True)
