@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lab
-from lab.dump import DumpError, attach, load_dump, pair_dump, pair_dumps
+from lab.dump import DumpError, attach, load_dump, pair_dump, pair_dumps, tensor_fingerprint
 from lab.run import forward_side
 
 # The reference side runs the SD3-shaped sgld group on Qwen-Image, which the trainer does not
@@ -123,3 +123,248 @@ def test_dump_from_a_different_model_lists_the_differences(setup: dict) -> None:
 
     with pytest.raises(DumpError, match=r"Only in the dump \(\d+\): 'transformer_blocks.1'"):
         pair_dump(setup["directory"], smaller, setup["inputs"], lab.Side.trainer(fam))
+
+
+# ---- issue 14: overwrite, fingerprints, confined paths, unpaired outputs, torn files ------------
+
+
+def _copy(setup: dict, tmp_path: Path, name: str = "copy") -> Path:
+    import shutil
+
+    return Path(shutil.copytree(setup["directory"], tmp_path / name))
+
+
+def _manifest(directory: Path) -> dict:
+    return json.loads((directory / "manifest.json").read_text())
+
+
+def _rewrite(directory: Path, manifest: dict) -> None:
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_dumping_into_a_dump_is_refused_unless_overwrite(setup: dict, tmp_path: Path) -> None:
+    folder = _copy(setup, tmp_path)
+    before = _manifest(folder)
+    assert len({e["forward"] for e in before["entries"]}) == 2
+
+    with pytest.raises(DumpError, match=r"already holds a dump .*overwrite=True"):
+        attach(setup["model"], folder)
+    assert _manifest(folder) == before, "a refused attach must leave the old dump untouched"
+
+    with attach(setup["model"], folder, overwrite=True):
+        forward_side(setup["model"], setup["inputs"], setup["rollout"])
+    after = _manifest(folder)
+    assert {e["forward"] for e in after["entries"]} == {0}
+    assert not (folder / "forward_00001.safetensors").exists(), "a stale forward stayed behind"
+    assert len(pair_dump(folder, setup["model"], setup["inputs"], setup["rollout"]).rows) > 60
+
+
+def test_manifest_records_weight_and_input_fingerprints(setup: dict) -> None:
+    manifest = load_dump(setup["directory"]).manifest
+    params = dict(setup["model"].named_parameters())
+    recorded = manifest["weights"]["parameters"]
+
+    assert set(recorded) == set(params)
+    name = "transformer_blocks.0.attn.to_q.weight"
+    assert recorded[name] == tensor_fingerprint(params[name])
+    assert set(recorded[name]["hashes"]) == {"fp32", "bf16", "fp16"}
+    forwards = manifest["forwards"]
+    assert [(f["forward"], f["cfg_branch"]) for f in forwards] == [(0, "cond"), (1, "uncond")]
+    # The rollout side hands the model bf16 latents: the fingerprint is of what the model saw.
+    hidden = forwards[0]["inputs"]["hidden_states"]
+    assert hidden["dtype"] == "bf16" and hidden["shape"] == [1, 64, 16]
+    assert hidden == tensor_fingerprint(setup["inputs"].kwargs["hidden_states"].bfloat16())
+
+
+def test_fingerprint_covers_every_element_and_matches_across_casts() -> None:
+    gen = torch.Generator().manual_seed(0)
+    # Over 2**22 16-bit words: the checksum runs in more than one chunk.
+    t = torch.randn(2_500_000, generator=gen)
+    base = tensor_fingerprint(t)
+    assert tensor_fingerprint(t.clone()) == base
+    assert tensor_fingerprint(t.bfloat16())["hashes"]["bf16"] == base["hashes"]["bf16"]
+    assert tensor_fingerprint(t.half())["hashes"]["fp16"] == base["hashes"]["fp16"]
+    for changed in (
+        torch.cat([t[:-1], t[-1:] + 1]),  # the last element of the last chunk
+        torch.cat([t[1:2], t[:1], t[2:]]),  # two elements swapped
+        t.reshape(1000, 2500).t().reshape(-1),  # same values, other order
+    ):
+        assert tensor_fingerprint(changed)["hashes"]["fp32"] != base["hashes"]["fp32"]
+    # The chunked int64 sums equal the one-shot sums in Python integers.
+    words = [int(w) & 0xFFFF for w in t[:300_000].view(torch.int16).tolist()]
+    total = sum(words)
+    weighted = sum(w * (i % 65521 + 1) for i, w in enumerate(words)) % ((1 << 61) - 1)
+    import hashlib
+
+    expected = hashlib.blake2b(f"{len(words)}:{total}:{weighted}".encode(), digest_size=8)
+    assert tensor_fingerprint(t[:300_000])["hashes"]["fp32"] == expected.hexdigest()
+
+
+def test_dump_of_other_weights_is_refused_or_flagged(setup: dict) -> None:
+    fam, inputs = setup["fam"], setup["inputs"]
+    other = fam.build("tiny", 1)
+    trainer = lab.Side.trainer(fam)
+
+    with pytest.raises(DumpError, match=r"other weights or inputs: \d+ difference.*weights '"):
+        pair_dump(setup["directory"], other, inputs, trainer, step=3, cfg_branch="cond")
+    with pytest.warns(UserWarning, match="Compared anyway"):
+        flagged = pair_dump(setup["directory"], other, inputs, trainer, cfg_branch="cond",
+                            allow_mismatch=True)  # fmt: skip
+    assert flagged.meta["dump_checks"]["weights"].startswith("differ")
+    assert flagged.meta["dump_checks"]["inputs"] == "match"
+    differing = [
+        n for (n, p), q in zip(other.named_parameters(), setup["model"].parameters(), strict=True)
+        if not torch.equal(p, q)
+    ]  # fmt: skip
+    assert differing, "seed 1 gave the same weights: this test would pass vacuously"
+    assert [m.split("'")[1] for m in flagged.meta["dump_mismatch"]] == differing
+    assert len(flagged.rows) > 60
+
+
+def test_dump_of_other_inputs_is_refused(setup: dict) -> None:
+    fam = setup["fam"]
+    other_inputs = fam.make_inputs("tiny", 1)
+    with pytest.raises(DumpError, match=r"inputs 'hidden_states': values differ"):
+        pair_dump(setup["directory"], setup["model"], other_inputs, lab.Side.trainer(fam))
+    ok = pair_dump(setup["directory"], setup["model"], setup["inputs"], lab.Side.trainer(fam))
+    assert ok.meta["dump_checks"] == {"weights": "match", "inputs": "match", "unchecked": []}
+
+
+def _wider(setup: dict) -> torch.nn.Module:
+    fam = setup["fam"]
+    torch.manual_seed(0)
+    # Same module names and the same inputs fit, every attention width differs.
+    return fam.model_cls()(**{**fam.config("tiny"), "num_attention_heads": 4}).eval()
+
+
+def test_dump_of_another_width_reports_shapes_first_and_no_divergence(setup: dict) -> None:
+    wider, inputs, trainer = _wider(setup), setup["inputs"], lab.Side.trainer(setup["fam"])
+    with pytest.raises(DumpError, match=r"another width or config.*shapes first: weights '.*shape"):
+        pair_dump(setup["directory"], wider, inputs, trainer, cfg_branch="cond")
+
+    with pytest.warns(UserWarning):
+        result = pair_dump(setup["directory"], wider, inputs, trainer, cfg_branch="cond",
+                           allow_mismatch=True)  # fmt: skip
+    assert result.rows == [] and result.first_divergence() is None
+    shape_skips = [s for s in result.skipped if s.reason.startswith("shape differs")]
+    assert shape_skips and result.skipped[: len(shape_skips)] == shape_skips
+    assert "(1, 64, 48) in the dump (dump) vs (1, 64, 64)" in " ".join(
+        s.reason for s in shape_skips
+    )
+    assert all("not compared" in s.reason for s in result.skipped[len(shape_skips) :])
+
+
+def test_dump_without_fingerprints_still_refuses_other_output_shapes(
+    setup: dict, tmp_path: Path
+) -> None:
+    folder = _copy(setup, tmp_path)
+    manifest = _manifest(folder)
+    manifest["schema"] = "precision-lab/dump/1"
+    for key in ("weights", "weights_unavailable", "forwards"):
+        manifest.pop(key)
+    _rewrite(folder, manifest)
+    trainer = lab.Side.trainer(setup["fam"])
+
+    with pytest.raises(DumpError, match=r"another width.*shapes first: output .*shape differs"):
+        pair_dump(folder, _wider(setup), setup["inputs"], trainer, cfg_branch="cond")
+    same = pair_dump(folder, setup["model"], setup["inputs"], trainer, cfg_branch="cond")
+    assert same.meta["dump_checks"]["weights"] == "unchecked"
+    assert "before fingerprints" in same.meta["dump_checks"]["unchecked"][0]
+
+
+@pytest.mark.parametrize("bad", ["../forward_00000.safetensors", "/etc/passwd", "sub/../../x"])
+def test_manifest_file_paths_stay_inside_the_dump(setup: dict, tmp_path: Path, bad: str) -> None:
+    folder = _copy(setup, tmp_path / "inner")
+    manifest = _manifest(folder)
+    manifest["entries"][0]["file"] = bad
+    _rewrite(folder, manifest)
+    with pytest.raises(DumpError, match=r"entries\[0\]\.file .* points outside the dump"):
+        load_dump(folder)
+
+
+def test_dropped_manifest_entries_and_unpaired_outputs_are_skipped(
+    setup: dict, tmp_path: Path
+) -> None:
+    folder = _copy(setup, tmp_path)
+    manifest = _manifest(folder)
+    dropped = [e for e in manifest["entries"] if e["forward"] == 0][5:8]
+    manifest["entries"] = [e for e in manifest["entries"] if e not in dropped]
+    _rewrite(folder, manifest)
+    keys = {(e["module"], e["call"], e["output"]) for e in dropped}
+    model, inputs, rollout = setup["model"], setup["inputs"], setup["rollout"]
+
+    live = pair_dump(folder, model, inputs, rollout, cfg_branch="cond")
+    assert {(s.module, s.call, s.output) for s in live.skipped} == keys
+    assert all("not in its manifest (a dropped entry)" in s.reason for s in live.skipped)
+
+    # Either side of a dump pair: the outputs the other one lacks are listed, never dropped.
+    for a, b, side in (
+        (setup["directory"], folder, "dump B"),
+        (folder, setup["directory"], "dump A"),
+    ):
+        result = pair_dumps(a, b, cfg_branch="cond")
+        assert {(s.module, s.call, s.output) for s in result.skipped} == keys
+        assert all(f"in {side}'s forward_00000" in s.reason for s in result.skipped)
+        assert len(result.rows) + len(result.skipped) == len(live.rows) + len(live.skipped)
+
+
+def test_truncated_forward_file_and_manifest_name_the_file(setup: dict, tmp_path: Path) -> None:
+    folder = _copy(setup, tmp_path)
+    forward = folder / "forward_00001.safetensors"
+    forward.write_bytes(forward.read_bytes()[:1000])
+    with pytest.raises(
+        DumpError, match=r"forward_00001\.safetensors \(1000 bytes\) cannot be read"
+    ):
+        load_dump(folder)
+
+    manifest = folder / "manifest.json"
+    manifest.write_text(manifest.read_text()[:500])
+    with pytest.raises(DumpError, match=r"manifest\.json is not valid JSON .*truncated"):
+        load_dump(folder)
+    manifest.write_text("")
+    with pytest.raises(DumpError, match=r"manifest\.json is empty"):
+        load_dump(folder)
+
+
+def test_full_disk_during_a_dump_keeps_the_earlier_forwards(
+    setup: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import os
+
+    import safetensors.torch
+
+    model, inputs, rollout = setup["model"], setup["inputs"], setup["rollout"]
+    folder = tmp_path / "d"
+    handle = attach(model, folder)
+    forward_side(model, inputs, rollout)
+    complete = _manifest(folder)
+
+    real_save = safetensors.torch.save_file
+
+    def save_then_fail(tensors: dict, filename: str, *args, **kwargs) -> None:
+        real_save(tensors, filename, *args, **kwargs)
+        with open(filename, "r+b") as f:  # a torn file, as a full disk leaves it
+            f.truncate(os.path.getsize(filename) // 2)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_then_fail)
+    with pytest.raises(OSError, match="No space"):
+        forward_side(model, inputs, rollout)
+    monkeypatch.undo()
+    assert _manifest(folder) == complete
+    assert not (folder / "forward_00001.safetensors").exists()
+
+    def write_fails(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", write_fails)
+    with pytest.raises(OSError, match="No space"):
+        handle.write_manifest()
+    monkeypatch.undo()
+    handle.detach()
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "forward_00000.safetensors",
+        "manifest.json",
+    ]
+    assert len(pair_dump(folder, model, inputs, rollout).rows) > 60
