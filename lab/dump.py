@@ -82,6 +82,11 @@ def tensor_fingerprint(tensor: torch.Tensor) -> dict[str, Any]:
     (and fp64) tensors are also fingerprinted after a cast to each coarser float dtype, so two
     fingerprints are compared on the dtypes both have (`fingerprints_differ`).
 
+    Cost, measured on one H200 for 12.1e9 parameters (FLUX.1-dev size) in 320 tensors: 2.2 s in
+    fp32 (three dtypes each), 0.5 s in bf16, 200 MiB of temporaries. On CPU it is about 0.76 s
+    per 3072 x 12288 fp32 tensor, so a full-size model on CPU takes minutes; tiny presets take
+    milliseconds.
+
     Args:
         tensor: Any dense tensor (not on the meta device).
 

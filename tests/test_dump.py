@@ -368,3 +368,14 @@ def test_full_disk_during_a_dump_keeps_the_earlier_forwards(
         "manifest.json",
     ]
     assert len(pair_dump(folder, model, inputs, rollout).rows) > 60
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
+def test_fingerprint_is_the_same_on_cpu_and_cuda(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    # 3M elements: several checksum chunks for every dtype.
+    t = (torch.randn(3_000_000, generator=gen) * 100).to(dtype)
+    on_cpu, on_gpu = tensor_fingerprint(t), tensor_fingerprint(t.cuda())
+    assert on_cpu == on_gpu
+    assert len(on_cpu["hashes"]) == (3 if dtype == torch.float32 else 1)
