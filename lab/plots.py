@@ -1,13 +1,19 @@
-"""matplotlib + plotly figures from a Result (a saved result.json is enough), nothing else.
+"""matplotlib + plotly figures from a Result (a saved result.json is enough), and `show`.
 
-Every plot comes in both backends through one argument, `backend="matplotlib"` (a static
-Figure for reviews: PNG/SVG through `save_figure`) or `backend="plotly"` (an interactive
-go.Figure whose hover names the module, its class, both dtypes and the metrics):
+Every plot comes in both backends through one argument: `backend="plotly"` (the default: an
+interactive go.Figure whose hover names the module, its class, both sides' dtypes and
+parameter dtypes, the metrics and the row's `why`) or `backend="matplotlib"` (a static Figure
+for reviews). A plotly figure made here carries its matplotlib twin, drawn only when a static
+image is needed:
 
     plot_divergence_by_layer(result, metric)          one run across depth, by module kind
     plot_steps_by_layers(results_per_step, metric)    steps x module outputs heatmap
     plot_ulp_histogram(result, modules=None)          ULP distance counts, summed or per module
     plot_overlay([baseline, candidate], metric)       the same metric across depth for each run
+
+    show(fig, save_as=None)     display inline (interactive in JupyterLab, a PNG in nbconvert
+                                and other static viewers), optionally write .png/.json/.html
+    save_figure(fig, path)      write only, format by suffix
 
 `plot_divergence_by_layer_plotly` is `plot_divergence_by_layer(..., backend="plotly")` under
 the name issue 6 gives it. Every figure keeps the Result's side order: the first side is the
@@ -17,10 +23,14 @@ reference, the second the candidate, and axis labels say which is which.
 from __future__ import annotations
 
 import difflib
+import html
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
+
+from lab.capture import ROOT
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -55,7 +65,8 @@ def module_kind(module_class: str) -> str:
 # ---- shared helpers ---------------------------------------------------------------------
 
 
-def _check_backend(backend: str, where: str) -> None:
+def check_backend(backend: str, where: str) -> None:
+    """Raise a ValueError naming `where` unless `backend` is "matplotlib" or "plotly"."""
     if backend not in BACKENDS:
         raise ValueError(f"{where}: unknown backend {backend!r}. Choose 'matplotlib' or 'plotly'.")
 
@@ -70,7 +81,9 @@ def _pyplot() -> Any:
 
 
 def _labelled_table(result: Result, metric: str, where: str) -> pd.DataFrame:
-    """`result.table()` plus `label` and `kind` columns, after checking `metric`.
+    """`result.table()` plus `label`, `kind` and `params` columns, after checking `metric`.
+
+    `params` is the hover line for parameter dtypes of both sides (see `_param_dtypes`).
 
     Raises:
         ValueError: For a Result without rows or a metric that is not a numeric column.
@@ -85,20 +98,93 @@ def _labelled_table(result: Result, metric: str, where: str) -> pd.DataFrame:
         raise ValueError(f"{where}: unknown metric {metric!r}.{hint} Choose from {numeric}.")
     table["label"] = [r.label() for r in result.rows]
     table["kind"] = table["module_class"].map(module_kind)
+    table["params"] = _param_dtypes(result, table)
     return table
 
 
+def _param_dtypes(result: Result, table: pd.DataFrame) -> list[str]:
+    """Per row: "params: <reference> (ref) / <candidate> (cand)", or "" when nothing is known.
+
+    Read from per-row `param_dtypes_a/_b` table columns when a Result has them, else from
+    `meta["param_dtypes_a/_b"]`: either parameter name -> dtype (the row's module's own
+    parameters are counted) or dtype -> count for the whole model (`lab.run` writes these).
+    """
+    if "param_dtypes_a" in table.columns and "param_dtypes_b" in table.columns:
+        return [
+            _params_line(_dtype_counts_text(a), _dtype_counts_text(b))
+            for a, b in zip(table["param_dtypes_a"], table["param_dtypes_b"], strict=True)
+        ]
+    meta_a = result.meta.get("param_dtypes_a")
+    meta_b = result.meta.get("param_dtypes_b")
+    if not isinstance(meta_a, Mapping) or not isinstance(meta_b, Mapping):
+        return [""] * len(table)
+    if all(isinstance(v, int) for v in (*meta_a.values(), *meta_b.values())):
+        whole = _params_line(_dtype_counts_text(meta_a), _dtype_counts_text(meta_b))
+        return [f"{whole} (whole model)" if whole else ""] * len(table)
+    lines = []
+    for module in table["module"]:
+        prefix = "" if module == ROOT else f"{module}."
+        own_a = {n: d for n, d in meta_a.items() if n.startswith(prefix)}
+        own_b = {n: d for n, d in meta_b.items() if n.startswith(prefix)}
+        lines.append(_params_line(_dtype_counts_text(own_a), _dtype_counts_text(own_b)))
+    return lines
+
+
+def _dtype_counts_text(value: Any) -> str:
+    """Text like `bf16 x12, fp32 x2` from dtype -> count, name -> dtype, or a string."""
+    if isinstance(value, str) or value is None:
+        return value or ""
+    if not isinstance(value, Mapping):
+        return str(value)
+    counts: dict[str, int] = {}
+    for k, v in value.items():
+        dtype, n = (str(k), int(v)) if isinstance(v, int) else (str(v), 1)
+        counts[dtype] = counts.get(dtype, 0) + n
+    return ", ".join(f"{d} x{n}" for d, n in sorted(counts.items()))
+
+
+def _params_line(a: str, b: str) -> str:
+    if not a and not b:
+        return ""
+    return f"params: {a or 'none'} (ref) / {b or 'none'} (cand)"
+
+
+def _why_text(row: Any) -> str:
+    """The row's `why` (a table column helper "why" adds), wrapped for a hover; "" without."""
+    why = getattr(row, "why", None)
+    if not isinstance(why, str) or not why:
+        return ""
+    return "why: " + "<br>  ".join(textwrap.wrap(html.escape(why), 70))
+
+
+def hover_texts(result: Result, metric: str = "rel_max") -> list[str]:
+    """The plotly hover text of every row of `result`, in row order (HTML with <br>).
+
+    Each names the output (`module[:output][#call]`), its class and kind, both sides' dtypes
+    and shape, both sides' parameter dtypes when the Result records them, `metric` and the
+    other headline metrics, and the row's `why` when the table has that column.
+
+    Raises:
+        ValueError: For a Result without rows or an unknown metric.
+    """
+    return _hover_lines(_labelled_table(result, metric, "hover_texts"), metric)
+
+
 def _hover_lines(table: pd.DataFrame, metric: str) -> list[str]:
-    """One hover text per row: label, class, dtypes (reference -> candidate), shape, metrics."""
+    """Per row: label, class, dtypes (reference / candidate), shape, params, metrics, why."""
     texts = []
     for row in table.itertuples(index=False):
         lines = [
-            f"<b>{row.label}</b>",
+            f"<b>{html.escape(row.label)}</b>",
             f"class: {row.module_class} ({row.kind})",
             f"dtype: {row.dtype_a} (ref) / {row.dtype_b} (cand), shape {row.shape}",
-            f"{metric}: {_fmt(getattr(row, metric))}",
         ]
+        if row.params:
+            lines.append(row.params)
+        lines.append(f"{metric}: {_fmt(getattr(row, metric))}")
         lines += [f"{m}: {_fmt(getattr(row, m))}" for m in _HOVER_METRICS if m != metric]
+        if why := _why_text(row):
+            lines.append(why)
         texts.append("<br>".join(lines))
     return texts
 
@@ -141,7 +227,7 @@ def plot_divergence_by_layer(
     metric: str = "rel_max",
     *,
     title: str | None = None,
-    backend: Backend = "matplotlib",
+    backend: Backend = "plotly",
 ) -> Any:
     """Divergence of every paired output across depth, log scale, coloured by module kind.
 
@@ -152,13 +238,13 @@ def plot_divergence_by_layer(
         result: A Result (or `Result.from_json(...)`).
         metric: Any numeric column of `result.table()` (rel_max, max_abs_diff, max_ulp, ...).
         title: Figure title; defaults to family, preset and the two sides.
-        backend: "matplotlib" (a Figure) or "plotly" (a go.Figure, one trace per module kind).
+        backend: "plotly" (a go.Figure, one trace per module kind) or "matplotlib".
 
     Raises:
         ValueError: For a metric that is not a numeric table column, or an unknown backend.
     """
     where = "plot_divergence_by_layer"
-    _check_backend(backend, where)
+    check_backend(backend, where)
     table = _labelled_table(result, metric, where)
     values = table[metric].astype(float).clip(lower=_FLOOR)
     colours = _kind_colours(table["kind"])
@@ -250,7 +336,7 @@ def plot_steps_by_layers(
     *,
     modules: Sequence[str] | None = None,
     title: str | None = None,
-    backend: Backend = "matplotlib",
+    backend: Backend = "plotly",
 ) -> Any:
     """Heatmap of one metric, module outputs (rows) x denoising steps (columns), log colour.
 
@@ -264,7 +350,7 @@ def plot_steps_by_layers(
         metric: A numeric column of `Result.table()`.
         modules: Keep only these module paths (or labels); None keeps every paired output.
         title: Figure title; defaults to the first Result's family, preset and sides.
-        backend: "matplotlib" or "plotly".
+        backend: "plotly" or "matplotlib".
 
     Raises:
         ValueError: No Result, an unknown metric or backend, or a module that matches nothing.
@@ -272,7 +358,7 @@ def plot_steps_by_layers(
     import numpy as np
 
     where = "plot_steps_by_layers"
-    _check_backend(backend, where)
+    check_backend(backend, where)
     items = list(results.items()) if isinstance(results, Mapping) else list(enumerate(results))
     if not items:
         raise ValueError(f"{where}: no Results given; pass one Result per step.")
@@ -280,14 +366,13 @@ def plot_steps_by_layers(
         items.sort(key=lambda kv: kv[0])
     tables = [(step, _labelled_table(r, metric, where)) for step, r in items]
     labels: list[str] = []
-    info: dict[str, tuple[str, str, str]] = {}
+    # Per step: label -> hover of that step's row (class, dtypes, params, metrics, why).
+    hover_at: list[dict[str, str]] = []
+    seen: set[str] = set()
     for _, t in tables:
-        for lab_, cls, da, db in zip(
-            t["label"], t["module_class"], t["dtype_a"], t["dtype_b"], strict=True
-        ):
-            if lab_ not in info:
-                labels.append(lab_)
-                info[lab_] = (cls, da, db)
+        hover_at.append(dict(zip(t["label"], _hover_lines(t, metric), strict=True)))
+        labels += [lab_ for lab_ in t["label"] if lab_ not in seen]
+        seen.update(t["label"])
     if modules is not None:
         module_of = {lab_: lab_.split(":")[0].split("#")[0] for lab_ in labels}
         unknown = [m for m in modules if m not in labels and m not in module_of.values()]
@@ -314,10 +399,9 @@ def plot_steps_by_layers(
 
         hover = [
             [
-                f"<b>{lab_}</b><br>class: {info[lab_][0]}<br>dtype: {info[lab_][1]} (ref) / "
-                f"{info[lab_][2]} (cand)<br>step: {steps[i]}<br>{metric}: "
-                + ("missing at this step" if math.isnan(z[i, j]) else _fmt(z[i, j]))
-                for j, lab_ in enumerate(labels)
+                f"step: {steps[i]}<br>"
+                + hover_at[i].get(lab_, f"<b>{html.escape(lab_)}</b><br>missing at this step")
+                for lab_ in labels
             ]
             for i in range(len(tables))
         ]
@@ -393,7 +477,7 @@ def plot_ulp_histogram(
     modules: Sequence[str] | None = None,
     *,
     title: str | None = None,
-    backend: Backend = "matplotlib",
+    backend: Backend = "plotly",
 ) -> Any:
     """Element counts per ULP-distance bin (0, 1, 2-3, 4-15, ...), log count axis.
 
@@ -406,7 +490,7 @@ def plot_ulp_histogram(
             bars per entry, an entry being a module path (its outputs and calls summed) or a
             label `module[:output][#call]` (one paired output).
         title: Figure title; defaults to family, preset and the two sides.
-        backend: "matplotlib" or "plotly".
+        backend: "plotly" or "matplotlib".
 
     Raises:
         ValueError: No rows, an unknown backend, or a module that matches no paired output.
@@ -416,7 +500,7 @@ def plot_ulp_histogram(
     from lab.metrics import ULP_BIN_LABELS
 
     where = "plot_ulp_histogram"
-    _check_backend(backend, where)
+    check_backend(backend, where)
     table = _labelled_table(result, "max_ulp", where)
     hists = np.array([list(h) for h in table["ulp_hist"]], dtype=float)
     groups: list[tuple[str, str, np.ndarray]] = []  # name, hover header, counts per bin
@@ -434,10 +518,18 @@ def plot_ulp_histogram(
                     f"{where}: module {entry!r} matches no paired output. Nearest: {close}."
                 )
             sub = table[sel]
-            header = (
-                f"<b>{entry}</b><br>class: {sub['module_class'].iloc[0]}<br>dtype: "
-                f"{'/'.join(sorted(set(sub['dtype_a'])))} (ref) / "
-                f"{'/'.join(sorted(set(sub['dtype_b'])))} (cand), {len(sub)} output(s)"
+            first = next(sub.itertuples(index=False))
+            header = "<br>".join(
+                line
+                for line in (
+                    f"<b>{html.escape(entry)}</b>",
+                    f"class: {first.module_class}",
+                    f"dtype: {'/'.join(sorted(set(sub['dtype_a'])))} (ref) / "
+                    f"{'/'.join(sorted(set(sub['dtype_b'])))} (cand), {len(sub)} output(s)",
+                    first.params,
+                    _why_text(first),
+                )
+                if line
             )
             groups.append((entry, header, hists[sel].sum(axis=0)))
     title = title or f"ULP distance: {_title(result)}"
@@ -492,7 +584,7 @@ def plot_overlay(
     metric: str = "rel_max",
     *,
     title: str | None = None,
-    backend: Backend = "matplotlib",
+    backend: Backend = "plotly",
 ) -> Any:
     """The same metric across depth for several runs of one model; the first is the baseline.
 
@@ -505,14 +597,14 @@ def plot_overlay(
             mapping name -> Result, such as {"before fix": r0, "after fix": r1}.
         metric: A numeric column of `Result.table()`.
         title: Figure title; defaults to the baseline's family and preset.
-        backend: "matplotlib" or "plotly" (hover gives each run's value and its ratio to the
-            baseline's).
+        backend: "plotly" (hover gives each run's value and its ratio to the baseline's) or
+            "matplotlib".
 
     Raises:
         ValueError: Fewer than two runs, an unknown metric or backend.
     """
     where = "plot_overlay"
-    _check_backend(backend, where)
+    check_backend(backend, where)
     if isinstance(runs, Mapping):
         named = [(str(k), v) for k, v in runs.items()]
     else:
@@ -599,7 +691,7 @@ PLOTLY_MIME = "application/vnd.plotly.v1+json"
 """The mime type JupyterLab's bundled plotly renderer draws (interactive, no network)."""
 SAVE_SUFFIXES: dict[str, tuple[str, ...]] = {
     "matplotlib": (".png", ".svg", ".pdf"),
-    "plotly": (".png", ".svg", ".json", ".html"),
+    "plotly": (".png", ".svg", ".pdf", ".json", ".html"),
 }
 _DPI = 130
 # plotly.js goes into a text/html output only for a plotly figure without a static twin, and
@@ -620,7 +712,7 @@ def show(fig: Any, save_as: str | Path | None = None) -> None:
         fig: A matplotlib Figure or a plotly go.Figure (every `lab` plot function returns
             one of them).
         save_as: Also write the figure here, format by suffix: .png/.svg/.pdf for matplotlib;
-            .png/.svg (its static twin), .json (`plotly.io.read_json` reads it back) or .html
+            .png/.svg/.pdf (its static twin), .json (`plotly.io.read_json` reads it back) or .html
             (one self-contained file with plotly.js, ~4.7 MB) for plotly.
 
     Raises:
@@ -685,7 +777,7 @@ def save_figure(fig: Any, path: str | Path, *, dpi: int = _DPI) -> Path:
     """Write a matplotlib or plotly figure, format by suffix, creating parent folders.
 
     matplotlib: .png, .svg, .pdf. plotly: .json (the figure, for `plotly.io.read_json`),
-    .html (self-contained: plotly.js inlined, opens offline), .png/.svg (the figure's
+    .html (self-contained: plotly.js inlined, opens offline), .png/.svg/.pdf (the figure's
     matplotlib twin, which every `lab` plot function attaches).
 
     Returns:
@@ -705,7 +797,7 @@ def save_figure(fig: Any, path: str | Path, *, dpi: int = _DPI) -> Path:
         )
     from lab.atomic import atomic_path  # a failed write leaves the old figure whole
 
-    if backend == "plotly" and suffix in (".png", ".svg"):
+    if backend == "plotly" and suffix in (".png", ".svg", ".pdf"):
         twin = _static_twin(fig)
         if twin is None:
             raise ValueError(
@@ -747,21 +839,40 @@ def _static_twin(fig: Any) -> Any:
     return build() if build is not None else None
 
 
-def _static_png(fig: Any) -> bytes | None:
+def figure_png(fig: Any, *, dpi: int = _DPI) -> bytes:
+    """PNG bytes of a matplotlib figure, or of a plotly figure's matplotlib twin.
+
+    The twin is drawn and closed here; `fig` itself is left open.
+
+    Raises:
+        ValueError: For a plotly figure without a twin (one not made by a lab plot function).
+    """
+    if _figure_backend(fig, "figure_png") == "matplotlib":
+        return _matplotlib_png(fig, dpi)
+    png = _static_png(fig, dpi)
+    if png is None:
+        raise ValueError(
+            "figure_png: this plotly figure has no matplotlib twin, so it cannot be drawn "
+            "without a browser. Make it with a lab plot function (they attach one)."
+        )
+    return png
+
+
+def _static_png(fig: Any, dpi: int = _DPI) -> bytes | None:
     twin = _static_twin(fig)
     if twin is None:
         return None
     try:
-        return _matplotlib_png(twin)
+        return _matplotlib_png(twin, dpi)
     finally:
         _pyplot().close(twin)
 
 
-def _matplotlib_png(fig: Any) -> bytes:
+def _matplotlib_png(fig: Any, dpi: int = _DPI) -> bytes:
     import io
 
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=_DPI)
+    fig.savefig(buf, format="png", dpi=dpi)
     return buf.getvalue()
 
 

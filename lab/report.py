@@ -1,18 +1,23 @@
-"""One self-contained HTML file from one or more Results, with matplotlib PNGs beside it.
+"""One HTML file from one or more Results: attach it to a review and nothing is missing.
 
     write_html(result, "runs/quickstart/report.html")
     write_html({"before fix": r0, "after fix": r1}, "report.html")       # a section each + overlay
     write_html(result, "report.html", comparison=compare_to_baseline(result, "flux_tiny"))
 
-The file opens offline: plotly.js is inlined once in <head>, the styles and the table-sorting
-script are inline, and nothing is fetched from the network. The static PNGs go to
-`<stem>_files/` next to the report and are referenced relatively, so the folder can be moved
-or zipped as a whole. Reads only Results (a `Result.from_json` is enough), never runs a model.
+Everything is inside the file: plotly.js once (gzip-compressed and base64-encoded, unpacked by
+the browser's DecompressionStream: 2.0 MB instead of 4.8 MB), each figure's data as JSON,
+each figure's static PNG as a data: URI (shown until the interactive figure draws, and instead
+of it where scripts do not run), the styles and the table-sorting script. Nothing is fetched
+from the network or from beside the file. Reads only Results (a `Result.from_json` is enough),
+never runs a model.
 """
 
 from __future__ import annotations
 
+import base64
 import datetime as _dt
+import functools
+import gzip
 import html
 import json
 import math
@@ -20,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lab import plots
+from lab import drift_plots, plots
 from lab.result import Result, results_table
 
 if TYPE_CHECKING:
@@ -30,10 +35,15 @@ if TYPE_CHECKING:
 
 # Per-module table columns, in reading order (the rest of Result.table() stays in result.json).
 _TABLE_COLUMNS: tuple[str, ...] = (
-    "order", "module", "call", "output", "module_class", "dtype_a", "dtype_b", "shape",
-    "mean_abs_diff", "max_abs_diff", "rel_max", "max_ulp", "bitexact_frac", "cosine_dist",
-    "rounding_only", "max_abs_diff_rounded", "nonfinite_a", "nonfinite_b", "degenerate",
+    "order", "module", "call", "output", "module_class", "dtype_a", "dtype_b", "param_dtypes_a",
+    "param_dtypes_b", "shape", "mean_abs_diff", "max_abs_diff", "rel_max", "max_ulp",
+    "bitexact_frac", "cosine_dist", "rounding_only", "max_abs_diff_rounded", "nonfinite_a",
+    "nonfinite_b", "degenerate", "why",
 )  # fmt: skip
+# Meta keys that are measurements of a run rather than its settings (left out of the diff).
+_NOT_SETTINGS: frozenset[str] = frozenset({"timings_s", "repeated_pairs"})
+# Static fallback PNGs: enough for a review screen, a third of the 130-dpi file size.
+_PNG_DPI = 90
 # Meta keys shown in the sides table rather than the run table.
 _SIDE_META: tuple[tuple[str, str], ...] = (
     ("autocast policy (resolved)", "autocast_policy"),
@@ -61,6 +71,9 @@ tr.new td, tr.missing td { background: #e8eefc; }
 .scroll { max-height: 34rem; overflow: auto; display: inline-block; max-width: 100%; }
 nav a { margin-right: 1rem; } details { margin: .3rem 0 1rem; } img { max-width: 100%; }
 input.filter { margin: .2rem 0; padding: 2px 6px; width: 20rem; }
+td.why, th.why { min-width: 24rem; white-space: normal; }
+.fig { margin: .4rem 0 1rem; } .fig.drawn img.static { display: none; }
+.fig .why { margin: .2rem 0; } table.settings td { max-width: 28rem; overflow-wrap: anywhere; }
 """
 
 # Click a header to sort by it (numbers by data-v, text otherwise); type to filter rows.
@@ -82,6 +95,35 @@ function filterTable(input, id) {
   for (const tr of document.getElementById(id).tBodies[0].rows)
     tr.style.display = tr.textContent.toLowerCase().includes(q) ? "" : "none";
 }
+// plotly.js ships gzip-compressed in #plotly-gz; unpack it, then draw every .fig[data-figure]
+// from its JSON. Until then (and where this cannot run) each figure's static PNG shows.
+async function drawFigures() {
+  const packed = document.getElementById("plotly-gz");
+  if (!packed) return;
+  try {
+    if (typeof DecompressionStream === "undefined")
+      throw new Error("this browser has no DecompressionStream");
+    const bytes = Uint8Array.from(atob(packed.textContent.trim()), (c) => c.charCodeAt(0));
+    const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"));
+    const script = document.createElement("script");
+    script.textContent = await new Response(stream).text();
+    document.head.appendChild(script);
+  } catch (err) {
+    document.body.dataset.figures = "static: " + err;
+    return;
+  }
+  let drawn = 0;
+  for (const fig of document.querySelectorAll(".fig[data-figure]")) {
+    const spec = JSON.parse(document.getElementById(fig.dataset.figure).textContent);
+    try {
+      await Plotly.newPlot(fig.querySelector(".plot"), spec.data, spec.layout, spec.config);
+      fig.classList.add("drawn");
+      drawn += 1;
+    } catch (err) { console.error(fig.dataset.figure, err); }
+  }
+  document.body.dataset.figures = "drawn " + drawn;
+}
+window.addEventListener("DOMContentLoaded", drawFigures);
 """
 
 
@@ -94,14 +136,17 @@ def write_html(
     comparison: BaselineComparison | None = None,
     trajectories: Any = (),
     static: bool = True,
+    interactive: bool = True,
 ) -> Path:
-    """Write one self-contained HTML report (plus PNGs in `<stem>_files/`).
+    """Write one self-contained HTML report and print its size.
 
-    Each Result gets a section: the settings of both sides (differences highlighted, with
-    each side's resolved autocast policy), the summary metrics, divergence across depth and
-    the ULP histogram (interactive; static PNGs underneath), the per-module table (every row,
-    sortable) and the skipped pairs with their reasons. Several Results add an overlay of
-    `metric` across depth; a baseline comparison adds its verdict, regressions and overlay.
+    Each Result gets a section: its summary (with the first divergence's `why` when the
+    Result has one), the settings of both sides (differences highlighted, with each side's
+    resolved autocast policy and parameter dtypes), divergence across depth and the ULP
+    histogram, the per-module table (every row, sortable, with its `why`) and the skipped
+    pairs with their reasons. Several Results add an overview: the settings and rules that
+    differ between the runs, their summary rows, and an overlay of `metric` across depth. A
+    baseline comparison adds its verdict, regressions and overlay.
 
     Args:
         result_or_results: A Result, a list of them, or a mapping section name -> Result.
@@ -112,44 +157,52 @@ def write_html(
         trajectories: Ratio-drift runs to include: one object or a list / mapping of them,
             each with `per_step()` -> DataFrame (e.g. `lab.trajectory.Trajectory`); a
             `captures` mapping step -> Result adds a steps x layers heatmap.
-        static: Also write matplotlib PNGs beside the report.
+        static: Embed a PNG of every figure (data: URI), shown where scripts do not run.
+        interactive: Embed plotly.js (compressed, once) and draw every figure interactively.
 
     Returns:
         The path of the HTML file.
 
     Raises:
-        ValueError: No Result given, or an unknown metric.
+        ValueError: No Result given, an unknown metric, or neither `static` nor `interactive`.
     """
+    if not (static or interactive):
+        raise ValueError(
+            "write_html: static=False and interactive=False leave no way to show a figure; "
+            "keep at least one True."
+        )
     path = Path(path)
     named = _named_results(result_or_results)
-    files = _Files(path, static)
+    figs = _Figures(static=static, interactive=interactive)
     body: list[str] = []
     nav: list[tuple[str, str]] = []
     if len(named) > 1:
         nav.append(("overview", "Overview"))
-        body.append(_overview_section(named, metric, files))
+        body.append(_overview_section(named, metric, figs))
     if comparison is not None:
         nav.append(("baseline", "Baseline comparison"))
-        body.append(_comparison_section(comparison, files))
+        body.append(_comparison_section(comparison, figs))
     for i, (name, result) in enumerate(named):
         nav.append((f"run-{i}", name))
-        body.append(_result_section(result, name, i, metric, files))
+        body.append(_result_section(result, name, i, metric, figs))
     for i, (name, traj) in enumerate(_named_trajectories(trajectories)):
         nav.append((f"trajectory-{i}", name))
-        body.append(_trajectory_section(traj, name, i, files))
+        body.append(_trajectory_section(traj, name, i, figs))
 
     first = named[0][1]
     title = title or f"Precision Lab report: {_run_name(first, None)}"
     versions = first.meta.get("versions") or {}
     stamp = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    from plotly.offline import get_plotlyjs
-
+    packed = (
+        f'<script type="application/gzip+base64" id="plotly-gz">{_plotlyjs_gzip_b64()}</script>'
+        if interactive and figs.count
+        else ""
+    )
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{_e(title)}</title>
 <style>{_CSS}</style>
-<script type="text/javascript">{get_plotlyjs()}</script>
 <script type="text/javascript">{_JS}</script>
 </head><body>
 <h1>{_e(title)}</h1>
@@ -158,11 +211,27 @@ In every table and plot the first side is the reference and the second the candi
 metrics are candidate vs reference.</p>
 <nav>{"".join(f'<a href="#{a}">{_e(t)}</a>' for a, t in nav)}</nav>
 {"".join(body)}
+{packed}
 </body></html>
 """
     from lab.atomic import atomic_write_text  # a failed write leaves the old report whole
 
-    return atomic_write_text(path, page, encoding="utf-8")
+    atomic_write_text(path, page, encoding="utf-8")
+    print(f"wrote {path} ({_size(path.stat().st_size)})")
+    return path
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"
+
+
+@functools.lru_cache(maxsize=1)
+def _plotlyjs_gzip_b64() -> str:
+    """plotly.js, gzip-compressed (mtime 0: the same bytes every time) and base64-encoded."""
+    from plotly.offline import get_plotlyjs
+
+    packed = gzip.compress(get_plotlyjs().encode("utf-8"), compresslevel=9, mtime=0)
+    return base64.b64encode(packed).decode("ascii")
 
 
 # ---- inputs -------------------------------------------------------------------------------
@@ -211,40 +280,52 @@ def _named_trajectories(value: Any) -> list[tuple[str, Any]]:
     return [(f"trajectory {i}", t) for i, t in enumerate(items)]
 
 
-class _Files:
-    """The `<stem>_files/` folder beside the report; PNGs are referenced relative to it."""
+class _Figures:
+    """Embeds figures in the page: plotly JSON drawn by the page's script, and a static PNG."""
 
-    def __init__(self, report: Path, static: bool) -> None:
-        self.dir = report.parent / f"{report.stem}_files"
+    def __init__(self, *, static: bool, interactive: bool) -> None:
         self.static = static
+        self.interactive = interactive
+        self.count = 0
 
-    def png(self, fig: Any, name: str) -> str:
-        """Save a matplotlib figure, close it, and return an <img> (or "" when not static)."""
-        import matplotlib.pyplot as plt
+    def embed(self, fig: Any, name: str) -> str:
+        """The markup of one lab plotly figure (which carries its matplotlib twin)."""
+        import json
 
-        try:
-            if not self.static:
-                return ""
-            plots.save_figure(fig, self.dir / name)
-        finally:
-            plt.close(fig)
-        src = f"{self.dir.name}/{name}"
-        return (
-            f'<details><summary>static PNG: <a href="{_e(src)}">{_e(src)}</a></summary>'
-            f'<img src="{_e(src)}" alt="{_e(name)}"></details>'
-        )
+        import plotly.io as pio
+
+        fid = f"fig-{self.count}"
+        self.count += 1
+        parts = []
+        if self.interactive:
+            spec = json.loads(pio.to_json(fig, validate=False, remove_uids=True))
+            spec["config"] = {"displaylogo": False, "responsive": True}
+            # "</" inside a <script> would end it early; "<\/" is the same JSON string.
+            text = json.dumps(spec, separators=(",", ":")).replace("</", "<\\/")
+            parts += [
+                f'<script type="application/json" id="{fid}">{text}</script>',
+                '<div class="plot"></div>',
+            ]
+        if self.static:
+            png = base64.b64encode(plots.figure_png(fig, dpi=_PNG_DPI)).decode("ascii")
+            parts.append(f'<img class="static" alt="{_e(name)}" src="data:image/png;base64,{png}">')
+        attrs = f' data-figure="{fid}"' if self.interactive else ""
+        return f'<div class="fig" id="{fid}-box"{attrs}>{"".join(parts)}</div>'
 
 
 # ---- sections -----------------------------------------------------------------------------
 
 
-def _result_section(result: Result, name: str, i: int, metric: str, files: _Files) -> str:
+def _result_section(result: Result, name: str, i: int, metric: str, figs: _Figures) -> str:
     summary = result.summary()
+    why = _first_divergence_why(result)
+    if why and not any("why" in k for k in summary):
+        summary["first_divergence_why"] = why
     parts = [
         f'<section id="run-{i}"><h2>{_e(name)}</h2>',
         f"<pre>{_e(result.describe())}</pre>",
         "<h3>Summary</h3>",
-        _kv_table(summary),
+        _kv_table(summary, row_class={"first_divergence_why": "first"}),
         "<h3>Settings of both sides</h3>",
         '<p class="note">Rows where the sides differ are highlighted.</p>',
         _sides_table(result),
@@ -258,16 +339,18 @@ def _result_section(result: Result, name: str, i: int, metric: str, files: _File
         ),
     ]
     if result.rows:
-        prefix = f"run{i}_"
         parts += [
             "<h3>Divergence across depth</h3>",
-            _plotly_div(plots.plot_divergence_by_layer(result, metric, backend="plotly")),
-            files.png(plots.plot_divergence_by_layer(result, metric), f"{prefix}divergence.png"),
+            '<p class="note">Hover a point for its module, class, dtypes of both sides, metrics '
+            "and why.</p>",
+            figs.embed(
+                plots.plot_divergence_by_layer(result, metric, backend="plotly"),
+                f"run {i}: {metric} across depth",
+            ),
             "<h3>ULP distance histogram</h3>",
             '<p class="note">Every paired output summed; ULPs in the coarser dtype of each pair.'
             "</p>",
-            _plotly_div(plots.plot_ulp_histogram(result, backend="plotly")),
-            files.png(plots.plot_ulp_histogram(result), f"{prefix}ulp_histogram.png"),
+            figs.embed(plots.plot_ulp_histogram(result, backend="plotly"), f"run {i}: ULPs"),
         ]
     parts += [
         f"<h3>Per-module table ({len(result.rows)} paired outputs)</h3>",
@@ -280,10 +363,28 @@ def _result_section(result: Result, name: str, i: int, metric: str, files: _File
     return "\n".join(parts)
 
 
-def _overview_section(named: list[tuple[str, Result]], metric: str, files: _Files) -> str:
+def _first_divergence_why(result: Result) -> str | None:
+    """The `why` of the first divergent row, when the Result's table has that column."""
+    first = result.first_divergence()
+    if first is None:
+        return None
+    table = result.table()
+    if "why" not in table.columns:
+        return None
+    why = table["why"].iloc[result.rows.index(first)]
+    return why if isinstance(why, str) and why else None
+
+
+def _overview_section(named: list[tuple[str, Result]], metric: str, figs: _Figures) -> str:
     table = results_table([r for _, r in named])
     table.insert(0, "run", [n for n, _ in named])
-    parts = ['<section id="overview"><h2>Overview</h2>', _df_table(table, "overview-table")]
+    parts = [
+        '<section id="overview"><h2>Overview</h2>',
+        "<h3>Settings that differ between the runs</h3>",
+        _settings_diff(named),
+        "<h3>Summary of every run</h3>",
+        _df_table(table, "overview-table"),
+    ]
     labels = [{r.label() for r in res.rows} for _, res in named]
     if all(labels) and set.intersection(*labels):
         runs = dict(named)
@@ -291,8 +392,7 @@ def _overview_section(named: list[tuple[str, Result]], metric: str, files: _File
             f"<h3>Overlay: {_e(metric)} across depth</h3>",
             f'<p class="note">The first run ({_e(named[0][0])}) is the baseline; a fix shows as '
             "a drop below its line.</p>",
-            _plotly_div(plots.plot_overlay(runs, metric, backend="plotly")),
-            files.png(plots.plot_overlay(runs, metric), "overlay.png"),
+            figs.embed(plots.plot_overlay(runs, metric, backend="plotly"), f"{metric} overlay"),
         ]
     else:
         parts.append('<p class="note">No overlay: these runs share no module output.</p>')
@@ -300,7 +400,58 @@ def _overview_section(named: list[tuple[str, Result]], metric: str, files: _File
     return "\n".join(parts)
 
 
-def _comparison_section(cmp: BaselineComparison, files: _Files) -> str:
+def _settings(result: Result) -> dict[str, Any]:
+    """Every setting of one run, flat: the run's meta, then each side's fields by role.
+
+    Sides are named by role ("reference", "candidate") so runs whose sides have other names
+    still line up; the side names themselves are rows too.
+    """
+    side_meta = {key for _, key in _SIDE_META}
+    out: dict[str, Any] = {"mode": result.mode}
+    for k, v in result.meta.items():
+        if k not in _NOT_SETTINGS and not any(k in (f"{m}_a", f"{m}_b") for m in side_meta):
+            out[k] = v
+    for role, side, suffix in (
+        ("reference", result.side_a, "a"),
+        ("candidate", result.side_b, "b"),
+    ):
+        for k, v in side.items():
+            out[f"{role}.{k}"] = v
+        for label, key in _SIDE_META:
+            if f"{key}_{suffix}" in result.meta:
+                out[f"{role}.{label}"] = result.meta[f"{key}_{suffix}"]
+    return out
+
+
+def _settings_diff(named: list[tuple[str, Result]]) -> str:
+    """Settings x runs: the rows that differ first (highlighted), the rest folded away."""
+    per_run = [_settings(r) for _, r in named]
+    keys = list(dict.fromkeys(k for s in per_run for k in s))
+    differ, same = [], []
+    for key in keys:
+        values = [s.get(key) for s in per_run]
+        canon = {json.dumps(v, sort_keys=True, default=str) for v in values}
+        row = f"<td>{_e(key)}</td>{''.join(_cell(v) for v in values)}"
+        if len(canon) > 1:
+            differ.append(f'<tr class="diff">{row}</tr>')
+        else:
+            same.append(f"<tr>{row}</tr>")
+    head = "<tr><th>setting</th>" + "".join(f"<th>{_e(n)}</th>" for n, _ in named) + "</tr>"
+    if differ:
+        shown = (
+            f'<table class="settings" id="settings-diff"><thead>{head}</thead>'
+            f"<tbody>{''.join(differ)}</tbody></table>"
+        )
+    else:
+        shown = '<p class="note">None: every run has the same settings.</p>'
+    return (
+        f"{shown}<details><summary>{len(same)} settings the same in every run</summary>"
+        f'<table class="settings"><thead>{head}</thead><tbody>{"".join(same)}</tbody></table>'
+        "</details>"
+    )
+
+
+def _comparison_section(cmp: BaselineComparison, figs: _Figures) -> str:
     s = cmp.summary()
     verdict = (
         '<span class="ok">OK: nothing got worse</span>'
@@ -313,8 +464,7 @@ def _comparison_section(cmp: BaselineComparison, files: _Files) -> str:
         f"<p>{verdict} (baseline {_e(cmp.baseline_name)}; {_e(s['rule'])} on "
         f"{_e(cmp.metric)}).</p>",
         _kv_table(s),
-        _plotly_div(plots.plot_overlay(runs, cmp.metric, backend="plotly")),
-        files.png(plots.plot_overlay(runs, cmp.metric), "baseline_overlay.png"),
+        figs.embed(plots.plot_overlay(runs, cmp.metric, backend="plotly"), "baseline overlay"),
     ]
     for status in ("worse", "improved", "new", "missing"):
         rows = cmp.rows(status)
@@ -324,71 +474,31 @@ def _comparison_section(cmp: BaselineComparison, files: _Files) -> str:
     return "\n".join(parts)
 
 
-def _trajectory_section(traj: Any, name: str, i: int, files: _Files) -> str:
+def _trajectory_section(traj: Any, name: str, i: int, figs: _Figures) -> str:
     df = traj.per_step()
     parts = [f'<section id="trajectory-{i}"><h2>{_e(name)}</h2>']
     describe = getattr(traj, "describe", None)
     if callable(describe):
         parts.append(f"<pre>{_e(describe())}</pre>")
-    fig = _ratio_drift_plotly(df, getattr(traj, "meta", {}) or {})
-    if fig is not None:
-        parts += ["<h3>Ratio drift per step</h3>", _plotly_div(fig)]
-    if files.static and hasattr(traj, "per_sample") and hasattr(traj, "meta"):
-        # Lazy import: the report reads trajectories duck-typed and must not need lab.trajectory.
-        from lab import drift_plots
-
-        parts.append(files.png(drift_plots.plot_ratio_drift(traj), f"traj{i}_ratio_drift.png"))
-        parts.append(files.png(drift_plots.plot_ratio_histogram(traj), f"traj{i}_ratio_hist.png"))
+    if {"step", "ratio_p01", "ratio_p50", "ratio_p99"} <= set(df.columns):
+        parts += [
+            "<h3>Ratio drift per step</h3>",
+            figs.embed(drift_plots.plot_ratio_drift(traj), f"{name}: ratio drift"),
+        ]
+    if callable(getattr(traj, "per_sample", None)) and "ratio" in traj.per_sample().columns:
+        parts += [
+            "<h3>Ratio distribution</h3>",
+            figs.embed(drift_plots.plot_ratio_histogram(traj), f"{name}: ratio histogram"),
+        ]
     captures = getattr(traj, "captures", None) or {}
     if captures and all(isinstance(r, Result) and r.rows for r in captures.values()):
         parts += [
             "<h3>Steps x layers (rel_max of the captured steps)</h3>",
-            _plotly_div(plots.plot_steps_by_layers(captures, backend="plotly")),
-            files.png(plots.plot_steps_by_layers(captures), f"traj{i}_steps_by_layers.png"),
+            figs.embed(plots.plot_steps_by_layers(captures), f"{name}: steps x layers"),
         ]
     parts += [f"<h3>Per step ({len(df)})</h3>", _df_table(df, f"trajectory-{i}-steps")]
     parts.append("</section>")
     return "\n".join(parts)
-
-
-def _ratio_drift_plotly(df: pd.DataFrame, meta: Mapping[str, Any]) -> Any:
-    """Ratio - 1 per step (median, p01..p99 band, clip range), or None without those columns.
-
-    The plotly twin of `lab.drift_plots.plot_ratio_drift`; it lives here until drift_plots
-    grows a plotly backend, because the report is its only caller.
-    """
-    need = {"step", "ratio_p01", "ratio_p50", "ratio_p99"}
-    if not need <= set(df.columns):
-        return None
-    import plotly.graph_objects as go
-
-    if "in_window" in df.columns:
-        df = df[df["in_window"].astype(bool)]
-    steps = df["step"].tolist()
-    band = {"mode": "lines", "line": {"width": 0}, "hoverinfo": "skip"}
-    fig = go.Figure(
-        [
-            go.Scatter(x=steps, y=(df["ratio_p99"] - 1).tolist(), showlegend=False, **band),
-            go.Scatter(
-                x=steps, y=(df["ratio_p01"] - 1).tolist(), fill="tonexty", name="p01..p99", **band
-            ),
-            go.Scatter(
-                x=steps,
-                y=(df["ratio_p50"] - 1).tolist(),
-                mode="lines+markers",
-                name="median",
-                hovertemplate="step %{x}: ratio - 1 = %{y:.3e}<extra></extra>",
-            ),
-        ]
-    )
-    clip = meta.get("clip_range")
-    if isinstance(clip, int | float):
-        for sign in (1, -1):
-            fig.add_hline(y=sign * clip, line={"color": "red", "dash": "dot", "width": 1})
-    fig.update_xaxes(title="denoising step")
-    fig.update_yaxes(title="ratio - 1 (trainer / rollout)", exponentformat="e")
-    fig.update_layout(template="plotly_white", height=360)
-    return fig
 
 
 # ---- HTML pieces --------------------------------------------------------------------------
@@ -396,14 +506,6 @@ def _ratio_drift_plotly(df: pd.DataFrame, meta: Mapping[str, Any]) -> Any:
 
 def _e(value: Any) -> str:
     return html.escape(str(value), quote=True)
-
-
-def _plotly_div(fig: Any) -> str:
-    # plotly.js is inlined once in <head>; each figure is only its div and a newPlot call.
-    return fig.to_html(
-        full_html=False, include_plotlyjs=False, include_mathjax=False,
-        config={"displaylogo": False, "responsive": True},
-    )  # fmt: skip
 
 
 def _fmt(value: Any) -> str:
@@ -420,7 +522,7 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def _cell(value: Any) -> str:
+def _cell(value: Any, *, cls: str = "") -> str:
     import numpy as np
 
     if isinstance(value, np.generic):
@@ -429,12 +531,16 @@ def _cell(value: Any) -> str:
         # data-v is what the sort reads; JavaScript's parseFloat spells infinity "Infinity".
         key = ("Infinity" if value > 0 else "-Infinity") if math.isinf(value) else repr(value)
         return f'<td class="num" data-v="{key}">{_e(_fmt(value))}</td>'
-    return f"<td>{_e(_fmt(value))}</td>"
+    return f'<td class="{cls}">{_e(_fmt(value))}</td>' if cls else f"<td>{_e(_fmt(value))}</td>"
 
 
-def _kv_table(data: Mapping[str, Any]) -> str:
-    rows = "".join(f"<tr><th>{_e(k)}</th>{_cell(v)}</tr>" for k, v in data.items())
-    return f"<table>{rows}</table>"
+def _kv_table(data: Mapping[str, Any], *, row_class: Mapping[str, str] | None = None) -> str:
+    rows = []
+    for k, v in data.items():
+        cls = (row_class or {}).get(k)
+        attr = f' class="{cls}"' if cls else ""
+        rows.append(f"<tr{attr}><th>{_e(k)}</th>{_cell(v)}</tr>")
+    return f"<table>{''.join(rows)}</table>"
 
 
 def _sides_table(result: Result) -> str:
@@ -464,15 +570,20 @@ def _module_table(result: Result, table_id: str) -> str:
         return '<p class="note">No paired outputs.</p>'
     cols = [c for c in _TABLE_COLUMNS if c in table.columns]
     first = result.first_divergence()
-    head = "".join(f'<th onclick="sortTable(this)">{_e(c)}</th>' for c in cols)
+    why_attr = ' class="why"'
+    head = "".join(
+        f'<th onclick="sortTable(this)"{why_attr if c == "why" else ""}>{_e(c)}</th>' for c in cols
+    )
     rows = []
     for row, rec in zip(result.rows, table[cols].itertuples(index=False), strict=True):
         cls = "first" if first is not None and row.order == first.order else ""
         cls = cls or ("exact" if not row.diverges else "")
-        cells = "".join(_cell(v) for v in rec)
+        cells = "".join(
+            _cell(v, cls="why" if c == "why" else "") for c, v in zip(cols, rec, strict=True)
+        )
         rows.append(f'<tr class="{cls}">{cells}</tr>' if cls else f"<tr>{cells}</tr>")
     return (
-        f'<input class="filter" placeholder="filter rows (module, class, dtype)" '
+        f'<input class="filter" placeholder="filter rows (module, class, dtype, why)" '
         f"oninput=\"filterTable(this, '{table_id}')\">"
         f'<div class="scroll"><table class="sortable" id="{table_id}"><thead><tr>{head}</tr>'
         f"</thead><tbody>{''.join(rows)}</tbody></table></div>"

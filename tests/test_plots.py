@@ -1,15 +1,23 @@
 from __future__ import annotations
 
+import base64
+import dataclasses
+import html
+import json
+
 import matplotlib
 
 matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt
+import plotly.io as pio
 import pytest
 
 import lab
-from lab import plots
+from lab import drift_plots, plots, scenario_plots
 from lab.result import Result
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +34,37 @@ def fp16_result() -> Result:
     )
 
 
+@pytest.fixture
+def shell():
+    """An IPython shell for `show` to publish to; cleared after so other tests see none."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    yield InteractiveShell.instance()
+    InteractiveShell.clear_instance()
+
+
 def _hover(fig) -> str:
     return "\n".join(t for trace in fig.data for t in (trace.text or ()))
+
+
+def _with_why(result: Result, *, why: bool = True) -> Result:
+    """The Result with a known `why` column in its table, or (why=False) with none at all,
+    as a result.json written before `why` existed reads."""
+
+    class Why(Result):
+        def table(self):
+            table = super().table()
+            if why:
+                table["why"] = [f"because <{r.module}> & its inputs" for r in self.rows]
+            else:
+                table = table.drop(columns=["why", "why_codes"], errors="ignore")
+            return table
+
+    fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(Result) if f.init}
+    return Why(**fields)
+
+
+# ---- the plot functions -------------------------------------------------------------------
 
 
 def test_divergence_plotly_has_one_point_per_row_and_hover_names(result: Result) -> None:
@@ -40,27 +77,73 @@ def test_divergence_plotly_has_one_point_per_row_and_hover_names(result: Result)
     assert fig.layout.yaxis.type == "log"
     hover = _hover(fig)
     for row in result.rows:
-        assert row.label() in hover
+        # Escaped: plotly renders "&lt;root&gt;" as "<root>" and drops an unknown <root> tag.
+        assert f"<b>{html.escape(row.label())}</b>" in hover
     assert "LayerNorm" in hover and "bf16" in hover and "fp32" in hover
     first = result.first_divergence().label()
     assert any(first in (a.text or "") for a in fig.layout.annotations)
     assert any(s.line.color == "crimson" for s in fig.layout.shapes)
 
 
+def test_result_plots_default_to_plotly_with_a_matplotlib_twin(result: Result) -> None:
+    for fig in (
+        plots.plot_divergence_by_layer(result),
+        plots.plot_ulp_histogram(result),
+        plots.plot_overlay([result, result]),
+        plots.plot_steps_by_layers([result, result]),
+    ):
+        assert hasattr(fig, "to_plotly_json"), type(fig)
+        twin = fig._lab_static_twin()
+        assert hasattr(twin, "savefig") and twin.axes, (
+            "the twin should be a drawn matplotlib figure"
+        )
+        assert twin.axes[0].get_title() == fig.layout.title.text
+        plt.close(twin)
+
+
+def test_hover_has_dtypes_of_both_sides_parameter_dtypes_metrics_and_why(
+    fp16_result: Result,
+) -> None:
+    texts = plots.hover_texts(_with_why(fp16_result), "max_ulp")
+    to_q = next(i for i, r in enumerate(fp16_result.rows) if r.module.endswith("attn.to_q"))
+    text = texts[to_q]
+    row = fp16_result.rows[to_q]
+
+    assert text.startswith(f"<b>{row.label()}</b>") and "class: Linear" in text
+    assert f"dtype: {row.dtype_a} (ref) / {row.dtype_b} (cand)" in text
+    assert (row.dtype_a, row.dtype_b) == ("bf16", "fp16")
+    # lab.run records dtype -> count per side for the whole model.
+    n = sum(fp16_result.meta["param_dtypes_a"].values())
+    assert f"params: bf16 x{n} (ref) / fp16 x{n} (cand) (whole model)" in text
+    assert f"max_ulp: {row.metrics.max_ulp:g}" in text
+    assert "rel_max: " in text and "bitexact_frac: " in text
+    assert f"why: because &lt;{row.module}&gt; &amp; its inputs" in text
+    # The figures carry the same text.
+    fig = plots.plot_divergence_by_layer(_with_why(fp16_result), "max_ulp")
+    assert text in _hover(fig)
+    assert "why:" not in _hover(plots.plot_divergence_by_layer(_with_why(fp16_result, why=False)))
+
+
+def test_hover_counts_a_modules_own_parameters_from_a_per_parameter_map(result: Result) -> None:
+    meta = dict(result.meta)
+    meta["param_dtypes_a"] = {"x_embedder.weight": "bf16", "x_embedder.bias": "bf16"}
+    meta["param_dtypes_b"] = {"x_embedder.weight": "bf16", "x_embedder.bias": "fp32"}
+    texts = plots.hover_texts(dataclasses.replace(result, meta=meta))
+    i = next(i for i, r in enumerate(result.rows) if r.module == "x_embedder")
+
+    assert "params: bf16 x2 (ref) / bf16 x1, fp32 x1 (cand)" in texts[i]
+    root = next(i for i, r in enumerate(result.rows) if r.module == "<root>")
+    assert "params: bf16 x2 (ref) / bf16 x1, fp32 x1 (cand)" in texts[root]
+    norm = next(i for i, r in enumerate(result.rows) if r.module.endswith("norm1.norm"))
+    assert "params:" not in texts[norm]
+
+
 def test_backend_argument_gives_the_same_plot_in_both(result: Result) -> None:
-    mpl = plots.plot_divergence_by_layer(result, "max_abs_diff", title="t")
+    mpl = plots.plot_divergence_by_layer(result, "max_abs_diff", title="t", backend="matplotlib")
     ply = plots.plot_divergence_by_layer(result, "max_abs_diff", backend="plotly")
     points = sum(len(c.get_offsets()) for c in mpl.axes[0].collections)
     assert points == sum(len(t.x) for t in ply.data) == len(result.rows)
     plt.close(mpl)
-
-
-def test_save_figure_writes_png_and_svg(result: Result, tmp_path) -> None:
-    fig = plots.plot_divergence_by_layer(result, "rel_max")
-    for name in ("d.png", "sub/d.svg"):
-        path = plots.save_figure(fig, tmp_path / name)
-        assert path.stat().st_size > 1000
-    plt.close(fig)
 
 
 def test_unknown_metric_and_backend_say_what_is_allowed(result: Result) -> None:
@@ -86,8 +169,9 @@ def test_steps_by_layers_is_layers_by_steps_with_log_colour(
     assert heat.z[j][1] > heat.zmin
     hover = "\n".join(t for row in heat.text for t in row)
     assert "transformer_blocks.0.attn.to_q" in hover and "step: 5" in hover
+    assert "bf16 (ref) / fp16 (cand)" in heat.text[j][1] and "params: " in heat.text[j][1]
 
-    mpl = plots.plot_steps_by_layers([result, fp16_result])
+    mpl = plots.plot_steps_by_layers([result, fp16_result], backend="matplotlib")
     assert mpl.axes[0].collections[0].get_array().size == 2 * len(result.rows)
     plt.close(mpl)
 
@@ -112,12 +196,14 @@ def test_ulp_histogram_sums_every_element(result: Result) -> None:
 
 def test_ulp_histogram_per_module_traces(result: Result) -> None:
     mods = ["transformer_blocks.0.attn.to_q", "<root>"]
-    fig = plots.plot_ulp_histogram(result, mods, backend="plotly")
+    fig = plots.plot_ulp_histogram(_with_why(result), mods, backend="plotly")
     assert [t.name for t in fig.data] == mods
     to_q = next(r for r in result.rows if r.module == mods[0])
     assert list(fig.data[0].y) == list(to_q.metrics.ulp_hist)
-    assert "transformer_blocks.0.attn.to_q" in _hover(fig) and "Linear" in _hover(fig)
-    mpl = plots.plot_ulp_histogram(result, mods)
+    hover = _hover(fig)
+    assert mods[0] in hover and "Linear" in hover and "params: bf16" in hover
+    assert f"why: because &lt;{mods[0]}&gt;" in hover
+    mpl = plots.plot_ulp_histogram(result, mods, backend="matplotlib")
     assert len(mpl.axes[0].patches) == 2 * 9
     plt.close(mpl)
 
@@ -132,7 +218,7 @@ def test_overlay_shows_the_fix_as_a_drop(result: Result, fp16_result: Result) ->
     assert cand.y[-1] < base.y[-1], "the bf16 trainer's model output should sit lower"
     assert "vs fp16 trainer" in "".join(cand.text) and "x_embedder" in "".join(cand.text)
 
-    mpl = plots.plot_overlay([fp16_result, result])
+    mpl = plots.plot_overlay([fp16_result, result], backend="matplotlib")
     assert [line.get_label() for line in mpl.axes[0].lines[:2]] == ["baseline", "candidate"]
     plt.close(mpl)
     with pytest.raises(ValueError, match="pass a baseline and a candidate"):
@@ -143,3 +229,148 @@ def test_plots_read_a_saved_result(result: Result, tmp_path) -> None:
     loaded = Result.from_json(result.to_json(tmp_path / "result.json"))
     fig = plots.plot_divergence_by_layer_plotly(loaded)
     assert sum(len(t.x) for t in fig.data) == len(result.rows)
+
+
+# ---- show / save_figure / figure_mimebundle -----------------------------------------------
+
+
+def test_show_publishes_plotly_json_and_the_twins_png_and_writes_the_file(
+    result: Result, shell, tmp_path
+) -> None:
+    from IPython.utils.capture import capture_output
+
+    fig = plots.plot_divergence_by_layer(result)
+    with capture_output() as captured:
+        plots.show(fig, save_as=tmp_path / "figs" / "divergence.png")
+
+    (out,) = captured.outputs
+    assert set(out.data) == {plots.PLOTLY_MIME, "image/png", "text/plain"}
+    # No text/html: nbconvert's HTML exporter prefers it over image/png, and plotly's HTML
+    # needs plotly.js (4.8 MB) in the notebook.
+    spec = out.data[plots.PLOTLY_MIME]
+    assert len(spec["data"]) == len(fig.data)
+    assert sum(len(t["x"]) for t in spec["data"]) == len(result.rows)
+    assert spec["layout"]["yaxis"]["type"] == "log"
+    assert spec["config"]["displaylogo"] is False
+    assert "x_embedder" in json.dumps(spec)
+    png = base64.b64decode(out.data["image/png"])
+    assert png.startswith(PNG_MAGIC) and len(png) > 10_000
+    assert "flux [tiny]" in out.data["text/plain"]
+    written = (tmp_path / "figs" / "divergence.png").read_bytes()
+    assert written.startswith(PNG_MAGIC) and len(written) > 10_000
+
+
+def test_show_matplotlib_publishes_a_png_and_closes_the_figure(
+    result: Result, shell, tmp_path
+) -> None:
+    from IPython.utils.capture import capture_output
+
+    fig = plots.plot_ulp_histogram(result, backend="matplotlib")
+    with capture_output() as captured:
+        plots.show(fig, save_as=tmp_path / "ulp.svg")
+
+    (out,) = captured.outputs
+    assert set(out.data) == {"image/png", "text/plain"}
+    assert base64.b64decode(out.data["image/png"]).startswith(PNG_MAGIC)
+    assert not plt.fignum_exists(fig.number), "a shown figure must be closed (no double show)"
+    assert (tmp_path / "ulp.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_show_outside_ipython_only_writes(result: Result, tmp_path, capsys) -> None:
+    from IPython.core.interactiveshell import InteractiveShell
+
+    assert not InteractiveShell.initialized()
+    fig = plots.plot_divergence_by_layer(result)
+    plots.show(fig, save_as=tmp_path / "d.json")
+
+    assert capsys.readouterr().out == ""
+    back = pio.read_json(tmp_path / "d.json")
+    assert sum(len(t.x) for t in back.data) == len(result.rows)
+    plots.show(fig)  # nothing to write, nothing to show: no error
+
+
+def test_a_plotly_figure_without_a_twin_gets_html_with_plotlyjs_once(monkeypatch) -> None:
+    import plotly.graph_objects as go
+
+    monkeypatch.setattr(plots, "_plotlyjs_published", False)
+    fig = go.Figure(go.Bar(x=[1, 2], y=[3, 4]))
+    first, second = plots.figure_mimebundle(fig), plots.figure_mimebundle(fig)
+
+    assert set(first) == {plots.PLOTLY_MIME, "text/html", "text/plain"}
+    assert "plotly.js v" in first["text/html"] and len(first["text/html"]) > 1_000_000
+    assert "plotly.js v" not in second["text/html"] and len(second["text/html"]) < 20_000
+    assert "Plotly.newPlot" in second["text/html"]
+
+
+def test_save_figure_formats_by_suffix(result: Result, tmp_path) -> None:
+    mpl = plots.plot_divergence_by_layer(result, "rel_max", backend="matplotlib")
+    for name in ("d.png", "sub/d.svg"):
+        assert plots.save_figure(mpl, tmp_path / name).stat().st_size > 1000
+    plt.close(mpl)
+    fig = plots.plot_divergence_by_layer(result)
+    assert plots.save_figure(fig, tmp_path / "p.png").read_bytes().startswith(PNG_MAGIC)
+    page = plots.save_figure(fig, tmp_path / "p.html").read_text()
+    assert page.count("plotly.js v") == 1 and "<script src=" not in page
+    with pytest.raises(ValueError, match=r"suffix '\.csv'\. Use one of \['\.png'"):
+        plots.save_figure(fig, tmp_path / "p.csv")
+    with pytest.raises(ValueError, match=r"expected a matplotlib Figure or a plotly go\.Figure"):
+        plots.show(tmp_path)
+
+
+# ---- drift and scenario figures -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def traj():
+    from lab.trajectory import trajectory
+
+    return trajectory("flux", steps=4, samples=2, progress=False)
+
+
+def test_drift_plots_in_both_backends(traj, shell) -> None:
+    from IPython.utils.capture import capture_output
+
+    df = traj.per_step()
+    in_window = df[df["in_window"]]
+    fig = drift_plots.plot_ratio_drift(traj)
+    _band_hi, _band_lo, median, _mean = fig.data
+    assert list(median.x) == in_window["step"].tolist()
+    assert list(median.y) == pytest.approx((in_window["ratio_p50"] - 1).tolist())
+    assert f"sigma: {in_window['sigma'].iloc[0]:.4g}" in median.text[0]
+    assert [s.y0 for s in fig.layout.shapes] == [traj.meta["clip_range"], -traj.meta["clip_range"]]
+
+    hist = drift_plots.plot_ratio_histogram(traj, bins=10)
+    assert sum(hist.data[0].y) == len(traj.per_sample())
+    gap = drift_plots.plot_logprob_vs_velocity_gap(traj)
+    assert len(gap.data[0].x) == len(traj.per_sample())
+    assert "log_prob_old" in gap.data[0].text[0]
+
+    with capture_output() as captured:
+        for f in (fig, hist, gap):
+            plots.show(f)
+    assert [set(o.data) for o in captured.outputs] == [
+        {plots.PLOTLY_MIME, "image/png", "text/plain"}
+    ] * 3
+    mpl = drift_plots.plot_ratio_drift(traj, backend="matplotlib")
+    assert mpl.axes[0].get_yscale() == "symlog"
+    plt.close(mpl)
+
+
+def test_scenario_plot_marks_the_culprit_with_hover_names() -> None:
+    from lab import scenarios
+
+    run = scenarios.run("qwen_fused_norm_rounding")
+    fig = scenario_plots.plot_bug_vs_fixed([run])
+    bug, fixed = fig.data
+    assert len(bug.x) == len(run.bug.rows) and len(fixed.x) == len(run.fixed.rows)
+    assert f"<b>bug</b><br><b>{html.escape(run.bug.rows[0].label())}</b>" in bug.text[0]
+    assert "dtype: " in bug.text[0]
+    assert run.found_culprit == "transformer_blocks.0.img_norm1", "the scenario lost its culprit"
+    notes = [a.text or "" for a in fig.layout.annotations]
+    assert f"culprit: {run.found_culprit}" in notes
+    twin = fig._lab_static_twin()
+    assert len(twin.axes) == 1
+    plt.close(twin)
+    mpl = scenario_plots.plot_bug_vs_fixed([run], interactive=False)
+    assert hasattr(mpl, "savefig")
+    plt.close(mpl)

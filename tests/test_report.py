@@ -1,8 +1,11 @@
 from __future__ import annotations
 
 import ast
+import base64
 import dataclasses
+import gzip
 import html
+import json
 import re
 from pathlib import Path
 
@@ -29,36 +32,86 @@ def fp16_result() -> Result:
     return lab.pair_family("flux", trainer=FP16_TRAINER)
 
 
-def _referenced_files(text: str) -> list[str]:
-    # Outside <script>: plotly.js itself holds a link to plotly.com in a string.
-    markup = re.sub(r"<script.*?</script>", "", text, flags=re.S)
-    refs = re.findall(r'(?:src|href)="([^"#][^"]*)"', markup)
-    return [r for r in refs if not r.startswith(("data:", "javascript:"))]
+def _resources(text: str) -> list[str]:
+    """Every src/href of the page outside <script> blocks (plotly.js names plotly.com in a
+    string), parsed with html.parser rather than a regex."""
+    from html.parser import HTMLParser
+
+    found: list[str] = []
+
+    class Collect(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            found.extend(v for k, v in attrs if k in ("src", "href") and v is not None)
+
+    Collect().feed(re.sub(r"<script.*?</script>", "", text, flags=re.S))
+    return found
 
 
-def _assert_offline(text: str) -> None:
-    assert not re.search(r"<script[^>]*\bsrc=", text), "a <script src=...> needs the network"
-    assert '<script src="http' not in text
-    assert not re.search(r"<link[^>]*href=[\"']?https?:", text)
-    assert not re.search(r"@import\s+url", text)
+def _assert_one_file(text: str) -> None:
+    """No network and nothing beside the file: only data: URIs and in-page anchors."""
+    refs = _resources(text)
+    bad = [r for r in refs if not r.startswith(("data:", "#"))]
+    assert not bad, f"external or relative resources: {bad[:5]}"
+    assert not re.search(r"<script[^>]*\bsrc=", text), "a <script src=...> needs a file or network"
+    assert not re.search(r"<link\b", text) and not re.search(r"@import|url\(", text)
 
 
-def test_single_report_is_self_contained_and_complete(result: Result, tmp_path: Path) -> None:
+def _plotlyjs(text: str) -> str:
+    """The page's packed plotly.js, unpacked as the page's own script does."""
+    (packed,) = re.findall(
+        r'<script type="application/gzip\+base64" id="plotly-gz">(.*?)</script>', text, flags=re.S
+    )
+    return gzip.decompress(base64.b64decode(packed)).decode()
+
+
+def _pngs(text: str) -> list[bytes]:
+    return [base64.b64decode(b) for b in re.findall(r'src="data:image/png;base64,([^"]+)"', text)]
+
+
+def test_single_report_is_one_file_and_complete(
+    result: Result, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = report.write_html(result, tmp_path / "out" / "report.html")
     text = path.read_text()
 
-    _assert_offline(text)
-    assert "Plotly.newPlot" in text and "plotly.js v" in text[: text.index("</head>")]
-    # Every paired output is a row of the per-module table.
+    _assert_one_file(text)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["report.html"], "one file only"
+    size = path.stat().st_size
+    assert capsys.readouterr().out == f"wrote {path} ({size / 1e6:.1f} MB)\n"
+    # plotly.js once, packed: the page unpacks it to the very script plotly ships.
+    from plotly.offline import get_plotlyjs
+
+    assert _plotlyjs(text) == get_plotlyjs()
+    assert "plotly.js v" not in text, "plotly.js should be inlined packed, not as text"
+    assert size < 3_000_000, f"{size} bytes: plotly.js is packed to 2.0 MB, figures are small"
+    # Two figures, each with its data and its static PNG.
+    figures = re.findall(r'<div class="fig" id="(fig-\d+)-box" data-figure="\1">', text)
+    assert figures == ["fig-0", "fig-1"]
+    spec = json.loads(
+        re.search(r'<script type="application/json" id="fig-0">(.*?)</script>', text, re.S).group(1)
+    )
+    assert sum(len(t["x"]) for t in spec["data"]) == len(result.rows)
+    pngs = _pngs(text)
+    assert len(pngs) == 2 and all(p.startswith(b"\x89PNG") and len(p) > 5000 for p in pngs)
+    # Every paired output is a row of the per-module table, with its why.
     table = text[text.index('id="modules-0"') :]
     for row in result.rows:
         assert f"<td>{html.escape(row.module)}</td>" in table
     assert table.count("<tr") == len(result.rows) + 1
-    # Summary numbers, as the summary table prints them.
+    assert '<th onclick="sortTable(this)" class="why">why</th>' in table
+    whys = [w for w in result.table()["why"] if w]
+    assert whys, "flux tiny's trainer differs (autocast): some row should have a why"
+    assert f'<td class="why">{html.escape(whys[0])}</td>' in table
+    # Summary numbers, as the summary table prints them, and the first divergence's why.
     s = result.summary()
     assert f">{s['pairs']}<" in text and f">{s['bitexact_pairs']}<" in text
     assert f"{s['model_output_rel_max']:.4g}" in text
     assert s["first_divergent_module"] in text
+    assert s["first_divergence_why"]
+    assert (
+        f'<tr class="first"><th>first_divergence_why</th><td>'
+        f"{html.escape(s['first_divergence_why'])}</td></tr>"
+    ) in text
     # Both sides' settings, with differences highlighted and the resolved autocast policy.
     a, b = result.side_a, result.side_b
     differ = [k for k in a if a[k] != b[k]]
@@ -76,15 +129,9 @@ def test_single_report_is_self_contained_and_complete(result: Result, tmp_path: 
         text,
     )
     assert "None: every captured output was paired" in text
-    # The PNGs beside it exist, referenced relatively.
-    refs = _referenced_files(text)
-    assert any(r.endswith(".png") for r in refs)
-    for ref in refs:
-        assert not Path(ref).is_absolute() and (path.parent / ref).is_file(), ref
-    assert (tmp_path / "out" / "report_files" / "run0_divergence.png").stat().st_size > 1000
 
 
-def test_several_results_and_a_baseline_in_one_report(
+def test_several_results_show_their_settings_diff_and_a_baseline(
     result: Result, fp16_result: Result, tmp_path: Path
 ) -> None:
     cmp = compare_to_baseline(fp16_result, result)
@@ -93,16 +140,37 @@ def test_several_results_and_a_baseline_in_one_report(
     )
     text = path.read_text()
 
-    _assert_offline(text)
+    _assert_one_file(text)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.html"]
     assert 'id="run-0"' in text and 'id="run-1"' in text and 'id="overview"' in text
+    # The settings that differ between the runs, each run's value, highlighted.
+    diff = text[text.index('id="settings-diff"') : text.index("settings the same in every run")]
+    assert (
+        '<tr class="diff"><td>candidate.forward_dtype</td><td>bf16</td><td>fp16</td></tr>' in diff
+    )
+    assert '<tr class="diff"><td>candidate.param_dtype</td><td>—</td><td>fp16</td></tr>' in diff
+    assert "<td>family</td>" not in diff and "reference.forward_dtype" not in diff
+    same = text[text.index("settings the same in every run") :]
+    assert "<tr><td>family</td><td>flux</td><td>flux</td></tr>" in same
     assert "Overlay: rel_max across depth" in text
     assert '<span class="bad">REGRESSED' in text
     assert '<tr class="worse"><td>x_embedder</td>' in text
-    for name in ("overlay.png", "baseline_overlay.png", "run1_ulp_histogram.png"):
-        assert f"r_files/{name}" in text and (tmp_path / "r_files" / name).is_file()
-    for ref in _referenced_files(text):
-        assert (tmp_path / ref).is_file(), ref
-    assert text.count("plotly.js v") == 1, "plotly.js should be inlined once, not per figure"
+    # overlay, baseline overlay, 2 x (depth, ULP): 6 figures, one PNG each, plotly.js once.
+    assert len(re.findall(r'<div class="fig" id="fig-\d+-box" data-figure=', text)) == 6
+    assert len(_pngs(text)) == 6
+    assert text.count('id="plotly-gz"') == 1
+
+
+def test_interactive_only_and_static_only(result: Result, tmp_path: Path) -> None:
+    static = report.write_html(result, tmp_path / "s.html", interactive=False).read_text()
+    _assert_one_file(static)
+    assert 'id="plotly-gz"' not in static and "data-figure=" not in static
+    assert len(_pngs(static)) == 2
+    assert len(static) < 400_000, "a static report carries no plotly.js"
+    live = report.write_html(result, tmp_path / "i.html", static=False).read_text()
+    assert not _pngs(live) and len(re.findall(r"data-figure=", live)) == 2
+    with pytest.raises(ValueError, match="keep at least one True"):
+        report.write_html(result, tmp_path / "x.html", static=False, interactive=False)
 
 
 class _DuckTrajectory:
@@ -133,8 +201,8 @@ def test_skipped_pairs_and_a_duck_typed_trajectory(result: Result, tmp_path: Pat
     assert "Skipped pairs (1)" in text and "non-tensor output: tuple of None" in text
     assert 'id="trajectory-0"' in text and "Ratio drift per step" in text
     assert "2.5e-03" in text or "0.0025" in text
-    assert not (tmp_path / "r_files").exists(), "static=False must not write PNGs"
-    _assert_offline(text)
+    assert not _pngs(text), "static=False must not embed PNGs"
+    _assert_one_file(text)
 
 
 def test_write_html_rejects_what_is_not_a_result(tmp_path: Path) -> None:
