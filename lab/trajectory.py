@@ -327,6 +327,7 @@ def trajectory(
     clip_range: float = 1e-4,
     keep_tensors: bool = True,
     progress: bool = True,
+    init: str | None = None,
 ) -> Trajectory:
     """Sample a Flow-GRPO rollout and recompute its log-probs as the trainer, step by step.
 
@@ -357,6 +358,8 @@ def trajectory(
         clip_range: PPO clip range for clip_frac (Flow-GRPO's default 1e-4).
         keep_tensors: Keep each step's tensors in `Trajectory.steps`.
         progress: Show a tqdm bar over steps.
+        init: Seeded-weight regime for `Family.build` ("trained", "bf16_shipped", "plain");
+            None = the build default. Recorded as meta["init"].
 
     Returns:
         A Trajectory (per_step(), per_sample(), overall(), to_json()).
@@ -412,7 +415,11 @@ def trajectory(
     use_cfg = cfg_scale > 1.0
 
     experts = list(dict.fromkeys(fam.expert_for_sigma(s) for s in sigma_list[:-1]))
-    models = {e: fam.build(preset, seed, variant=variant, expert=e, device=device) for e in experts}
+    build_init = {} if init is None else {"init": init}
+    models = {
+        e: fam.build(preset, seed, variant=variant, expert=e, device=device, **build_init)
+        for e in experts
+    }
     # One weight plan per (expert, side), reused every step.
     views = {
         (e, k): WeightView(m, side)
@@ -523,6 +530,7 @@ def trajectory(
         side_a=side_a.to_dict(),
         side_b=side_b.to_dict(),
         sampler_notes=sampler_settings(fam).notes,
+        init=getattr(next(iter(models.values())), "lab_init", None),
     )
     return Trajectory(meta, sigma_list, step_drifts, sample_drifts, records, captures)
 

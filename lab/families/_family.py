@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 import torch
 
+from lab.families._trained_init import DEFAULT_INIT, apply_init, check_init
+
 Role = Literal["latents", "cond", "timestep", "aux"]
 ROLES: tuple[str, ...] = ("latents", "cond", "timestep", "aux")
 PRESETS: tuple[str, ...] = ("tiny", "reduced", "full")
@@ -206,21 +208,27 @@ class Family:
         variant: str | None = None,
         expert: str | None = None,
         device: str | torch.device = "cpu",
+        init: str = DEFAULT_INIT,
     ) -> torch.nn.Module:
         """Build the model with deterministic seeded fp32 weights, in eval mode.
 
         Args:
             preset: "tiny", "reduced" or "full".
-            seed: Weight seed; the same seed gives bit-identical weights.
+            seed: Weight seed; the same seed gives bit-identical weights (on one device).
             variant: A named variant (see `variants`).
             expert: For MoE families, which expert; each gets its own weights.
             device: Where to build (a full preset should be built on the GPU directly).
+            init: "trained" (default: trained-checkpoint statistics, the fp32 master off the
+                bf16 grid by an optimizer update), "bf16_shipped" (the same statistics, every
+                value on the bf16 grid) or "plain" (the class's own init). The model records it
+                as `model.lab_init` (lab/families/_trained_init.py).
 
         Raises:
-            ValueError: Unknown preset, variant or expert.
+            ValueError: Unknown preset, variant, expert or init.
         """
         from lab.devices import resolve_device
 
+        check_init(init, where=f"family {self.name!r}: build(init)")
         check_seed(seed, where=f"family {self.name!r}: build(seed)")
         cfg = self.config(preset, variant)
         dev = resolve_device(device)
@@ -236,6 +244,7 @@ class Family:
             if self.init_weights is not None:
                 with torch.no_grad():
                     self.init_weights(model)
+        apply_init(model, seed + offset, init)
         model = model.eval()
         if self.prepare_model is not None:
             self.prepare_model(model)
