@@ -12,6 +12,7 @@ Like TensorBoard's or W&B's "compare runs", over the files the lab already write
     cmp.settings_diff()                          # side fields and meta that differ
     cmp.plot_overlay("rel_max", backend="plotly")
     cmp.verdicts()                               # each later run against the first
+    save_examples(".")                           # two example runs, when fewer are saved
 
 A run is named by its folder relative to `root` ("runs/quickstart",
 "runs/sweep/001_mode=local"), by its file when that is not results.json
@@ -301,16 +302,25 @@ class RunComparison:
         return out
 
     def verdicts(self) -> pd.DataFrame:
-        """One row per later run: how many module outputs got worse / better than the first."""
+        """One row per later run: how many module outputs got worse / better than the first.
+
+        A run of another model gets the verdict "not comparable" and the reason.
+        """
         import pandas as pd
 
+        (first_name, first), *rest = self.runs.items()
         rows = []
-        for name, cmp in self.comparisons().items():
-            s = cmp.summary()
+        for name, result in rest:
+            try:
+                s = compare_to_baseline(result, first, metric=self.metric).summary()
+            except ValueError as err:
+                rows.append({"run": name, "vs": first_name, "verdict": "not comparable",
+                             "reason": str(err)})  # fmt: skip
+                continue
             rows.append(
                 {
                     "run": name,
-                    "vs": cmp.baseline_name,
+                    "vs": first_name,
                     "verdict": "ok" if s["ok"] else "worse",
                     **{k: s[k] for k in ("worse", "improved", "unchanged", "new", "missing")},
                     "worst_module": s["worst_module"],
@@ -332,32 +342,32 @@ class RunComparison:
 
     def describe(self) -> str:
         """A few lines: the runs, the settings that differ, and each later run's verdict."""
-        summary = self.summary()
-        lines = [f"{len(self.runs)} runs, held against {next(iter(self.runs))!r} on {self.metric}:"]
-        for name, row in summary.iterrows():
-            rel = row["model_output_rel_max"]
+        first = next(iter(self.runs))
+        lines = [f"{len(self.runs)} runs, held against {first!r} on {self.metric}:"]
+        for name, r in self.runs.items():
+            s = r.summary()
             lines.append(
-                f"  {name}: {row['family']} [{row['preset']}] {row['mode']}, {row['sides']}; "
-                f"model_output_rel_max {_fmt(rel)}, first divergence "
-                f"{row['first_divergent_module']}"
+                f"  {name}: {s.get('family')} [{s.get('preset')}] {r.mode}, "
+                f"{r.side_a.get('name')} vs {r.side_b.get('name')}; model_output_rel_max "
+                f"{_fmt(s.get('model_output_rel_max'))}, first divergence "
+                f"{s.get('first_divergent_module') or 'none (bit-exact)'}"
             )
         diff = self.settings_diff()
         shown = ", ".join(diff.index[:8]) + (", ..." if len(diff) > 8 else "")
         lines.append(f"  settings that differ ({len(diff)}): {shown or 'none'}")
-        try:
-            comparisons = self.comparisons()
-        except ValueError as err:
-            lines.append(f"  no per-module verdict: {err}")
-            return "\n".join(lines)
-        for name, cmp in comparisons.items():
-            s = cmp.summary()
+        for name, row in self.verdicts().iterrows():
+            if row["verdict"] == "not comparable":
+                lines.append(f"  {name} vs {row['vs']}: not comparable per module: {row['reason']}")
+                continue
             worst = (
-                f"; worst {s['worst_module']} x{s['worst_ratio']:.3g}" if s["worst_module"] else ""
+                f"; worst {row['worst_module']} x{row['worst_ratio']:.3g}"
+                if row["worst_module"]
+                else ""
             )
             lines.append(
-                f"  {name} vs {cmp.baseline_name}: {'OK' if s['ok'] else 'WORSE'} "
-                f"({s['worse']} worse, {s['improved']} improved, {s['unchanged']} unchanged, "
-                f"{s['new']} new, {s['missing']} missing{worst})"
+                f"  {name} vs {row['vs']}: {row['verdict'].upper()} ({row['worse']} worse, "
+                f"{row['improved']} improved, {row['unchanged']} unchanged, {row['new']} new, "
+                f"{row['missing']} missing{worst})"
             )
         return "\n".join(lines)
 
@@ -402,19 +412,35 @@ def newest(runs: Sequence[SavedRun], count: int = 2) -> list[SavedRun]:
     return list(reversed(results[:count]))
 
 
-def save_examples(out_dir: str | Path, *, family: str = "flux", preset: str = "tiny") -> list[Path]:
-    """Save two small runs to compare: the trainer with autocast on, then off (rollout as is).
+def save_examples(
+    root: str | Path = ".",
+    *,
+    if_fewer_than: int = 2,
+    family: str = "flux",
+    preset: str = "tiny",
+) -> list[Path]:
+    """Save two small runs to compare when fewer than `if_fewer_than` Results are saved.
 
-    On tiny flux the trainer without autocast matches the engine-like rollout, so the overlay
-    shows every divergence of the autocast run disappearing. Written to
-    `<out_dir>/trainer_autocast_on/results.json` and `.../trainer_autocast_off/results.json`.
+    The runs are the trainer with autocast on, then off, against the same rollout: on tiny
+    flux the trainer without autocast matches the engine-like rollout bit for bit, so the
+    overlay shows every divergence of the first run gone in the second. They go to
+    `<root>/runs/examples/trainer_autocast_on/results.json` and `.../trainer_autocast_off/`.
+
+    Args:
+        root: The folder `list_runs` searches.
+        if_fewer_than: Save only when fewer Results than this are listed (0: always).
+        family: The family of the two runs.
+        preset: Their preset.
 
     Returns:
-        The two paths written.
+        The paths written; [] when enough runs were saved already.
     """
     from lab.run import pair_family
 
-    out = Path(out_dir)
+    saved = [r for r in list_runs(root) if r.kind != "trajectory"]
+    if len(saved) >= if_fewer_than > 0:
+        return []
+    out = Path(root) / "runs" / "examples"
     paths = []
     for name, autocast in (("trainer_autocast_on", True), ("trainer_autocast_off", False)):
         result = pair_family(family, preset, trainer={"autocast": autocast})
