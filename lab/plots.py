@@ -702,18 +702,19 @@ _plotlyjs_published = False
 def show(fig: Any, save_as: str | Path | None = None) -> None:
     """Display a figure inline, stored in the notebook, and optionally write it to a file.
 
-    In a live JupyterLab a plotly figure is interactive (hover, zoom) through the plotly
-    renderer that ships with the `plotly` package; the same output carries a PNG that a
-    notebook rendered later without a kernel or network (`jupyter nbconvert --to html`,
-    GitHub) shows instead. A matplotlib figure is shown as a PNG and closed, so it does not
-    show twice. Outside IPython nothing is displayed and only `save_as` is written.
+    In JupyterLab a plotly figure is interactive (hover, zoom) through the plotly renderer
+    that ships with the `plotly` package, live and when the saved notebook is opened later;
+    the same output carries a PNG of the figure's matplotlib twin that `jupyter nbconvert
+    --to html` shows instead (see `figure_mimebundle`). A matplotlib figure is shown as a PNG
+    and closed, so it does not show twice. Outside IPython nothing is displayed and only
+    `save_as` is written.
 
     Args:
         fig: A matplotlib Figure or a plotly go.Figure (every `lab` plot function returns
             one of them).
         save_as: Also write the figure here, format by suffix: .png/.svg/.pdf for matplotlib;
-            .png/.svg/.pdf (its static twin), .json (`plotly.io.read_json` reads it back) or .html
-            (one self-contained file with plotly.js, ~4.7 MB) for plotly.
+            for plotly .png/.svg/.pdf (its matplotlib twin), .json (`plotly.io.read_json`
+            reads it back) or .html (one self-contained file with plotly.js, 4.9 MB).
 
     Raises:
         ValueError: For something that is not a figure, or an unsupported `save_as` suffix.
@@ -736,12 +737,17 @@ def figure_mimebundle(fig: Any) -> dict[str, Any]:
     """The display data `show` publishes for `fig`: mime type -> content.
 
     matplotlib: `image/png` (base64) and `text/plain`.
-    plotly: `application/vnd.plotly.v1+json` (the figure; JupyterLab ranks its renderer above
-    HTML and images, and draws it from the PNG on first hover), `image/png` of the figure's
-    matplotlib twin (what nbconvert and other static viewers show: nbconvert's HTML exporter
-    prefers text/html, so none is sent) and `text/plain`. A plotly figure without a twin
-    (one not made by `lab`) gets `text/html` instead of the PNG: its div, with plotly.js
-    inlined in the first such output of the kernel session only.
+
+    plotly: `application/vnd.plotly.v1+json` (the figure: JupyterLab's plotly renderer, which
+    the `plotly` package installs with plotly.js bundled, ranks above HTML and images, so a
+    live or saved notebook draws it interactively with no network), `text/html` holding an
+    <img> of the figure's matplotlib twin as a data: URI, scaled to the page (what
+    `jupyter nbconvert --to html` shows: its HTML exporter prefers text/html over the plotly
+    type it cannot draw), and `text/plain`. No `image/png` entry: JupyterLab's plotly
+    renderer would show that PNG at its pixel size until the first hover instead of the
+    figure. A plotly figure without a twin (not made by `lab`) gets its plotly div as
+    `text/html` instead, with plotly.js (4.8 MB) inlined in the first such output of the
+    kernel session only.
 
     Raises:
         ValueError: For something that is not a matplotlib or plotly figure.
@@ -761,7 +767,10 @@ def figure_mimebundle(fig: Any) -> dict[str, Any]:
     bundle: dict[str, Any] = {PLOTLY_MIME: figure}
     twin = _static_png(fig)
     if twin is not None:
-        bundle["image/png"] = base64.b64encode(twin).decode()
+        bundle["text/html"] = (
+            f'<img src="data:image/png;base64,{base64.b64encode(twin).decode()}" '
+            f'alt="{html.escape(_plain(fig))}" style="max-width: 100%; height: auto;">'
+        )
     else:
         global _plotlyjs_published
         bundle["text/html"] = fig.to_html(

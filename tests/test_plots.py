@@ -4,6 +4,7 @@ import base64
 import dataclasses
 import html
 import json
+import re
 
 import matplotlib
 
@@ -244,16 +245,20 @@ def test_show_publishes_plotly_json_and_the_twins_png_and_writes_the_file(
         plots.show(fig, save_as=tmp_path / "figs" / "divergence.png")
 
     (out,) = captured.outputs
-    assert set(out.data) == {plots.PLOTLY_MIME, "image/png", "text/plain"}
-    # No text/html: nbconvert's HTML exporter prefers it over image/png, and plotly's HTML
-    # needs plotly.js (4.8 MB) in the notebook.
+    assert set(out.data) == {plots.PLOTLY_MIME, "text/html", "text/plain"}
+    # The figure itself, for JupyterLab's plotly renderer.
     spec = out.data[plots.PLOTLY_MIME]
     assert len(spec["data"]) == len(fig.data)
     assert sum(len(t["x"]) for t in spec["data"]) == len(result.rows)
     assert spec["layout"]["yaxis"]["type"] == "log"
     assert spec["config"]["displaylogo"] is False
     assert "x_embedder" in json.dumps(spec)
-    png = base64.b64decode(out.data["image/png"])
+    # The static fallback nbconvert picks: one <img> of the matplotlib twin, nothing to fetch,
+    # and no image/png entry (JupyterLab's plotly renderer would show it until a hover).
+    page = out.data["text/html"]
+    (src,) = re.findall(r'<img src="data:image/png;base64,([^"]+)"', page)
+    assert "<script" not in page and "max-width: 100%" in page
+    png = base64.b64decode(src)
     assert png.startswith(PNG_MAGIC) and len(png) > 10_000
     assert "flux [tiny]" in out.data["text/plain"]
     written = (tmp_path / "figs" / "divergence.png").read_bytes()
@@ -349,8 +354,9 @@ def test_drift_plots_in_both_backends(traj, shell) -> None:
         for f in (fig, hist, gap):
             plots.show(f)
     assert [set(o.data) for o in captured.outputs] == [
-        {plots.PLOTLY_MIME, "image/png", "text/plain"}
+        {plots.PLOTLY_MIME, "text/html", "text/plain"}
     ] * 3
+    assert all("data:image/png;base64," in o.data["text/html"] for o in captured.outputs)
     mpl = drift_plots.plot_ratio_drift(traj, backend="matplotlib")
     assert mpl.axes[0].get_yscale() == "symlog"
     plt.close(mpl)
