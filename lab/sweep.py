@@ -6,22 +6,33 @@ r"""Sweeps: run one notebook with papermill over a parameter grid, collect one t
 Each grid point gets its own folder `<out>/<run name>/` holding the executed notebook and
 whatever the notebook writes there (its `out_dir` parameter is pointed at the folder). Every
 run's `results.json` summary (a Result's `summary`, a Trajectory's `overall`) becomes one row
-of `<out>/sweep.csv`; `<out>/sweep.png` plots the headline metric per run. A failed run keeps
-its executed notebook, is reported with the cell error, and the other runs still finish.
+of `<out>/sweep.csv`, written as the run finishes; `<out>/sweep.png` plots the headline metric
+per run. A failed run keeps its executed notebook, is reported with the cell error, and the
+other runs still finish.
+
+Each run is one papermill process that dies with the sweep, even on `kill -9`; Ctrl-C or SIGTERM
+ends the running ones and keeps the finished rows; `--resume` runs only the points that have
+not finished ok with the same notebook and parameters (each run's folder records them in
+`run.json`).
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
+import hashlib
 import itertools
 import json
 import math
-import multiprocessing
 import re
+import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from lab.atomic import atomic_path, atomic_write_text
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 """Where bare notebook names ("01_quickstart") are looked up."""
@@ -294,6 +305,50 @@ def plot_sweep(table: Any, metric: str | None = None, *, title: str | None = Non
     return fig
 
 
+_WORKER = """
+import json, sys
+import papermill as pm
+import zmq
+from traitlets.config import Config
+task = json.loads(open(sys.argv[1], encoding="utf-8").read())
+# lab.notebooks.kernel_config(), without importing lab (torch): CurveZMQ keys for the kernel.
+config = Config({"KernelManager": {"transport_encryption": "auto" if zmq.has("curve") else
+                                   "disabled"}})
+pm.execute_notebook(task["notebook"], task["output"], parameters=task["parameters"],
+                    kernel_name="python3", progress_bar=False, cwd=task["cwd"], config=config)
+"""
+"""One grid point's process: papermill itself, importable without torch, so it starts fast; the
+notebook's kernel is its child and exits when it does (ipykernel polls its parent)."""
+
+RUN_RECORD = "run.json"
+"""Written into a run's folder when it finishes: what ran (notebook hash, parameters), how it
+ended. `--resume` skips a point whose folder holds an ok record with identical parameters."""
+
+
+class SweepInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped a sweep; its children were ended and the finished rows written.
+
+    `sweep` holds the finished runs (its table is on disk), `signal_name` "SIGINT" or "SIGTERM".
+    """
+
+    def __init__(self, message: str, sweep: Sweep, signal_name: str) -> None:
+        """Keep the partial sweep next to the message."""
+        super().__init__(message)
+        self.sweep = sweep
+        self.signal_name = signal_name
+
+
+@dataclass
+class _Task:
+    index: int
+    name: str
+    folder: Path
+    point: dict[str, Any]
+    requested: dict[str, Any]
+    """The parameters as asked for (before out_dir/interactive are filled in): resume's key."""
+    params: dict[str, Any]
+
+
 def run_sweep(
     notebook: str | Path,
     grid: Mapping[str, Sequence[Any]],
@@ -303,8 +358,16 @@ def run_sweep(
     jobs: int = 2,
     metric: str | None = None,
     progress: bool = True,
+    resume: bool = False,
 ) -> Sweep:
     """Execute `notebook` once per grid point with papermill, `jobs` at a time; collect results.
+
+    Each run is its own process (papermill, which starts the notebook's kernel), killed by the
+    kernel if this process dies, even by `kill -9`. Each finished run's row is written to
+    `<out>/sweep.csv` at once (atomically: the table on disk is always whole). Ctrl-C or SIGTERM
+    ends the running runs (their processes and kernels), writes the rows finished so far and
+    raises `SweepInterrupted`; no queued run starts. Works from a script without an
+    `if __name__ == "__main__":` guard (nothing re-imports the caller).
 
     Args:
         notebook: A notebook path, or a name under notebooks/ ("01_quickstart").
@@ -314,22 +377,29 @@ def run_sweep(
         jobs: Runs in parallel (processes, each starting its own kernel).
         metric: The column sweep.png plots; None = the first of HEADLINE_METRICS present.
         progress: Show a tqdm bar over finished runs.
+        resume: Skip every point whose run already finished ok in `out_dir` with the same
+            notebook (by content) and identical parameters; failed, interrupted and changed
+            points run again.
 
     Returns:
         The Sweep (outcomes, table path, plot path); failed runs are in `Sweep.failed`.
 
     Raises:
         ValueError: An unknown notebook, an empty grid, a grid key the notebook does not
-            declare as a parameter, or jobs < 1.
+            declare as a parameter, jobs not an int >= 1, parameters that are not JSON, or an
+            out_dir that cannot be written.
+        SweepInterrupted: Ctrl-C or SIGTERM (a KeyboardInterrupt; `.sweep` has what finished).
     """
     import papermill as pm
     from tqdm.auto import tqdm
 
+    from lab.processes import Terminated, sigterm_raises
+
     path = resolve_notebook(notebook)
     if not grid or any(not list(v) for v in grid.values()):
         raise ValueError("run_sweep: the grid is empty; give each key at least one value.")
-    if jobs < 1:
-        raise ValueError(f"run_sweep: jobs must be >= 1, got {jobs!r}.")
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"run_sweep: jobs must be an int >= 1, got {jobs!r}.")
     declared = pm.inspect_notebook(str(path))
     unknown = sorted((set(grid) | set(parameters or {})) - set(declared))
     if unknown:
@@ -337,64 +407,195 @@ def run_sweep(
             f"run_sweep: {unknown} are not parameters of {path.name}. Its parameters: "
             f"{', '.join(declared)}."
         )
-    out = Path(out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    points = grid_points(grid)
+    out = _writable_folder(Path(out_dir).resolve())
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
     tasks = []
-    for i, point in enumerate(points):
+    for i, point in enumerate(grid_points(grid)):
         name = run_name(i, point)
         folder = out / name
-        params = {**dict(parameters or {}), **point}
+        requested = {**dict(parameters or {}), **point}
+        params = dict(requested)
         if "out_dir" in declared and "out_dir" not in params:
             params["out_dir"] = str(folder)
         if "interactive" in declared and "interactive" not in params:
             params["interactive"] = False
-        folder.mkdir(parents=True, exist_ok=True)
-        tasks.append((str(path), str(folder), name, point, params))
+        _check_json(params)
+        tasks.append(_Task(i, name, folder, point, requested, params))
 
-    outcomes: dict[str, RunOutcome] = {}
-    # spawn, not fork: the parent may hold torch's thread pools, and a forked child could
-    # inherit a held lock.
-    ctx = multiprocessing.get_context("spawn")
-    with (
-        cf.ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=ctx) as pool,
-        tqdm(total=len(tasks), desc=f"sweep {path.stem}", disable=not progress) as bar,
-    ):
-        # The workers run papermill itself (importable without torch, so a worker starts fast);
-        # everything else is read back from the run folder here.
-        futures = {
-            pool.submit(
-                pm.execute_notebook,
-                notebook,
-                str(Path(folder) / "executed.ipynb"),
-                parameters=params,
-                kernel_name="python3",
-                progress_bar=False,
-                cwd=folder,
-            ): (folder, name, point)
-            for notebook, folder, name, point, params in tasks
-        }
-        for future in cf.as_completed(futures):
-            folder, name, point = futures[future]
-            try:
-                future.result()
-                error = None
-            except Exception as err:  # a failed run becomes a row; the other runs carry on
-                error = err
-            outcome = _outcome(folder, name, point, error)
-            outcomes[name] = outcome
-            bar.update(1)
-            bar.set_postfix(failed=sum(1 for o in outcomes.values() if not o.ok))
-
-    ordered = [outcomes[t[2]] for t in tasks]
-    table = sweep_table(ordered)
+    done = _finished_runs(out, digest) if resume else {}
+    outcomes: dict[int, RunOutcome] = {}
+    todo = []
+    for task in tasks:
+        kept = done.get(_record_key(digest, task.requested))
+        if kept is not None:
+            outcomes[task.index] = _outcome(str(kept), kept.name, task.point, None)
+        else:
+            todo.append(task)
     table_path = out / "sweep.csv"
-    table.to_csv(table_path, index=False)
+
+    def finished() -> list[RunOutcome]:
+        return [outcomes[t.index] for t in tasks if t.index in outcomes]
+
+    def write_table() -> None:
+        with atomic_path(table_path) as tmp:
+            sweep_table(finished()).to_csv(tmp, index=False)
+
+    if outcomes:
+        write_table()
+    running: dict[int, tuple[_Task, Any]] = {}
+    pending = list(reversed(todo))
+    bar = tqdm(
+        total=len(tasks), initial=len(outcomes), desc=f"sweep {path.stem}", disable=not progress
+    )
+    try:
+        with sigterm_raises():
+            try:
+                while pending or running:
+                    while pending and len(running) < jobs:
+                        task = pending.pop()
+                        proc = _start_run(path, task)
+                        running[proc.pid] = (task, proc)
+                    ended = [pid for pid, (_, proc) in running.items() if proc.poll() is not None]
+                    if not ended:
+                        time.sleep(0.1)
+                        continue
+                    for pid in ended:
+                        task, proc = running.pop(pid)
+                        outcome = _finish_run(task, proc.returncode, digest)
+                        outcomes[task.index] = outcome
+                        write_table()
+                        bar.update(1)
+                        bar.set_postfix(failed=sum(1 for o in outcomes.values() if not o.ok))
+            except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM as Terminated
+                from lab.processes import end_child
+
+                for _, proc in running.values():
+                    end_child(proc)
+                write_table()
+                signal_name = "SIGTERM" if isinstance(err, Terminated) else "SIGINT"
+                partial = Sweep(path, out, finished(), table_path, None)
+                raise SweepInterrupted(
+                    f"run_sweep: stopped by {signal_name}; {len(partial.outcomes)} of "
+                    f"{len(tasks)} runs finished ({len(running)} ended, {len(pending)} never "
+                    f"started); their rows are in {table_path}. Run again with resume=True "
+                    "(--resume) to run only the rest.",
+                    partial,
+                    signal_name,
+                ) from err
+    finally:
+        bar.close()
+
+    ordered = finished()
+    write_table()
     plot_path: Path | None = out / "sweep.png"
     try:
-        fig = plot_sweep(table, metric, title=f"{path.stem}: {', '.join(grid)}")
-        fig.savefig(plot_path, dpi=110)
+        fig = plot_sweep(sweep_table(ordered), metric, title=f"{path.stem}: {', '.join(grid)}")
+        with atomic_path(plot_path) as tmp:
+            fig.savefig(tmp, dpi=110)
     except ValueError:
         # Every run failed (or wrote no metric): there is nothing to plot, the table says why.
         plot_path = None
     return Sweep(path, out, ordered, table_path, plot_path)
+
+
+def _writable_folder(out: Path) -> Path:
+    """Create `out` and check a file can be written there, or say what is wrong."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise ValueError(
+            f"run_sweep: cannot write the sweep folder {str(out)!r} ({reason}). Choose a folder "
+            "you can write with --out (out_dir=)."
+        ) from err
+    return out
+
+
+def _check_json(params: Mapping[str, Any]) -> None:
+    for key, value in params.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as err:
+            raise ValueError(
+                f"run_sweep: parameter {key}={value!r} is not JSON ({err}); sweep parameters "
+                "travel to each run as JSON: use numbers, strings, booleans, lists and dicts."
+            ) from err
+
+
+def _start_run(notebook: Path, task: _Task) -> Any:
+    """Start one grid point's papermill process (it dies with this one)."""
+    from lab.processes import start_child
+
+    task.folder.mkdir(parents=True, exist_ok=True)
+    # A rerun must not read what an earlier run of this folder left.
+    for stale in ("results.json", "executed.ipynb", RUN_RECORD):
+        (task.folder / stale).unlink(missing_ok=True)
+    spec = task.folder / "task.json"
+    atomic_write_text(
+        spec,
+        json.dumps(
+            {
+                "notebook": str(notebook),
+                "output": str(task.folder / "executed.ipynb"),
+                "parameters": task.params,
+                "cwd": str(task.folder),
+            }
+        ),
+    )
+    # The child writes its own copy of the descriptor; ours is closed once it has started.
+    with open(task.folder / "papermill.log", "wb") as log:
+        return start_child(
+            [sys.executable, "-c", _WORKER, str(spec)],
+            cwd=task.folder,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def _finish_run(task: _Task, returncode: int, digest: str) -> RunOutcome:
+    """Read a finished run's folder into its row and record it for `resume`."""
+    error = None
+    if returncode != 0:
+        error = RuntimeError(_log_tail(task.folder / "papermill.log", returncode))
+    outcome = _outcome(str(task.folder), task.name, task.point, error)
+    record = {
+        "notebook_sha256": digest,
+        "parameters": task.requested,
+        "status": "ok" if outcome.ok else "failed",
+        "error": outcome.error,
+        "seconds": outcome.seconds,
+    }
+    atomic_write_text(task.folder / RUN_RECORD, json.dumps(record, indent=1))
+    return outcome
+
+
+def _log_tail(log: Path, returncode: int) -> str:
+    try:
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        lines = []
+    how = f"signal {-returncode}" if returncode < 0 else f"exit code {returncode}"
+    return f"the papermill process ended with {how}" + (f": {lines[-1]}" if lines else "")
+
+
+def _record_key(digest: str, requested: Mapping[str, Any]) -> str:
+    return json.dumps({"notebook_sha256": digest, "parameters": requested}, sort_keys=True)
+
+
+def _finished_runs(out: Path, digest: str) -> dict[str, Path]:
+    """Run folders under `out` whose record says ok and whose results.json is there."""
+    found: dict[str, Path] = {}
+    for record_path in sorted(out.glob(f"*/{RUN_RECORD}")):
+        try:
+            record = json.loads(record_path.read_text())
+            if record.get("status") != "ok" or record.get("notebook_sha256") != digest:
+                continue
+            key = _record_key(digest, record["parameters"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a damaged record: the point simply runs again
+        if (record_path.parent / "results.json").is_file():
+            found.setdefault(key, record_path.parent)
+    return found

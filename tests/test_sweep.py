@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
+from lab.processes import alive
 from lab.sweep import grid_points, parse_grid, run_sweep
 
 REPO = Path(__file__).resolve().parent.parent
@@ -98,3 +104,152 @@ def test_unknown_grid_key_is_refused_before_any_run(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"\['famly'\] are not parameters of 01_quickstart"):
         run_sweep("01_quickstart", {"famly": ["flux"]}, tmp_path)
     assert not list(tmp_path.iterdir())
+
+
+# ---- processes, interruption, rows as they finish, resume (issue 14 item 8) -----------------
+
+SLEEPY = REPO / "tests" / "data" / "sweep_sleep.ipynb"
+
+
+def _start_cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "lab", "sweep", *args, "--no-progress"],
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # A shell's background job may inherit SIGINT ignored; the test sends it on purpose.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
+def _wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.2)
+
+
+def _pids(folder: Path) -> list[int]:
+    """The papermill worker and the kernel that ran one grid point (the notebook writes them)."""
+    path = folder / "pids.json"
+    return list(json.loads(path.read_text()).values()) if path.is_file() else []
+
+
+def _rows(out: Path) -> pd.DataFrame:
+    path = out / "sweep.csv"
+    return pd.read_csv(path) if path.is_file() else pd.DataFrame()
+
+
+def _executions(folder: Path) -> int:
+    path = folder / "executions.txt"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def test_kill_9_of_the_sweep_leaves_no_worker_or_kernel_running(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    cli = _start_cli(
+        str(SLEEPY), "--grid", "x=1,2,3", "--jobs", "2", "--out", str(out),
+        cwd=tmp_path, env={"SWEEP_TOY_SLEEP_S": "600"},
+    )  # fmt: skip
+    try:
+        running = [out / "000_x=1", out / "001_x=2"]
+        _wait_for(lambda: all(_pids(f) for f in running), "both runs' kernels to start")
+        pids = [pid for f in running for pid in _pids(f)]
+        assert all(alive(pid) for pid in pids)
+        cli.kill()  # SIGKILL: the sweep gets no chance to clean up
+        cli.wait()
+        _wait_for(lambda: not any(alive(pid) for pid in pids), "the orphans to die", 60)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+    assert not _pids(out / "002_x=3"), "a queued run started after the sweep died"
+
+
+@pytest.mark.parametrize(
+    ("sig", "code"),
+    # Ctrl-C takes the same path (KeyboardInterrupt) as SIGTERM (Terminated, a subclass).
+    [(signal.SIGTERM, 143), pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow)],
+)
+def test_a_stopped_sweep_ends_its_runs_keeps_finished_rows_and_resumes(
+    tmp_path: Path, sig: signal.Signals, code: int
+) -> None:
+    out = tmp_path / "sweep"
+    args = (str(SLEEPY), "--grid", "x=0,1,2", "--jobs", "2", "--out", str(out))
+    cli = _start_cli(*args, cwd=tmp_path, env={"SWEEP_TOY_SLEEP_S": "600"})
+    try:
+        sleeping = [out / "001_x=1", out / "002_x=2"]
+        # x=0 does not sleep: its row is on disk while the other two still run.
+        _wait_for(lambda: len(_rows(out)) == 1, "the first finished row in sweep.csv")
+        _wait_for(lambda: all(_pids(f) for f in sleeping), "the sleeping runs' kernels")
+        pids = [pid for f in sleeping for pid in _pids(f)]
+        cli.send_signal(sig)
+        stdout, stderr = cli.communicate(timeout=120)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+    assert cli.returncode == code, stdout + stderr
+    assert f"stopped by {sig.name}; 1 of 3 runs finished (2 ended, 0 never started)" in stderr
+    assert "1/1 runs ok" in stdout
+    table = _rows(out)
+    assert list(table["x"]) == [0] and list(table["status"]) == ["ok"]
+    _wait_for(lambda: not any(alive(pid) for pid in pids), "the ended runs to be gone", 60)
+
+    # --resume runs only the two points that did not finish (no sleep this time).
+    proc = _sweep_cli(*args, "--resume", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "3/3 runs ok" in proc.stdout
+    assert [_executions(out / n) for n in ("000_x=0", "001_x=1", "002_x=2")] == [1, 2, 2]
+    table = _rows(out)
+    assert list(table["x"]) == [0, 1, 2] and (table["status"] == "ok").all()
+    assert list(table["x_out"]) == [0, 1, 2]
+
+
+def test_resume_reruns_failed_and_changed_points_only(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    args = (str(SLEEPY), "--grid", "x=0,1", "--out", str(out), "--jobs", "2")
+    first = _start_cli(*args, cwd=tmp_path, env={"SWEEP_TOY_FAIL_X": "1"})
+    stdout, stderr = first.communicate(timeout=300)
+    assert first.returncode == 1 and "1/2 runs ok" in stdout, stdout + stderr
+    assert "x == 1 fails on request" in stdout
+
+    again = _sweep_cli(*args, "--resume", cwd=tmp_path)
+    assert again.returncode == 0 and "2/2 runs ok" in again.stdout, again.stdout + again.stderr
+    assert [_executions(out / n) for n in ("000_x=0", "001_x=1")] == [1, 2], "x=0 ran again"
+    record = json.loads((out / "000_x=0" / "run.json").read_text())
+    assert record["status"] == "ok" and record["parameters"] == {"x": 0}
+
+    # Other parameters are other points: nothing is reused.
+    changed = _sweep_cli(*args, "--param", "tag=b", "--resume", cwd=tmp_path)
+    assert changed.returncode == 0, changed.stdout + changed.stderr
+    assert [_executions(out / n) for n in ("000_x=0", "001_x=1")] == [2, 3]
+    record = json.loads((out / "000_x=0" / "run.json").read_text())
+    assert record["parameters"] == {"tag": "b", "x": 0}
+
+
+def test_an_unwritable_out_is_refused_before_any_run(tmp_path: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    proc = _sweep_cli(str(TOY), "--grid", "x=1", "--out", str(blocker / "sweep"), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"cannot write the sweep folder {str(blocker / 'sweep')!r}" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    with pytest.raises(ValueError, match=r"jobs must be an int >= 1, got 1\.5"):
+        run_sweep(TOY, {"x": [1]}, tmp_path / "s", jobs=1.5)
+
+
+def test_run_sweep_works_from_a_script_without_a_main_guard(tmp_path: Path) -> None:
+    script = tmp_path / "no_guard.py"
+    script.write_text(
+        "from lab.sweep import run_sweep\n"
+        f"sweep = run_sweep({str(TOY)!r}, {{'x': [1, 3]}}, {str(tmp_path / 'out')!r}, "
+        "progress=False)\n"
+        "print(sweep.describe())\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2/2 runs ok" in proc.stdout
+    assert proc.stdout.count("sweep of") == 1, "the script ran more than once"
