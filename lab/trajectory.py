@@ -344,7 +344,8 @@ def trajectory(
         noise_level: eta > 0.
         cfg_scale: Guidance scale; > 1 runs the family's CFG layout (rejected for
             guidance-distilled families).
-        samples: Samples per forward (batch).
+        samples: Samples per prompt: one forward's batch, or several forwards for a family
+            whose forward holds fewer (`Family.max_batch`: Cosmos3 takes one at a time).
         prompts: Number of prompts (seeds).
         seed: Weight seed and first prompt seed.
         device: "cpu" or "cuda".
@@ -414,6 +415,35 @@ def trajectory(
     sigma_max = sigma_list[1]
     use_cfg = cfg_scale > 1.0
 
+    # Per stream (a prompt's samples, in forwards of at most fam.max_batch samples): the fp32
+    # initial noise as make_inputs draws it, and its own SDE generator. Drawn before any model
+    # is built, so inputs the family refuses fail before the work starts.
+    prompt_seeds = [seed + p for p in range(prompts)]
+    per_forward = min(samples, fam.max_batch or samples)
+    streams: list[tuple[int, int]] = []  # (prompt seed, samples in its forwards)
+    states: list[torch.Tensor] = []
+    stream_shapes: list[list[tuple[int, ...]]] = []
+    gens: list[torch.Generator] = []
+    for ps in prompt_seeds:
+        for chunk, start in enumerate(range(0, samples, per_forward)):
+            n = min(per_forward, samples - start)
+            first = fam.make_inputs(preset, ps, n, False, variant=variant, dtype="fp32", sigma=1.0)
+            leaves = latent_leaves(first)
+            # Offset so the SDE noise is not the initial-noise stream of the same seed. A later
+            # chunk of the same prompt (a family whose forward holds fewer samples than asked)
+            # draws its own initial noise and SDE noise; the first chunk is what one forward
+            # of every sample would have drawn first.
+            sde_seed = ps + 1_000_003
+            if chunk:
+                noise_gen = torch.Generator("cpu").manual_seed((ps + 1_000_003) * 1_000 + chunk)
+                leaves = [torch.randn(t.shape, generator=noise_gen) for t in leaves]
+                sde_seed = (ps + 2_000_003) * 1_000 + chunk
+            streams.append((ps, n))
+            stream_shapes.append([tuple(t.shape) for t in leaves])
+            states.append(flatten_samples(leaves).to(device))
+            gens.append(torch.Generator("cpu").manual_seed(sde_seed))
+    shapes = stream_shapes[0]
+
     experts = list(dict.fromkeys(fam.expert_for_sigma(s) for s in sigma_list[:-1]))
     build_init = {} if init is None else {"init": init}
     models = {
@@ -427,20 +457,6 @@ def trajectory(
         for k, side in enumerate((side_a, side_b))
     }
 
-    # Per prompt: the fp32 initial noise as make_inputs draws it, and its own SDE generator.
-    prompt_seeds = [seed + p for p in range(prompts)]
-    states: list[torch.Tensor] = []
-    shapes: list[tuple[int, ...]] = []
-    for ps in prompt_seeds:
-        first = fam.make_inputs(
-            preset, ps, samples, False, variant=variant, dtype="fp32", sigma=1.0
-        )
-        leaves = latent_leaves(first)
-        shapes = [tuple(t.shape) for t in leaves]
-        states.append(flatten_samples(leaves).to(device))
-    # Offset so the SDE noise is not the initial-noise stream of the same seed.
-    gens = [torch.Generator("cpu").manual_seed(ps + 1_000_003) for ps in prompt_seeds]
-
     records: list[StepRecord] = []
     step_drifts: list[StepDrift] = []
     sample_drifts: list[SampleDrift] = []
@@ -451,24 +467,24 @@ def trajectory(
         expert = fam.expert_for_sigma(sigma)
         model = models[expert]
         per_prompt: list[tuple] = []
-        for p, ps in enumerate(prompt_seeds):
+        for p, (ps, n) in enumerate(streams):
             x = states[p]
             inputs = fam.make_inputs(
                 preset,
                 ps,
-                samples,
+                n,
                 use_cfg,
                 variant=variant,
                 sigma=sigma,
-                latents=unflatten_samples(x.cpu(), shapes),
+                latents=unflatten_samples(x.cpu(), stream_shapes[p]),
                 device=device,
             )
-            like = [torch.empty(s, device="meta") for s in shapes]
+            like = [torch.empty(s, device="meta") for s in stream_shapes[p]]
             v_old = _guided_velocity(
-                fam, model, views[(expert, 0)], side_a, inputs, cfg_scale, like, samples
+                fam, model, views[(expert, 0)], side_a, inputs, cfg_scale, like, n
             )
             v_new = _guided_velocity(
-                fam, model, views[(expert, 1)], side_b, inputs, cfg_scale, like, samples
+                fam, model, views[(expert, 1)], side_b, inputs, cfg_scale, like, n
             )
             if in_window:
                 x_prev, lp_old, _, std = sde_step_with_logprob(

@@ -132,6 +132,8 @@ class Family:
     """How the pipeline presents the step: "t" = sigma*1000, "t/1000", "sigma", "1-sigma"."""
     cfg_layout: Literal["batched", "separate", "none"]
     """CFG as [neg, pos] in one batch, as a second forward, or not at all (guidance-distilled)."""
+    max_batch: int | None = None
+    """Most samples one forward holds (None: any); Cosmos3's packed sequence holds one."""
     rollout_dtype: str = "bf16"
     """The family recipe's --sglang-dit-precision (= --diffusion-forward-dtype)."""
     input_dtype_policy: Mapping[str, str | None] = field(

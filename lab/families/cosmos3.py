@@ -272,6 +272,9 @@ FAMILY = Family(
     make_inputs_fn=make_inputs,
     timestep_presentation="t",
     cfg_layout="separate",
+    # One sample per forward (vision_tokens is a per-item list over one packed sequence): a
+    # trajectory runs each sample of a prompt as its own forward, as the pipeline does.
+    max_batch=1,
     rollout_dtype="bf16",
     # The record: cast the latents to the forward dtype, pass the token ids through (no floating
     # cond exists here), keep the Karras-grid timestep in fp32. mRoPE ids are role "aux".
