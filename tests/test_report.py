@@ -5,7 +5,9 @@ import base64
 import dataclasses
 import gzip
 import html
+import importlib.util
 import json
+import os
 import re
 from pathlib import Path
 
@@ -223,3 +225,49 @@ def test_figures_and_reports_never_import_run(module: str) -> None:
         elif isinstance(node, ast.Import):
             imported.update(a.name for a in node.names)
     assert not {"lab.run", "lab.widgets", "lab.trajectory"} & imported
+
+
+@pytest.mark.browser
+def test_report_draws_its_figures_offline_in_chromium(result: Result, tmp_path: Path) -> None:
+    """Open the one file alone, with every request outside it refused: the figures draw."""
+    chromium = "/usr/bin/chromium"
+    if not Path(chromium).exists() or importlib.util.find_spec("playwright") is None:
+        (pytest.fail if os.environ.get("LAB_REQUIRE_BROWSER") else pytest.skip)(
+            f"needs {chromium} (apt-get install -y chromium) and playwright (the dev extra)"
+        )
+    from playwright.sync_api import sync_playwright
+
+    path = report.write_html(result, tmp_path / "alone" / "report.html")
+    refused: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=chromium, args=["--no-sandbox", "--disable-gpu"], headless=True
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1300, "height": 900})
+
+            def only_the_file(route) -> None:
+                if route.request.url == path.as_uri():
+                    route.continue_()
+                else:
+                    refused.append(route.request.url)
+                    route.abort()
+
+            page.route("**/*", only_the_file)
+            page.goto(path.as_uri())
+            page.wait_for_function("(document.body.dataset.figures || '').length > 0")
+            assert page.evaluate("document.body.dataset.figures") == "drawn 2"
+            assert page.locator(".fig.drawn .main-svg").count() >= 2
+            assert not page.locator(".fig.drawn img.static").first.is_visible()
+            # Hover the last point of the depth plot: the model output, <root>.
+            page.locator("#fig-0-box").scroll_into_view_if_needed()
+            points = page.locator("#fig-0-box .scatterlayer .point")
+            box = points.nth(points.count() - 1).bounding_box()
+            page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+            hover = page.locator(".hoverlayer .hovertext").first.text_content()
+        finally:
+            browser.close()
+    assert not refused, f"the report asked for {refused}"
+    last = max((r for r in result.rows), key=lambda r: r.order)
+    assert hover.startswith(last.label()), hover
+    assert f"dtype: {last.dtype_a} (ref) / {last.dtype_b} (cand)" in hover
