@@ -629,7 +629,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             "",
             ['compare = json_parameter("compare", compare, list)\n', f"backend = {BACKEND}"],
         ),
-        ("code", "", ["runs.save_examples(root) if examples else []"]),
+        ("code", "", ["examples_written = runs.save_examples(root) if examples else []"]),
         ("code", "", ["saved = runs.list_runs(root)\n", "runs.runs_table(saved)"]),
         (
             "code",

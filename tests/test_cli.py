@@ -1,0 +1,237 @@
+"""`precision-lab` subcommands, run for real on tiny: their files and their exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import lab
+from lab.__main__ import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
+
+REPO = Path(__file__).resolve().parent.parent
+TOY = REPO / "tests" / "data" / "sweep_toy.ipynb"
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    ("command", "options"),
+    [
+        ("pair", ["--family", "--trainer-overrides", "--max-rel-max", "--baseline", "--out-dir"]),
+        ("drift", ["--steps", "--cfg-scale", "--sde-window", "--samples", "--max-clip-frac"]),
+        ("report", ["RUN", "--out", "--metric"]),
+        ("sweep", ["--grid", "--param", "--jobs", "--resume"]),
+        ("scenarios", ["--only", "--list", "--device"]),
+        ("compare", ["RUN", "--root", "--out-dir"]),
+    ],
+)
+def test_every_subcommand_has_help_with_its_options_and_exit_codes(
+    command: str, options: list[str], capsys: pytest.CaptureFixture
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    for option in options:
+        assert option in text, f"{command} --help does not mention {option}"
+    assert "exit codes: 0 ok; 1" in text and "2 bad arguments" in text
+
+
+def test_pair_writes_results_and_figure_with_overrides(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "pair"
+    code, text, _ = _run(
+        capsys,
+        "pair",
+        "--family", "flux",
+        "--out-dir", str(out),
+        "--trainer-overrides", '{"autocast": false}',
+        "--rollout-overrides", '{"attention_backend": "math"}',
+        "--report",
+    )  # fmt: skip
+    assert code == EXIT_OK
+    data = json.loads((out / "results.json").read_text())
+    assert data["summary"]["family"] == "flux" and data["summary"]["pairs"] > 20
+    assert data["side_b"]["autocast"] is False
+    assert data["side_a"]["attention_backend"] == "math"
+    assert (out / "divergence_by_layer.png").read_bytes()[:8] == PNG
+    assert (out / "report.html").stat().st_size > 10_000
+    assert "flux [tiny], propagated" in text
+
+
+def test_pair_exits_1_over_a_threshold_and_against_a_baseline(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    code, text, _ = _run(capsys, "pair", "--out-dir", str(tmp_path / "a"), "--max-rel-max", "1e-9")
+    assert code == EXIT_FAILED
+    assert "FAILED: model_output_rel_max" in text and "> --max-rel-max 1e-09" in text
+    rel_max = json.loads((tmp_path / "a" / "results.json").read_text())["summary"][
+        "model_output_rel_max"
+    ]
+    code, _, _ = _run(
+        capsys, "pair", "--out-dir", str(tmp_path / "b"), "--max-rel-max", str(rel_max)
+    )
+    assert code == EXIT_OK, "at the threshold is not over it"
+    # A bit-exact baseline: the default pair (trainer with autocast) is worse everywhere it differs.
+    exact = tmp_path / "exact" / "results.json"
+    lab.pair_family("flux", "tiny", trainer={"autocast": False}).to_json(exact)
+    code, text, _ = _run(capsys, "pair", "--out-dir", str(tmp_path / "c"), "--baseline", str(exact))
+    assert code == EXIT_FAILED
+    assert "REGRESSED" in text
+
+
+def test_pair_that_fails_part_way_exits_1_and_keeps_the_partial_result(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # fp32 proj_out weights on a side without autocast meet bf16 activations: a dtype error.
+    overrides = '{"autocast": false, "param_dtype_rules": {"*proj_out*": "fp32"}}'
+    code, text, err = _run(
+        capsys, "pair", "--out-dir", str(tmp_path), "--trainer-overrides", overrides
+    )
+    assert code == EXIT_FAILED
+    assert "failed" in err and "proj_out" in err
+    partial = json.loads((tmp_path / "results.json").read_text())
+    assert len(partial["rows"]) > 0, "the pairs compared before the failure are saved"
+    assert "saved the" in text
+
+
+BAD_VALUES = [
+    # A Python literal gets its JSON spelling as the fix.
+    (["pair", "--trainer-overrides", "{'autocast': 0}"], '--trainer-overrides: .*"autocast": 0'),
+    (["pair", "--rollout-overrides", "[1, 2]"], "--rollout-overrides: .*expected a JSON obj"),
+    (["pair", "--trainer-overrides", '{"autocast": "no"}'], "autocast"),
+    (["pair", "--trainer-overrides", '{"forward_dtype": "bfloat16"}'], "Did you mean 'bf16'"),
+    (["drift", "--sde-window", "0,4"], "--sde-window: '0,4' is not valid JSON"),
+    (["drift", "--steps", "1"], "steps must be an int >= 2"),
+    (["scenarios", "--only", "no_such_scenario"], "no_such_scenario"),
+    (["compare", "runs/x"], "give two or more"),
+    (["report", "no/such/run"], "no saved run 'no/such/run'"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_VALUES)
+def test_bad_values_exit_2_naming_the_value_and_the_fix(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run(capsys, *argv)
+    assert code == EXIT_USAGE
+    assert err.startswith("error: ")
+    import re
+
+    assert re.search(message, err), err
+
+
+def test_an_unknown_choice_is_refused_by_the_parser_with_the_choices(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["pair", "--family", "fluxx"])
+    assert done.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "invalid choice: 'fluxx'" in err and "'flux'" in err
+
+
+def test_drift_writes_the_trajectory_and_its_figures(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "drift"
+    argv = ["drift", "--out-dir", str(out), "--steps", "3", "--samples", "2", "--family", "cosmos3"]
+    code, text, _ = _run(capsys, *argv)
+    assert code == EXIT_OK, "cosmos3 runs two samples as two forwards"
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["family"] == "cosmos3" and data["meta"]["steps"] == 3
+    assert data["overall"]["samples"] == 3 * 2
+    for name in ("ratio_drift.png", "ratio_hist.png", "logprob_vs_velocity_gap.png"):
+        assert (out / name).read_bytes()[:8] == PNG, name
+    assert "cosmos3 (tiny): 3 steps" in text
+    # clip_frac >= 0 > -1: the threshold path reports and exits 1.
+    code, text, _ = _run(capsys, *argv, "--max-clip-frac", "-1")
+    assert code == EXIT_FAILED and "FAILED: clip_frac" in text
+
+
+def test_report_and_compare_read_saved_runs(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    on = lab.pair_family("flux", "tiny", trainer={"autocast": True})
+    off = lab.pair_family("flux", "tiny", trainer={"autocast": False})
+    on.to_json("runs/autocast_on/results.json")
+    off.to_json("runs/autocast_off/results.json")
+
+    code, text, _ = _run(capsys, "compare")
+    assert code == EXIT_OK
+    assert "runs/autocast_on" in text and "runs/autocast_off" in text
+
+    code, text, _ = _run(capsys, "compare", "autocast_on", "autocast_off", "--out-dir", "cmp")
+    assert code == EXIT_OK, "the second run is better everywhere"
+    assert "side_b.autocast" in text and "OK" in text
+    assert (tmp_path / "cmp" / "overlay.png").read_bytes()[:8] == PNG
+    diff = (tmp_path / "cmp" / "settings_diff.csv").read_text()
+    assert "side_b.autocast,True,False" in diff
+    assert (tmp_path / "cmp" / "report.html").stat().st_size > 10_000
+
+    code, text, _ = _run(capsys, "compare", "runs/autocast_off", "runs/autocast_on")
+    assert code == EXIT_FAILED
+    assert "WORSE than 'runs/autocast_off': runs/autocast_on" in text
+
+    lab.pair_family("wan2_2", "tiny").to_json("runs/wan/results.json")
+    code, _, err = _run(capsys, "compare", "runs/autocast_on", "runs/wan")
+    assert code == EXIT_USAGE and "different models" in err
+
+    code, _, _ = _run(capsys, "report", "autocast_on", "runs/autocast_off", "--out", "r.html")
+    assert code == EXIT_OK
+    html = (tmp_path / "r.html").read_text()
+    assert "runs/autocast_on" in html and "runs/autocast_off" in html
+
+
+def test_scenarios_list_and_one_scenario(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    code, text, _ = _run(capsys, "scenarios", "--list")
+    assert code == EXIT_OK
+    assert "sd3_fp16_vs_bf16\n" in text and "qwen_attention_kernel (GPU only)" in text
+    out = tmp_path / "scen"
+    code, text, _ = _run(capsys, "scenarios", "--only", "sd3_fp16_vs_bf16", "--out-dir", str(out))
+    assert code == EXIT_OK
+    rows = json.loads((out / "scenarios.json").read_text())
+    assert [r["scenario"] for r in rows] == ["sd3_fp16_vs_bf16"]
+    assert rows[0]["culprit_matches"] is True
+    assert (out / "bug_vs_fixed.png").read_bytes()[:8] == PNG
+    assert "sd3_fp16_vs_bf16" in text
+
+
+def test_sweep_exits_1_when_a_run_failed(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # The toy notebook fails for x=2 on purpose (tests/data/sweep_toy.ipynb).
+    argv = ["sweep", str(TOY), "--grid", "x=1,2", "--out", str(tmp_path), "--no-progress"]
+    code, text, _ = _run(capsys, *argv)
+    assert code == EXIT_FAILED
+    assert "1/2 runs ok" in text
+    code, _, err = _run(capsys, "sweep", str(TOY), "--grid", "x")
+    assert code == EXIT_USAGE and "expected KEY=V1,V2" in err
+
+
+def test_python_dash_m_lab_is_the_same_command_line(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "lab", "compare", "--root", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert done.returncode == EXIT_OK, done.stderr
+    assert "no saved runs" in done.stdout
+    done = subprocess.run(
+        [sys.executable, "-m", "lab", "pair", "--preset", "huge"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == EXIT_USAGE
+    assert "invalid choice: 'huge'" in done.stderr
