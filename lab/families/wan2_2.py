@@ -158,13 +158,12 @@ FAMILY = Family(
     # The record's FSDP plan. scale_shift_table and time_embedder were once pinned too, then
     # dropped: sglang-d loads them in bf16, and pinning them left blocks.0's output 1.45e-2 off.
     param_dtype_rules={"*.norm2.*": "fp32"},
-    # The plan's norm2 first, then the q/k norms, the root and per-block scale_shift_tables, the
-    # condition embedder (time MLP, time_proj modulation, text MLP) and the heads.
+    # The plan's norm2, the condition embedder (time MLP, time_proj modulation, text MLP), the
+    # patch embedding and the head. Not the scale_shift_tables nor the q/k RMSNorms: sglang-d
+    # holds both at bf16 (see param_dtype_rules above), so pinning them adds a trainer-only
+    # difference (tiny, trained init, median of seeds 0-3: 6.0e-3 and 4.7e-3 where these give 0).
     fp32_rule_suggestions={
         "*.norm2.*": "fp32",
-        "*.norm_q.*": "fp32",
-        "*.norm_k.*": "fp32",
-        "*scale_shift_table": "fp32",
         "condition_embedder.*": "fp32",
         "patch_embedding.*": "fp32",
         "proj_out.*": "fp32",
