@@ -69,7 +69,7 @@ class ModuleHooks:
     """Forward hooks on every (filtered) module that report each call with its call index.
 
     `paused()` turns reporting off, for re-running modules from inside a hook. Without
-    `on_input`, only forward hooks are installed and `on_output` gets empty kwargs.
+    `on_input`, only forward hooks are installed (they still see the call's kwargs).
     """
 
     def __init__(
@@ -122,7 +122,9 @@ class ModuleHooks:
                 if self.on_input is None:
                     # Outputs only: one plain hook a module, the call counted as it returns
                     # (the same index as counting at the start, unless a module calls itself).
-                    handles.append(module.register_forward_hook(self._post_only(label)))
+                    handles.append(
+                        module.register_forward_hook(self._post_only(label), with_kwargs=True)
+                    )
                     continue
                 handles.append(module.register_forward_pre_hook(self._pre(label), with_kwargs=True))
                 handles.append(
@@ -148,14 +150,14 @@ class ModuleHooks:
         return hook
 
     def _post_only(self, label: str) -> Callable[..., None]:
-        calls, on_output, empty = self.calls, self.on_output, {}
+        calls, on_output = self.calls, self.on_output
 
-        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if self._paused:
                 return
             call = calls.get(label, 0)
             calls[label] = call + 1
-            on_output(label, call, module, args, empty, output)
+            on_output(label, call, module, args, kwargs, output)
 
         return hook
 

@@ -155,23 +155,27 @@ class _Lockstep:
 
     # ---- hooks (run in the side's thread) ---------------------------------------------------
 
-    def on_output(self, label: str, output: Any) -> None:
+    def on_output(self, label: str, args: tuple, kwargs: dict, output: Any) -> None:
         # Pairing is no part of the side's forward: no autocast emulation (a torch-function
         # mode, thread-local) between our tensor calls and torch.
         with torch._C.DisableTorchFunction():
-            self._on_output(label, output)
+            self._on_output(label, args, kwargs, output)
 
-    def _on_output(self, label: str, output: Any) -> None:
+    def _on_output(self, label: str, args: tuple, kwargs: dict, output: Any) -> None:
         key = _current_key()
         other = "b" if key == "a" else "a"
         calls = self.calls[key]
         call = calls.get(label, 0)
         calls[label] = call + 1
+        self.run.flow.record(key, label, call, args, kwargs)
+        flow = self.run.flow if key == "a" else None
         parked = False
         aliases = self.aliases[key]
         for idx, leaf in flatten_output(output):
             k = (label, call, idx)
             name = aliases.name(leaf)
+            if flow is not None:
+                flow.note_output(name, k, leaf)
             theirs = self.held[other].pop(k, None)
             if theirs is not None:
                 if key == "a":
@@ -221,6 +225,7 @@ def run_lockstep(run: _PairRun, block_ids: set[int], *, stream: bool) -> None:
 
     model = run.model
     step = _Lockstep(run, block_ids, stream)
+    run.flow.track(step.aliases["a"], step.inputs["a"].kwargs)
     blocks = step.weights.block_modules
     handles = []
 
@@ -230,14 +235,14 @@ def run_lockstep(run: _PairRun, block_ids: set[int], *, stream: bool) -> None:
             step.weights.enter_block(key, mod)
 
     def make_post(label: str, captured: bool, block: bool) -> Any:
-        def post(mod: torch.nn.Module, args: Any, output: Any) -> None:
+        def post(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             key = _current_key()
             if not key:
                 return
             if block:
                 step.weights.exit_block(key, mod)
             if captured:
-                step.on_output(label, output)
+                step.on_output(label, args, kwargs, output)
 
         return post
 
@@ -248,7 +253,9 @@ def run_lockstep(run: _PairRun, block_ids: set[int], *, stream: bool) -> None:
         if block:
             handles.append(module.register_forward_pre_hook(pre, prepend=True))
         if captured or block:
-            handles.append(module.register_forward_hook(make_post(label, captured, block)))
+            handles.append(
+                module.register_forward_hook(make_post(label, captured, block), with_kwargs=True)
+            )
     per_side = {k: (s.engine_ops, s.op_switches) for k, s in step.sides.items()}
     threads = [
         threading.Thread(target=step.thread, args=(k,), name=f"lab-pair-{k}", daemon=True)

@@ -62,6 +62,13 @@ class Aliases:
         self._names[id(tensor)] = (weakref.ref(tensor), tensor._version, self._count)
         return self._count
 
+    def known(self, tensor: torch.Tensor) -> int | None:
+        """The name `name` gave this very tensor, unedited since; None otherwise (none given)."""
+        known = self._names.get(id(tensor))
+        if known is not None and known[0]() is tensor and known[1] == tensor._version:
+            return known[2]
+        return None
+
 
 # On CPU, pairs below this many elements are cloned and reduced together in one batched pass
 # (the per-op dispatch cost of ~40 small reductions would dwarf a tiny model's forward); larger

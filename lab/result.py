@@ -81,6 +81,10 @@ class Result:
     skipped: list[Skipped] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
     """Family, preset, seed, device, autocast policies, versions, timings (seconds)."""
+    flow: Any = field(default=None, repr=False, compare=False)
+    """The pair's recorded dtype flow (a `lab.dtype_flow.DtypeFlow`) that `whys()` explains
+    the rows from; None for a Result read from JSON (its rows carry their why) or a dump."""
+    _whys: list[Any] | None = field(default=None, init=False, repr=False, compare=False)
 
     # ---- views --------------------------------------------------------------------------
 
@@ -89,11 +93,47 @@ class Result:
 
         Columns: order, module, call, output, module_class, dtype_a, dtype_b, shape,
         mean_abs_diff, max_abs_diff, rel_max, max_ulp, bitexact_frac, cosine_dist,
-        rounding_only, max_abs_diff_rounded, nonfinite_a, nonfinite_b, degenerate, ...
+        rounding_only, max_abs_diff_rounded, nonfinite_a, nonfinite_b, degenerate, ...,
+        why (the cause of the row's divergence as text, "" where it does not differ, None
+        where unknown) and why_codes (its cause codes, `lab.why.CAUSES`).
         """
         import pandas as pd
 
-        return pd.DataFrame([r.row() for r in self.rows])
+        return pd.DataFrame(self._why_rows())
+
+    def whys(self) -> list[Any]:
+        """The `lab.why.Why` of each row, in row order (an empty Why where it does not differ).
+
+        Computed once, from `flow`, on first use; a Result read from JSON has the saved ones.
+        None for every row of a Result with neither (a file written before `why`, a dump).
+        """
+        if self._whys is None or len(self._whys) != len(self.rows):
+            if self.flow is None:
+                self._whys = [None] * len(self.rows)
+            else:
+                from lab.sides import Side
+                from lab.why import explain
+
+                side_a, side_b = Side.from_dict(self.side_a), Side.from_dict(self.side_b)
+                self._whys = explain(self.rows, side_a, side_b, self.flow)
+        return self._whys
+
+    def why(self, row: LayerDivergence | None) -> str | None:
+        """The why text of one of this Result's rows (None for no row or an unknown why)."""
+        if row is None:
+            return None
+        found = next((w for r, w in zip(self.rows, self.whys(), strict=True) if r is row), None)
+        return found.text if found is not None else None
+
+    def _why_rows(self) -> list[dict[str, Any]]:
+        return [
+            {
+                **r.row(),
+                "why": w.text if w is not None else None,
+                "why_codes": list(w.codes) if w is not None else None,
+            }
+            for r, w in zip(self.rows, self.whys(), strict=True)
+        ]
 
     def first_divergence(self) -> LayerDivergence | None:
         """The first module output (in completion order) that differs; None at parity."""
@@ -156,6 +196,10 @@ class Result:
             "first_non_rounding_divergence": next(
                 (r.label() for r in self.rows if r.diverges and not r.metrics.rounding_only), None
             ),
+            "first_divergence_why": self.why(first),
+            "first_non_rounding_divergence_why": self.why(
+                next((r for r in self.rows if r.diverges and not r.metrics.rounding_only), None)
+            ),
             **{k: v for k, v in self.output_metrics().items() if k != "outputs"},
         }
 
@@ -176,6 +220,15 @@ class Result:
                 else ""
             ),
         ]
+        if s["first_divergence_why"]:
+            lines.append(f"  why: {s['first_divergence_why']}")
+        beyond = s["first_non_rounding_divergence"]
+        if (
+            beyond
+            and beyond != s["first_divergent_module"]
+            and s["first_non_rounding_divergence_why"]
+        ):
+            lines.append(f"  why ({beyond}): {s['first_non_rounding_divergence_why']}")
         if "model_output_rel_max" in s:
             lines.append(
                 "  model_output_mean_abs_diff={:.3e} max_abs_diff={:.3e} rel_max={:.3e}".format(
@@ -200,7 +253,7 @@ class Result:
             "meta": self.meta,
             "summary": _clean(self.summary()),
             "ulp_bins": list(ULP_BIN_LABELS),
-            "rows": [_clean(r.row()) for r in self.rows],
+            "rows": [_clean(r) for r in self._why_rows()],
             "skipped": [dataclasses.asdict(s) for s in self.skipped],
         }
 
@@ -246,7 +299,7 @@ class Result:
                     metrics=PairMetrics(**m),
                 )
             )
-        return cls(
+        result = cls(
             mode=data["mode"],
             side_a=data["side_a"],
             side_b=data["side_b"],
@@ -254,6 +307,8 @@ class Result:
             skipped=[Skipped(**s) for s in data.get("skipped", [])],
             meta=data.get("meta", {}),
         )
+        result._whys = _saved_whys(data["rows"], where)
+        return result
 
     @classmethod
     def from_json(cls, path: str | Path) -> Result:
@@ -389,6 +444,32 @@ def _is_kind(value: Any, kind: str) -> bool:
             value == "" or all(part.isdigit() for part in value.split("x"))
         )
     raise AssertionError(f"unknown kind {kind!r}")
+
+
+def _saved_whys(rows: list[dict[str, Any]], where: str) -> list[Any]:
+    """The rows' saved `why` / `why_codes` as Why records (None where a row has no why).
+
+    Raises:
+        ValueError: A why that is not a string, or codes that are not a list of strings.
+    """
+    from lab.why import Why
+
+    out: list[Any] = []
+    for i, r in enumerate(rows):
+        text, codes = r.get("why"), r.get("why_codes")
+        if text is None:
+            out.append(None)
+            continue
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: rows[{i}].why: expected a string, got {text!r:.60}.")
+        if codes is None:
+            codes = []
+        if not isinstance(codes, list) or not all(isinstance(c, str) for c in codes):
+            raise ValueError(
+                f"{where}: rows[{i}].why_codes: expected a list of strings, got {codes!r:.60}."
+            )
+        out.append(Why.from_text(text, codes))
+    return out
 
 
 def _clean(value: Any) -> Any:

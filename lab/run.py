@@ -15,6 +15,7 @@ import torch
 
 from lab.capture import ModuleHooks, flatten_output
 from lab.devices import resolve_device
+from lab.dtype_flow import FlowRecorder
 from lab.errors import (
     DegenerateOutputError,
     ModelInUseError,
@@ -427,6 +428,7 @@ def pair(
     inputs_a = side_inputs(inputs, side_a, device)
     inputs_b = side_inputs(inputs, side_b, device)
     collector = Collector(view_a.module_classes)
+    recorder = FlowRecorder()
     timings: dict[str, float] = {}
     result_meta = {
         **(meta or {}),
@@ -450,6 +452,7 @@ def pair(
             collector.rows(),
             list(collector.skipped),
             {**result_meta, "timings_s": dict(timings), "repeated_pairs": collector.repeats},
+            flow=recorder.flow(mode, view_a, view_b, inputs.roles),
         )
 
     phase = {"side": side_a.name}
@@ -473,6 +476,7 @@ def pair(
                 names_filter,
                 timings,
                 phase,
+                recorder,
             )
             if lockstep:
                 from lab.lockstep import run_lockstep
@@ -534,6 +538,8 @@ class _PairRun:
     names_filter: Callable[[str], bool] | None
     timings: dict[str, float]
     phase: dict[str, str]
+    flow: FlowRecorder
+    """Input dtypes (and side A's producers) of every captured call, for `lab.why`."""
 
     def forward(self, which: str, hooks: ModuleHooks | None) -> None:
         """Run side `which` ("a" or "b") over the whole model with `hooks`, timed.
@@ -557,16 +563,18 @@ class _PairRun:
 class _Store:
     """Side A's outputs, held until side B's matching output arrives (then compared, dropped)."""
 
-    def __init__(self) -> None:
+    def __init__(self, flow: FlowRecorder) -> None:
         self.tensors: dict[tuple[str, int, str], Any] = {}
         self.order: dict[tuple[str, int, str], int] = {}
         self.names: dict[tuple[str, int, str], int | None] = {}
         self.aliases_a, self.aliases_b = Aliases(), Aliases()
+        self.flow = flow
         # One copy per tensor object, alive while some kept output still refers to it.
         self._copies: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
-    def keep(self, label: str, call: int, output: Any) -> None:
+    def keep(self, label: str, call: int, args: tuple, kwargs: dict, output: Any) -> None:
         with torch._C.DisableTorchFunction():  # see `compare`
+            self.flow.record("a", label, call, args, kwargs)
             self._keep(label, call, output)
 
     def _keep(self, label: str, call: int, output: Any) -> None:
@@ -574,6 +582,7 @@ class _Store:
             key = (label, call, idx)
             self.order.setdefault(key, len(self.order))
             name = self.names[key] = self.aliases_a.name(leaf)
+            self.flow.note_output(name, key, leaf)
             if not isinstance(leaf, torch.Tensor) or name is None:
                 self.tensors[key] = leaf
                 continue
@@ -583,11 +592,14 @@ class _Store:
                 copy = self._copies[name] = leaf.detach().clone()
             self.tensors[key] = copy
 
-    def compare(self, run: _PairRun, label: str, call: int, output: Any) -> None:
+    def compare(
+        self, run: _PairRun, label: str, call: int, args: tuple, kwargs: dict, output: Any
+    ) -> None:
         # Bookkeeping, copies and metrics are no part of the side's forward: no autocast
         # emulation (a Python torch-function mode) between them and torch, which would cost
-        # ~5 us a tensor call on a tiny CPU model.
+        # ~5 us a tensor call (a `.dtype` read included) on a tiny CPU model.
         with torch._C.DisableTorchFunction():
+            self.flow.record("b", label, call, args, kwargs)
             self._compare(run, label, call, output)
 
     def _compare(self, run: _PairRun, label: str, call: int, output: Any) -> None:
@@ -608,18 +620,19 @@ class _Store:
 
 
 def _run_propagated(run: _PairRun) -> None:
-    store = _Store()
+    store = _Store(run.flow)
+    run.flow.track(store.aliases_a, run.inputs_a.kwargs)
     # One set of hooks for both passes: side A's outputs are kept, side B's compared.
-    on = {"output": lambda lb, c, out: store.keep(lb, c, out)}
+    on = {"output": lambda lb, c, a, k, out: store.keep(lb, c, a, k, out)}
     hooks = ModuleHooks(
         run.model,
-        lambda lb, c, m, a, k, out: on["output"](lb, c, out),
+        lambda lb, c, m, a, k, out: on["output"](lb, c, a, k, out),
         names_filter=run.names_filter,
     )
     with hooks.attached():
         run.forward("a", None)
         hooks.calls.clear()  # side B's calls count from zero again
-        on["output"] = lambda lb, c, out: store.compare(run, lb, c, out)
+        on["output"] = lambda lb, c, a, k, out: store.compare(run, lb, c, a, k, out)
         run.forward("b", None)
     store.report_leftovers(run)
 
@@ -630,7 +643,9 @@ def _run_local(run: _PairRun) -> None:
     b_dtypes: dict[tuple[str, int], Any] = {}
 
     def record_dtypes(label: str, call: int, module: Any, args: tuple, kwargs: dict) -> None:
-        b_dtypes[(label, call)] = (_dtype_tree(args), _dtype_tree(kwargs))
+        with torch._C.DisableTorchFunction():
+            b_dtypes[(label, call)] = (_dtype_tree(args), _dtype_tree(kwargs))
+            run.flow.record("b", label, call, args, kwargs)
 
     run.forward(
         "b",
@@ -645,6 +660,8 @@ def _run_local(run: _PairRun) -> None:
     hooks: ModuleHooks
 
     def on_input(label: str, call: int, module: Any, args: tuple, kwargs: dict) -> None:
+        with torch._C.DisableTorchFunction():
+            run.flow.record("a", label, call, args, kwargs)
         # Cloned (and cast): the module may edit its inputs in place before B re-runs it.
         want = b_dtypes.get((label, call))
         if want is None:

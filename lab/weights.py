@@ -12,7 +12,7 @@ import contextlib
 import warnings
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from lab.precision.param_rules import (
     ParamDtypeMaps,
     block_wraps,
     compile_param_dtype_maps,
-    ruled_param_dtypes,
+    ruled_param_sources,
 )
 from lab.sides import Side
 
@@ -49,6 +49,11 @@ class WeightPlan:
     master_dtype: torch.dtype
     maps: ParamDtypeMaps | None
     """The FSDP2 lowering of the side's rules (None without rules)."""
+    param_sources: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    """Parameter name -> what decided its dtype: ("forward_dtype" | "param_dtype", None),
+    ("keep_fp32_modules", component) or ("param_dtype_rules", glob). Read by `lab.why`."""
+    buffer_sources: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    """Cast buffer name -> ("cast_buffers", None) or ("keep_fp32_modules", component)."""
 
     def dtype_counts(self) -> dict[str, int]:
         """How many parameters run at each dtype (for summaries)."""
@@ -58,9 +63,10 @@ class WeightPlan:
         return counts
 
 
-def _has_component(name: str, components: tuple[str, ...]) -> bool:
+def _component(name: str, components: tuple[str, ...]) -> str | None:
+    """The first of `components` that is a dotted component of `name` (None: none is)."""
     parts = name.split(".")
-    return any(c in parts for c in components)
+    return next((c for c in components if c in parts), None)
 
 
 def plan_weights(model: torch.nn.Module, side: Side) -> WeightPlan:
@@ -77,6 +83,8 @@ def plan_weights(model: torch.nn.Module, side: Side) -> WeightPlan:
     fp32 = torch.float32
     names = [n for n, _ in _unique_named(model.named_parameters(remove_duplicate=False))]
     dtypes = {n: default for n in names}
+    decided: tuple[str, str | None] = ("param_dtype" if side.param_dtype else "forward_dtype", None)
+    sources = dict.fromkeys(names, decided)
     if side.keep_fp32_modules:
         module_parts = {part for n, _ in model.named_modules() for part in n.split(".")}
         missing = [m for m in side.keep_fp32_modules if m not in module_parts]
@@ -86,17 +94,21 @@ def plan_weights(model: torch.nn.Module, side: Side) -> WeightPlan:
                 f"{type(model).__name__}. Entries are module-name components such as 'norm2'."
             )
         for n in names:
-            if _has_component(n, side.keep_fp32_modules):
+            keep = _component(n, side.keep_fp32_modules)
+            if keep is not None:
                 dtypes[n] = fp32
+                sources[n] = ("keep_fp32_modules", keep)
     maps = None
     if side.param_dtype_rules:
         wraps = block_wraps(model, side.fsdp_wrap_classes) if side.fsdp_wrap_classes else []
         maps = compile_param_dtype_maps(model, wraps, side.param_dtype_rules, default)
         # Every parameter a rule matched takes that rule's dtype, also when it equals the
         # default: such a rule carves a parameter back out of keep_fp32_modules.
-        for n, d in ruled_param_dtypes(model, side.param_dtype_rules).items():
+        for n, (d, pattern) in ruled_param_sources(model, side.param_dtype_rules).items():
             dtypes[n] = d
+            sources[n] = ("param_dtype_rules", pattern)
     buffers: dict[str, torch.dtype] = {}
+    buffer_sources: dict[str, tuple[str, str | None]] = {}
     if side.cast_buffers:
         for mod_name, module in model.named_modules():
             for buf_name, buf in module._buffers.items():
@@ -104,9 +116,20 @@ def plan_weights(model: torch.nn.Module, side: Side) -> WeightPlan:
                 persistent = buf_name not in module._non_persistent_buffers_set
                 if buf is None or not buf.is_floating_point() or not persistent:
                     continue
-                buffers[full] = fp32 if _has_component(full, side.keep_fp32_modules) else default
+                keep = _component(full, side.keep_fp32_modules)
+                buffers[full] = fp32 if keep is not None else default
+                buffer_sources[full] = (
+                    ("keep_fp32_modules", keep) if keep is not None else ("cast_buffers", None)
+                )
     master = parse_dtype(side.master_dtype, where=f"Side({side.name!r}).master_dtype")
-    return WeightPlan(param_dtypes=dtypes, buffer_dtypes=buffers, master_dtype=master, maps=maps)
+    return WeightPlan(
+        param_dtypes=dtypes,
+        buffer_dtypes=buffers,
+        master_dtype=master,
+        maps=maps,
+        param_sources=sources,
+        buffer_sources=buffer_sources,
+    )
 
 
 def _unique_named(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -216,6 +216,20 @@ def _policies_by_name() -> dict[str, str]:
 _POLICY_BY_NAME: dict[str, str] = _policies_by_name()
 
 
+def cuda_op_list(op_name: str) -> str | None:
+    """Which CUDA autocast list an op name is on, as the emulation applies it.
+
+    Args:
+        op_name: An aten-style name ("linear", "layer_norm", "softmax"); an overload suffix
+            (".int") is ignored.
+
+    Returns:
+        "lower_precision_fp", "fp32", "fp32_set_opt_dtype", "fp32_append_dtype", "promote",
+        "banned", or None for an op on no list (it runs in its inputs' dtype).
+    """
+    return _POLICY_BY_NAME.get(op_name.partition(".")[0])
+
+
 def default_autocast_policy(device: torch.device | str) -> AutocastPolicy:
     """Return the autocast policy a side uses on `device` unless it says otherwise.
 

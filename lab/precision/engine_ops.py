@@ -84,18 +84,45 @@ def check_engine_ops(
             raise ValueError(f"{where}[{name!r}]: unknown value {value!r}. Allowed: {allowed}.")
 
 
-def _forward_for(
-    module: torch.nn.Module, groups: tuple[str, ...], switches: Mapping[str, Any]
-) -> ForwardFactory | None:
-    cls = type(module).__name__
+def forward_source(
+    class_name: str, groups: tuple[str, ...], switches: Mapping[str, Any]
+) -> tuple[str, str, Any] | None:
+    """Which patch group or switch installs the forward a module of `class_name` runs.
+
+    Returns:
+        ("group", group name, None), ("switch", switch name, its value), or None when the
+        module runs its class's own forward on this side.
+    """
+    _load_definitions()
+    return _source(class_name, groups, switches)
+
+
+def _source(
+    class_name: str, groups: tuple[str, ...], switches: Mapping[str, Any]
+) -> tuple[str, str, Any] | None:
     chosen = None
     # Later groups win over earlier ones (a family group appends after the CLI group);
     # module-level switches win over groups.
     for g in groups:
-        chosen = PATCH_GROUPS[g].forwards.get(cls, chosen)
+        if class_name in PATCH_GROUPS[g].forwards:
+            chosen = ("group", g, None)
     for name, value in switches.items():
-        chosen = SWITCHES[name].forwards.get(value, {}).get(cls, chosen)
+        if class_name in SWITCHES[name].forwards.get(value, {}):
+            chosen = ("switch", name, value)
     return chosen
+
+
+def _forward_for(
+    module: torch.nn.Module, groups: tuple[str, ...], switches: Mapping[str, Any]
+) -> ForwardFactory | None:
+    cls = type(module).__name__
+    source = _source(cls, groups, switches)
+    if source is None:
+        return None
+    kind, name, value = source
+    if kind == "group":
+        return PATCH_GROUPS[name].forwards[cls]
+    return SWITCHES[name].forwards[value][cls]
 
 
 @contextlib.contextmanager

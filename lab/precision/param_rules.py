@@ -51,8 +51,12 @@ class RuleMatch:
 
 def _expand_rules(
     model: torch.nn.Module, patterns: Mapping[str, str], model_label: str
-) -> tuple[dict[int, torch.dtype], dict[int, list[str]], list[RuleMatch]]:
-    """Pass 1: every parameter a rule hits -> its dtype (last matching rule wins)."""
+) -> tuple[dict[int, torch.dtype], dict[int, list[str]], list[RuleMatch], dict[int, str]]:
+    """Pass 1: every parameter a rule hits -> its dtype (last matching rule wins).
+
+    Returns (dtype per parameter id, names per parameter id, what each rule matched, the
+    pattern that decided each parameter id).
+    """
     names_by_param: dict[int, list[str]] = {}
     params: dict[int, torch.nn.Parameter] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -94,7 +98,9 @@ def _expand_rules(
         RuleMatch(m.pattern, m.dtype_name, m.names, m.numel, counts[i])
         for i, m in enumerate(matches)
     ]
-    return chosen, names_by_param, matches
+    patterns_by_index = list(patterns)
+    decided = {pid: patterns_by_index[index] for pid, index in decided_by.items()}
+    return chosen, names_by_param, matches, decided
 
 
 def resolve_param_dtypes(
@@ -108,7 +114,7 @@ def resolve_param_dtypes(
         ValueError: A pattern matching nothing, or an unsupported dtype name.
     """
     default = parse_dtype(default_dtype, where="default_dtype")
-    chosen, names_by_param, _ = _expand_rules(model, patterns, type(model).__name__)
+    chosen, names_by_param, _, _ = _expand_rules(model, patterns, type(model).__name__)
     return {names[0]: chosen.get(pid, default) for pid, names in names_by_param.items()}
 
 
@@ -120,8 +126,23 @@ def ruled_param_dtypes(
     Raises:
         ValueError: A pattern matching nothing, or an unsupported dtype name.
     """
-    chosen, names_by_param, _ = _expand_rules(model, patterns, type(model).__name__)
+    chosen, names_by_param, _, _ = _expand_rules(model, patterns, type(model).__name__)
     return {names_by_param[pid][0]: dtype for pid, dtype in chosen.items()}
+
+
+def ruled_param_sources(
+    model: torch.nn.Module, patterns: Mapping[str, str]
+) -> dict[str, tuple[torch.dtype, str]]:
+    """Every parameter some rule matched (canonical name) -> (its dtype, the deciding glob).
+
+    The last matching rule decides, as in `ruled_param_dtypes`; the glob is what `lab.why`
+    names when a parameter's dtype differs between two sides.
+
+    Raises:
+        ValueError: A pattern matching nothing, or an unsupported dtype name.
+    """
+    chosen, names_by_param, _, decided = _expand_rules(model, patterns, type(model).__name__)
+    return {names_by_param[pid][0]: (dtype, decided[pid]) for pid, dtype in chosen.items()}
 
 
 def explain_rules(model: torch.nn.Module, patterns: Mapping[str, str]) -> list[RuleMatch]:
@@ -162,7 +183,7 @@ def compile_param_dtype_maps(
             parameters share a local name but want different dtypes ("share the local FQN").
     """
     default = parse_dtype(default_dtype, where="compile_param_dtype_maps(default_dtype)")
-    chosen, names_by_param, _ = _expand_rules(model, patterns, type(model).__name__)
+    chosen, names_by_param, _, _ = _expand_rules(model, patterns, type(model).__name__)
     overrides = {pid: d for pid, d in chosen.items() if d != default}
     numel = {id(p): p.numel() for p in model.parameters()}
 
