@@ -295,7 +295,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             "",
             [
                 "if not interactive:\n",
-                '    print(f"wrote {panel.run_and_export(out_dir)}")\n',
+                "    panel.run_and_export(out_dir)\n",
                 "    plots.show(\n",
                 '        plots.plot_divergence_by_layer(panel.last_result, "rel_max", backend="plotly"),\n',
                 '        save_as=f"{out_dir}/divergence_by_layer.png",\n',
