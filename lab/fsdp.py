@@ -1,9 +1,12 @@
-"""The trainer side under real FSDP2: apply_fsdp2, torchrun ranks, and pairing their capture.
+"""The trainer side under real FSDP2: apply_fsdp2, its ranks, and pairing their capture.
 
 `apply_fsdp2` shards a family model the way the trainer does (one `fully_shard` per no-split
-block, then the root). `run_fsdp2_forwards` launches `python -m torch.distributed.run` with N
-ranks (gloo on CPU, NCCL on GPU); each rank builds the same seeded model and inputs, shards it
-and runs the side's forward; rank 0 captures every module output and writes it to a file.
+block, then the root). `run_fsdp2_forwards` launches N rank processes (gloo on CPU, NCCL on
+GPU) around a rendezvous store bound to 127.0.0.1; each rank builds the same seeded model and
+inputs, shards it and runs the side's forward; rank 0 captures every module output and writes it
+to a file. The ranks die with the caller; a timeout, Ctrl-C, SIGTERM or a failing rank ends
+every rank's process group and removes the launch's temporary folder, and a failing rank's own
+exception reaches the caller (`Fsdp2RankError`).
 `pair_capture` pairs such a capture against an in-process side in the parent and returns the
 usual `Result`. `pair_fsdp2` does all of it for one family.
 
@@ -12,7 +15,8 @@ gathered fp32 gradients (`compare_reduce_dtypes`: FSDP2's reduce dtype against a
 reference), and `pair_sharded` runs *both* sides sharded, for models whose two sides do not
 fit on one device (the engine-like rollout side expressed as FSDP2; see its docstring).
 
-Run as a module (`-m lab.fsdp --spec SPEC --out DIR`) this file is the rank entry point.
+Run as a module (`-m lab.fsdp --spec SPEC --out DIR`, with RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT set) this file is the rank entry point.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import contextlib
 import fnmatch
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -58,6 +64,7 @@ __all__ = [
     "Fsdp2Capture",
     "Fsdp2Job",
     "Fsdp2Plan",
+    "Fsdp2RankError",
     "ParamDtypeMixedPrecisionPolicy",
     "apply_fsdp2",
     "apply_param_dtype_map_patch",
@@ -261,6 +268,21 @@ class Fsdp2Job:
     """Run an engine-like side (keep_fp32_modules, cast_buffers) by `express_engine_load`;
     False refuses such a side, as `apply_fsdp2` does."""
 
+    def __post_init__(self) -> None:
+        # Checked here, in the caller's process: a rank would only fail with a bare error.
+        from lab.families._family import check_seed
+
+        check_seed(self.seed, where=f"Fsdp2Job({self.family_name!r}).seed")
+        if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
+            raise ValueError(
+                f"Fsdp2Job({self.family_name!r}).batch: must be an int >= 1, got {self.batch!r}."
+            )
+        if not isinstance(self.side, Side):
+            raise ValueError(
+                f"Fsdp2Job({self.family_name!r}).side: expected a Side, got "
+                f"{type(self.side).__name__}."
+            )
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (the side as `Side.to_dict`)."""
         return {
@@ -329,7 +351,7 @@ def run_fsdp2_forwards(
     timeout_s: float = 600.0,
     workdir: str | Path | None = None,
 ) -> list[Fsdp2Capture]:
-    """Run each job's forward under real FSDP2 in `nproc` torchrun ranks (one launch for all).
+    """Run each job's forward under real FSDP2 in `nproc` ranks (one launch for all).
 
     Ranks use gloo on CPU and NCCL on GPU (one GPU per rank). Every rank builds the same seeded
     model and inputs; rank 0's parameters are broadcast so every rank shards identical
@@ -343,7 +365,8 @@ def run_fsdp2_forwards(
         nproc: Ranks (1..N); on GPU at most the visible GPU count.
         device: "cpu" or "cuda".
         timeout_s: Wall-clock limit for the whole launch.
-        workdir: Where the spec and captures go (default: a temporary directory, removed).
+        workdir: Where the spec, captures and rank logs go (default: a temporary
+            `lab-fsdp2-*` directory, removed on every way out).
 
     Returns:
         One Fsdp2Capture per job, in order.
@@ -351,7 +374,10 @@ def run_fsdp2_forwards(
     Raises:
         ValueError: nproc < 1, no jobs, an unknown device, a job whose side names another
             device, or more ranks than GPUs.
-        RuntimeError: A rank failed or the launch timed out (the rank output is quoted).
+        Fsdp2RankError: A rank failed: the first failing rank's own exception and traceback
+            (every rank ended).
+        RuntimeError: The launch ran past timeout_s (every rank ended, the rank logs quoted).
+        lab.processes.Terminated: SIGTERM arrived (every rank ended; a KeyboardInterrupt).
     """
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"run_fsdp2_forwards: nproc must be an int >= 1, got {nproc!r}.")
@@ -385,38 +411,7 @@ def run_fsdp2_forwards(
     spec = {"device": device, "jobs": [j.to_dict() for j in jobs]}
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--standalone",
-        "--module",
-        "lab.fsdp",
-        "--spec",
-        str(spec_path),
-        "--out",
-        str(workdir),
-    ]
-    env = {**os.environ, "PYTHONPATH": _repo_root() + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    # One thread per rank on CPU: the ranks share the cores, and oversubscription only slows.
-    env.setdefault("OMP_NUM_THREADS", _RANK_THREADS)
-    try:
-        proc = subprocess.run(
-            cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
-        )
-    except subprocess.TimeoutExpired as err:
-        raise RuntimeError(
-            f"run_fsdp2_forwards: the {nproc}-rank launch ran past {timeout_s:g} s. Use a "
-            "smaller preset, fewer jobs, or a larger timeout_s."
-        ) from err
-    if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr)[-4000:]
-        raise RuntimeError(
-            f"run_fsdp2_forwards: the {nproc}-rank torchrun launch exited with "
-            f"{proc.returncode}. Rank output (tail):\n{tail}"
-        )
+    _launch_ranks(spec_path, workdir, nproc=nproc, device=device, timeout_s=timeout_s)
     captures = []
     for i, job in enumerate(jobs):
         saved = torch.load(workdir / f"job{i}.pt", weights_only=True)
@@ -430,6 +425,201 @@ def run_fsdp2_forwards(
 
 def _repo_root() -> str:
     return str(Path(__file__).resolve().parent.parent)
+
+
+class Fsdp2RankError(RuntimeError):
+    """A rank of an FSDP2 launch failed: the first failing rank's own exception, as text.
+
+    `rank` is that rank, `error_type` its exception class name, `traceback` its formatted
+    traceback (empty when the rank died without one, e.g. killed by a signal).
+    """
+
+    def __init__(self, message: str, rank: int, error_type: str, traceback: str) -> None:
+        """Keep the failing rank's details next to the message."""
+        super().__init__(message)
+        self.rank = rank
+        self.error_type = error_type
+        self.traceback = traceback
+
+
+LOOPBACK = "127.0.0.1"
+"""Every socket of a single-node launch listens here only: the rendezvous store, gloo, NCCL."""
+
+_FAULT_ENV = "LAB_FSDP2_FAULT"
+"""Test hook honoured by the ranks: "raise@R" makes rank R raise, "hang@R" makes it sleep."""
+
+_FAILED_GRACE_S = 10.0
+"""After one rank fails, how long the others get to fail on their own (writing their errors)."""
+
+
+def _launch_ranks(
+    spec_path: Path, workdir: Path, *, nproc: int, device: str, timeout_s: float
+) -> None:
+    """Run `nproc` ranks of `-m lab.fsdp` and wait; end them all on every way out.
+
+    The parent hosts the rendezvous store on a socket bound to 127.0.0.1 (TCPStore would bind
+    every interface if it opened the port itself; torchrun's agent store does). Each rank is a
+    process group of its own (start_new_session) that dies with this process; timeout, Ctrl-C,
+    SIGTERM and a failing rank all end every rank's group before this returns or raises.
+
+    Raises:
+        Fsdp2RankError: A rank failed: the first failing rank's exception and traceback.
+        RuntimeError: The launch ran past `timeout_s`.
+    """
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    from lab.processes import end_child, sigterm_raises, start_child
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((LOOPBACK, 0))
+    listener.listen(max(128, nproc))
+    port = listener.getsockname()[1]
+    try:
+        store = dist.TCPStore(
+            LOOPBACK,
+            port,
+            None,
+            True,
+            datetime.timedelta(seconds=max(timeout_s, 1.0)),
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno(),
+        )
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store owns the descriptor now and closes it when it goes
+    tmp = workdir / "tmp"
+    tmp.mkdir(exist_ok=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": _repo_root() + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": LOOPBACK,
+        "MASTER_PORT": str(port),
+        # Whatever a rank writes to the temporary folder goes with the launch's folder.
+        "TMPDIR": str(tmp),
+    }
+    # One thread per rank on CPU: the ranks share the cores, and oversubscription only slows.
+    env.setdefault("OMP_NUM_THREADS", _RANK_THREADS)
+    loopback = _loopback_interface()
+    if loopback is not None:
+        env.setdefault("GLOO_SOCKET_IFNAME", loopback)
+        env.setdefault("NCCL_SOCKET_IFNAME", loopback)
+    cmd = [sys.executable, "-m", "lab.fsdp", "--spec", str(spec_path), "--out", str(workdir)]
+    procs: list[subprocess.Popen] = []
+    try:
+        with sigterm_raises():
+            for rank in range(nproc):
+                with open(workdir / f"rank{rank}.log", "wb") as log:
+                    procs.append(
+                        start_child(
+                            cmd,
+                            new_group=True,
+                            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                            stdin=subprocess.DEVNULL,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                        )
+                    )
+            (workdir / "ranks.json").write_text(json.dumps([p.pid for p in procs]))
+            _wait_for_ranks(procs, workdir, timeout_s)
+    finally:
+        for proc in procs:
+            end_child(proc, group=True, grace_s=2.0)
+        del store
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _wait_for_ranks(procs: list[subprocess.Popen], workdir: Path, timeout_s: float) -> None:
+    """Wait until every rank exits 0; raise on the first failure or past the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c == 0 for c in codes):
+            return
+        if any(c not in (None, 0) for c in codes):
+            # The others usually fail within moments (a collective loses its peer); give them
+            # that long to write their own errors, so the first failure can be told apart.
+            grace = min(deadline, time.monotonic() + _FAILED_GRACE_S)
+            while any(p.poll() is None for p in procs) and time.monotonic() < grace:
+                time.sleep(0.05)
+            raise _rank_failure(procs, workdir)
+        if time.monotonic() > deadline:
+            tails = "\n".join(
+                f"--- rank {r} (log tail)\n{_tail(workdir / f'rank{r}.log')}"
+                for r in range(len(procs))
+            )
+            raise RuntimeError(
+                f"run_fsdp2_forwards: the {len(procs)}-rank launch ran past {timeout_s:g} s; "
+                "every rank was ended and the launch's temporaries removed. Use a smaller "
+                f"preset, fewer jobs, or a larger timeout_s.\n{tails}"
+            )
+        time.sleep(0.05)
+
+
+def _rank_failure(procs: list[subprocess.Popen], workdir: Path) -> Fsdp2RankError:
+    """The error of the rank that failed first (by the time its exception was raised)."""
+    errors = []
+    for rank in range(len(procs)):
+        path = workdir / f"rank{rank}.error.json"
+        with contextlib.suppress(OSError, ValueError):
+            errors.append(json.loads(path.read_text()))
+    codes = [p.poll() for p in procs]
+    others = ", ".join(
+        f"rank {r}: " + ("still running, ended" if c is None else _exit_text(c))
+        for r, c in enumerate(codes)
+    )
+    if errors:
+        first = min(errors, key=lambda e: e["time"])
+        rank = first["rank"]
+        return Fsdp2RankError(
+            f"run_fsdp2_forwards: rank {rank} of {len(procs)} failed first: "
+            f"{first['type']}: {first['message']}\n{first['traceback']}({others}; every rank "
+            "was ended.)",
+            rank,
+            first["type"],
+            first["traceback"],
+        )
+    rank = next(r for r, c in enumerate(codes) if c not in (None, 0))
+    return Fsdp2RankError(
+        f"run_fsdp2_forwards: rank {rank} of {len(procs)} {_exit_text(codes[rank])} without a "
+        f"Python exception (killed? out of host memory?). Its log (tail):\n"
+        f"{_tail(workdir / f'rank{rank}.log')}\n({others}; every rank was ended.)",
+        rank,
+        "",
+        "",
+    )
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    return f"exited with {code}"
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return "(no log)"
+
+
+def _loopback_interface() -> str | None:
+    """The loopback interface's name ("lo" on Linux), for gloo's and NCCL's sockets."""
+    import socket
+
+    with contextlib.suppress(OSError, AttributeError):
+        for _, name in socket.if_nameindex():
+            if name in ("lo", "lo0"):
+                return name
+    return None
 
 
 # ---- pairing in the parent ------------------------------------------------------------------
@@ -454,11 +644,27 @@ def pair_capture(
         A Result with side_a = reference, side_b = the capture's side; rows in the
         reference's completion order.
     """
-    from lab.run import check_side_device, side_context, side_inputs
+    from lab.run import check_fp32_master, check_inputs, check_side_device, model_in_use
+
+    with model_in_use(model, "pair_capture"):
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        check_side_device(reference, device)
+        check_fp32_master(model, "pair_capture")
+        check_inputs(model, inputs, "pair_capture")
+        return _pair_capture(model, inputs, reference, capture, device, meta)
+
+
+def _pair_capture(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    reference: Side,
+    capture: Fsdp2Capture,
+    device: torch.device,
+    meta: dict[str, Any] | None,
+) -> Result:
+    from lab.run import side_context, side_inputs
     from lab.weights import WeightView
 
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    check_side_device(reference, device)
     job = capture.job
     names_filter = depth_filter(job.capture_depth) if job.capture_depth is not None else None
     view = WeightView(model, reference)
@@ -538,7 +744,7 @@ def pair_fsdp2(
         sigma: The step's flow-matching sigma.
         variant: A family variant.
         capture_depth: Capture only modules this many levels deep (None: every module).
-        timeout_s: Wall-clock limit for the torchrun launch.
+        timeout_s: Wall-clock limit for the launch (every rank is ended past it).
 
     Returns:
         The Result (reference first, FSDP2 trainer second), with the FSDP2 plan in
@@ -612,7 +818,7 @@ def compare_reduce_dtypes(
         batch: Samples per rank.
         trainer: The side run under FSDP2; default `Side.trainer(family)`.
         loss: Default `LogProbLoss(family_name, sigma_prev=sigma - 0.1, seed=seed)`.
-        timeout_s: Wall-clock limit for the torchrun launch.
+        timeout_s: Wall-clock limit for the launch (every rank is ended past it).
 
     Returns:
         "reduce <dtype>" -> GradientResult (unsharded reference first, FSDP2 second); its
@@ -712,7 +918,7 @@ def pair_sharded(
     """Pair the rollout and trainer sides with BOTH run sharded under FSDP2 across `nproc` ranks.
 
     For models whose two sides do not fit on one device (Qwen-Image full: 20 B parameters,
-    80 GB of fp32 master). Each side is one job of one torchrun launch: every rank builds the
+    80 GB of fp32 master). Each side is one job of one launch: every rank builds the
     seeded fp32 model, shards it (one fully_shard per block, then the root) and runs the
     side's forward; rank 0 captures the module outputs (block level by default, to bound
     memory) and moves them to the CPU; the parent pairs them with `pair_leaves`, on `device`.
@@ -862,6 +1068,8 @@ def _leaves_on(
 
 
 def _run_rank(spec_path: Path, out_dir: Path) -> None:
+    import datetime
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -874,7 +1082,22 @@ def _run_rank(spec_path: Path, out_dir: Path) -> None:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-    dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # A client of the parent's store (bound to 127.0.0.1): no rank opens a listening store.
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        False,
+        datetime.timedelta(minutes=30),
+    )
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world,
+        device_id=device if backend == "nccl" else None,
+    )
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         mesh = init_device_mesh(device.type, (world,))
@@ -898,6 +1121,7 @@ def _run_rank_job(
     from lab.precision.engine_ops import ops_applied
     from lab.run import side_context, side_inputs
 
+    _injected_fault(rank)
     fam = get_family(job.family_name)
     seconds: dict[str, float] = {}
     if device.type == "cuda":
@@ -995,13 +1219,55 @@ def _cast_buffers(
         module._buffers[name] = module._buffers[name].to(master).to(dtype)
 
 
+def _injected_fault(rank: int) -> None:
+    """Honour LAB_FSDP2_FAULT ("raise@R" or "hang@R"), so tests can make one rank fail."""
+    value = os.environ.get(_FAULT_ENV)
+    if not value:
+        return
+    kind, _, target = value.partition("@")
+    if kind not in ("raise", "hang") or not target.isdigit():
+        raise ValueError(f"{_FAULT_ENV}={value!r}: expected 'raise@RANK' or 'hang@RANK'.")
+    if int(target) != rank:
+        return
+    if kind == "raise":
+        raise RuntimeError(f"injected fault in rank {rank} ({_FAULT_ENV}={value!r})")
+    Path(os.environ.get("TMPDIR", "."), f"hang{rank}").write_text("hanging")
+    while True:
+        time.sleep(60)
+
+
+def _write_rank_error(out_dir: Path, err: BaseException) -> None:
+    """Leave this rank's exception for the parent (`_rank_failure` picks the earliest)."""
+    import traceback
+
+    record = {
+        "rank": int(os.environ.get("RANK", "0")),
+        "type": type(err).__name__,
+        "message": str(err),
+        "traceback": "".join(traceback.format_exception(err)),
+        "time": time.time(),
+    }
+    with contextlib.suppress(OSError):
+        path = out_dir / f"rank{record['rank']}.error.json"
+        path.write_text(json.dumps(record))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """Rank entry point: `python -m torch.distributed.run ... -m lab.fsdp --spec S --out D`."""
+    """Rank entry point: `python -m lab.fsdp --spec S --out D` (see `_launch_ranks`)."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--spec", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    _run_rank(args.spec, args.out)
+    try:
+        _run_rank(args.spec, args.out)
+    except BaseException as err:
+        _write_rank_error(args.out, err)
+        import traceback
+
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     # The work is done and its files are written; skip the interpreter teardown. Seen in CI on
     # 2 CPU cores: a gloo rank occasionally aborted at exit ("terminate called without an
     # active exception", exit -6) after destroy_process_group, failing a launch that succeeded.

@@ -3,8 +3,15 @@ every family's real FSDP2 trainer side against the in-process trainer side, bit 
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +21,7 @@ import torch
 import lab
 from lab.capture import ROOT
 from lab.families import FAMILY_NAMES
-from lab.fsdp import Fsdp2Job, apply_fsdp2, pair_capture, run_fsdp2_forwards
+from lab.fsdp import Fsdp2Job, Fsdp2RankError, apply_fsdp2, pair_capture, run_fsdp2_forwards
 from lab.precision.fsdp2_patch import (
     ParamDtypeMixedPrecisionPolicy,
     apply_param_dtype_map_patch,
@@ -462,3 +469,123 @@ def test_two_ranks_capture_is_bitwise_the_one_rank_capture(
             assert a.dtype == b.dtype and torch.equal(a, b), (module, call, output)
         else:
             assert a == b
+
+
+# ---- launches end cleanly: failures, timeouts, SIGTERM, loopback only (issue 14 items 9-11) ----
+
+FAULT = "LAB_FSDP2_FAULT"
+
+
+def _wan_job() -> Fsdp2Job:
+    return Fsdp2Job(family_name="wan2_2", side=lab.Side.trainer(lab.family("wan2_2")))
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Live processes whose command line contains `text` (the launch's folder names them)."""
+    from lab.processes import alive
+
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmdline and alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+def _leftovers(folder: Path) -> list[str]:
+    return sorted(
+        p.name for p in folder.iterdir() if p.name.startswith(("lab-fsdp2-", "torchelastic_"))
+    )
+
+
+def test_a_failing_rank_reaches_the_caller_with_its_own_exception(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(FAULT, "raise@1")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(Fsdp2RankError) as info:
+        run_fsdp2_forwards([_wan_job()], nproc=2, device="cpu", timeout_s=300)
+    err = info.value
+    assert (err.rank, err.error_type) == (1, "RuntimeError")
+    assert str(err).startswith(
+        "run_fsdp2_forwards: rank 1 of 2 failed first: RuntimeError: injected fault in rank 1"
+    )
+    assert "_injected_fault" in err.traceback, "the rank's own traceback"
+    assert _leftovers(tmp_path) == [], "the launch folder was not removed"
+    assert _processes_naming(str(tmp_path)) == [], "a rank outlived the failed launch"
+
+
+def test_a_launch_past_its_timeout_ends_every_rank_and_removes_its_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(FAULT, "hang@0")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"the 2-rank launch ran past 8 s; every rank was ended"):
+        run_fsdp2_forwards([_wan_job()], nproc=2, device="cpu", timeout_s=8)
+    assert _leftovers(tmp_path) == []
+    assert _processes_naming(str(tmp_path)) == []
+
+
+_CALLER = """
+import sys, tempfile
+tempfile.tempdir = sys.argv[1]
+import lab
+from lab.fsdp import Fsdp2Job, run_fsdp2_forwards
+job = Fsdp2Job(family_name="wan2_2", side=lab.Side.trainer(lab.family("wan2_2")))
+run_fsdp2_forwards([job], nproc=2, device="cpu", timeout_s=600)
+"""
+
+
+def _listening(pids: set[int]) -> list[str]:
+    """Local addresses of the TCP sockets these processes listen on (`ss -ltnp`)."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    addresses = []
+    for line in out.splitlines():
+        owners = {int(p) for p in re.findall(r"pid=(\d+)", line)}
+        if owners & pids:
+            addresses.append(line.split()[3])
+    return addresses
+
+
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)]
+)
+def test_a_signalled_caller_ends_its_ranks_removes_its_folder_and_listened_on_loopback(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    caller = subprocess.Popen(
+        [sys.executable, "-c", _CALLER, str(tmp_path)],
+        cwd=Path(__file__).resolve().parent.parent,
+        env={**os.environ, FAULT: "hang@1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        deadline = time.monotonic() + 300
+        # Rank 1 hangs after joining the process group; rank 0 then waits for it in a collective.
+        while not list(tmp_path.glob("lab-fsdp2-*/tmp/hang1")):
+            assert caller.poll() is None, caller.communicate()
+            assert time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.2)
+        folder = next(tmp_path.glob("lab-fsdp2-*"))
+        ranks = json.loads((folder / "ranks.json").read_text())
+        if shutil.which("ss"):
+            addresses = _listening({caller.pid, *ranks})
+            assert addresses, "nothing of the launch listens: the check would pass vacuously"
+            assert all(a.startswith("127.0.0.1:") for a in addresses), addresses
+        caller.send_signal(sig)
+        _, stderr = caller.communicate(timeout=120)
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+    assert caller.returncode != 0
+    assert ("Terminated: SIGTERM" if sig == signal.SIGTERM else "KeyboardInterrupt") in stderr
+    assert _leftovers(tmp_path) == [], "the launch folder (or a torchelastic one) stayed"
+    assert _processes_naming(str(tmp_path)) == [], "a rank outlived its caller"
