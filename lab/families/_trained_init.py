@@ -7,11 +7,12 @@ parameter in place by rules on its owning module's class, its name and its shape
 every family; docs/notes/trained-like-weights.md gives each number's source):
 
 - norm gains (any `*Norm*` module's `weight`): a per-tensor level and per-channel spread around
-  their plain value, plus a few outlier channels;
+  their plain value, plus a few outlier channels (none on q/k norms);
 - norm biases: a spread around 0;
 - Linear / Conv weights: log-normal per-output-row and per-input-column gains (long tails),
   salient input columns, and outlier output rows on a few channels fixed per width (the same
-  channels in every layer of that width, as massive activations sit in fixed channels);
+  channels in every layer of that width, as massive activations sit in fixed channels; q/k/v
+  projections draw theirs per tensor, so q and k never share one);
 - Linear / Conv biases: the same row gains (an outlier channel's bias is large too);
 - embedding tables: the width's outlier channels;
 - every other floating parameter (scale-shift / modulation tables): N(0, 0.1^2) per element,
