@@ -67,9 +67,15 @@ def _baseline_path(name: str, directory: str | Path | None) -> Path:
 
 
 def list_baselines(directory: str | Path | None = None) -> list[str]:
-    """Names of the saved baselines (file stems), sorted."""
+    """Names of the saved baselines (file stems), sorted.
+
+    Hidden files are not baselines: a writer killed mid-write (kill -9) can leave lab.atomic's
+    temporary `.<name>.<random>.tmp.json` behind, never a torn `<name>.json`.
+    """
     folder = Path(directory or BASELINE_DIR)
-    return sorted(p.stem for p in folder.glob("*.json")) if folder.is_dir() else []
+    if not folder.is_dir():
+        return []
+    return sorted(p.stem for p in folder.glob("*.json") if not p.name.startswith("."))
 
 
 def save_baseline(

@@ -384,3 +384,13 @@ def test_from_json_accepts_rows_with_and_without_extra_keys(result: Result, tmp_
     (tmp_path / "r.json").write_text(json.dumps(doc))
     back = Result.from_json(tmp_path / "r.json")
     assert [r.row()["max_ulp"] for r in back.rows] == [r.row()["max_ulp"] for r in result.rows]
+
+
+def test_a_temporary_left_by_a_killed_writer_is_not_a_baseline(
+    result: Result, tmp_path: Path
+) -> None:
+    from lab.baselines import list_baselines
+
+    save_baseline(result, "flux_tiny", directory=tmp_path)
+    (tmp_path / ".flux_tiny.0a1b2c3d.tmp.json").write_text('{"sche')  # kill -9 mid-write
+    assert list_baselines(tmp_path) == ["flux_tiny"]
