@@ -47,3 +47,25 @@ def test_readme_names_exist() -> None:
             raise AssertionError(f"README names {dotted}, which does not exist") from err
     for script in re.findall(r"(?:bash|python) ((?:scripts|bench)/[\w/]+\.(?:sh|py))", text):
         assert (README.parent / script).is_file(), script
+
+
+def test_readme_command_lines_parse() -> None:
+    """Every `precision-lab ...` line in the README's bash blocks parses with the real parser."""
+    import shlex
+
+    from lab.__main__ import _COMMANDS, _parser
+
+    bash = "\n".join(re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S))
+    joined = re.sub(r"\\\n\s*", " ", bash)
+    lines = [ln.split("#")[0].strip() for ln in joined.splitlines()]
+    commands = [ln for ln in lines if ln.startswith("precision-lab ")]
+    assert commands, "the README shows no precision-lab command (issue 12 item 7)"
+    documented = set()
+    for line in commands:
+        argv = shlex.split(line)[1:]
+        try:
+            args = _parser().parse_args(argv)
+        except SystemExit as err:
+            raise AssertionError(f"README command does not parse: {line}") from err
+        documented.add(args.command)
+    assert documented == set(_COMMANDS), f"undocumented: {sorted(set(_COMMANDS) - documented)}"
