@@ -114,6 +114,20 @@ class RuleEffect:
             )
         return pd.DataFrame(rows).set_index("run")
 
+    def causes(self, which: Literal["without", "with"] = "without") -> dict[str, int]:
+        """Rows whose divergence has each cause of their own (`lab.why` codes), most first.
+
+        "inherited" and "submodule" rows are left out: they only pass on a cause upstream or
+        inside. Empty for Results without a recorded dtype flow.
+        """
+        result = self.without if which == "without" else self.with_rules
+        counts: dict[str, int] = {}
+        for why in result.whys() if hasattr(result, "whys") else []:
+            for code in getattr(why, "codes", ()):
+                if code not in ("inherited", "submodule"):
+                    counts[code] = counts.get(code, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
     def moved_rows(self) -> int:
         """Module outputs whose max_abs_diff differs between the two runs."""
         before = {(r.module, r.call, r.output): r.metrics.max_abs_diff for r in self.without.rows}
@@ -181,6 +195,13 @@ class RuleEffect:
                 )
                 + "."
             )
+        causes = self.causes("without")
+        if causes:
+            lines.append(
+                "Causes of the rows that diverge on their own without the rules (why column): "
+                + ", ".join(f"{code} {n}" for code, n in causes.items())
+                + "."
+            )
         per_rule = self.rule_gaps()
         closing = per_rule[per_rule["closes_gap"] > 0]
         opening = per_rule[per_rule["opens_gap"] > 0]
@@ -220,8 +241,8 @@ class RuleEffect:
                     "the output's rounding."
                 )
         first = self.with_rules.first_divergence()
-        why = getattr(first, "why", None) if first is not None else None
-        if why:
+        why = self.with_rules.why(first) if hasattr(self.with_rules, "why") else None
+        if first is not None and why:
             lines.append(f"First divergence with the rules: {first.label()}: {why}")
         return "\n".join(lines)
 
@@ -257,6 +278,8 @@ class RuleEffect:
             "buffers_differ": list(self.buffers_differ),
             "rule_gaps": self.rule_gaps().to_dict(orient="records"),
             "moved_rows": self.moved_rows(),
+            "causes_without": self.causes("without"),
+            "causes_with": self.causes("with"),
             "describe": self.describe(),
         }
 
