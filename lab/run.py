@@ -189,6 +189,8 @@ def check_fp32_master(model: torch.nn.Module, where: str) -> None:
     Raises:
         ValueError: Naming how many parameters are in which dtype, one of them, and the fix.
     """
+    if not any(p.is_floating_point() and p.element_size() < 4 for p in model.parameters()):
+        return
     low: dict[str, list[str]] = {}
     total = 0
     for name, p in model.named_parameters():
