@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from lab.atomic import atomic_write_text
 from lab.families import Inputs
 from lab.flow_grpo import SDE_TYPES, sampler_settings, sde_step_with_logprob
 from lab.latents import flatten_samples, latent_leaves, output_leaves
@@ -400,10 +401,7 @@ class GradientResult:
 
     def to_json(self, path: str | Path) -> Path:
         """Write `to_dict()` to `path` (parents created). Returns the path."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1, allow_nan=True))
-        return path
+        return atomic_write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=True))
 
 
 def _bitexact(m: PairMetrics) -> bool:
@@ -429,11 +427,8 @@ def gradient_summaries(results: Mapping[str, GradientResult]) -> Any:
 
 def save_gradient_results(results: Mapping[str, GradientResult], path: str | Path) -> Path:
     """Write {label: GradientResult.to_dict()} as one JSON file (parents created)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     doc = {label: r.to_dict() for label, r in results.items()}
-    path.write_text(json.dumps(doc, indent=1, allow_nan=True))
-    return path
+    return atomic_write_text(path, json.dumps(doc, indent=1, allow_nan=True))
 
 
 def pair_gradients(

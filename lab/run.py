@@ -862,6 +862,9 @@ def pair_family(
         expert=fam.expert_for_sigma(sigma),
         init="checkpoint" if checkpoint else getattr(model, "lab_init", None),
     )
+    if checkpoint:
+        # Which files, index, variant and stored dtypes the load read (Family.load records it).
+        meta["checkpoint_files"] = getattr(model, "lab_checkpoint", None)
     from lab.capture import depth_filter
 
     names_filter = depth_filter(capture_depth) if capture_depth is not None else None

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from lab.atomic import atomic_write_text
 from lab.families import Family, Inputs
 from lab.families import family as get_family
 from lab.result import LayerDivergence, Result
@@ -463,8 +464,9 @@ def save_runs(runs: list[ScenarioRun], out_dir: str) -> Path:
         r.bug.to_json(out / r.name / "bug.json")
         r.fixed.to_json(out / r.name / "fixed.json")
     path = out / "scenarios.json"
-    path.write_text(json.dumps([{**r.summary(), "extra": r.extra} for r in runs], indent=1))
-    return path
+    return atomic_write_text(
+        path, json.dumps([{**r.summary(), "extra": r.extra} for r in runs], indent=1)
+    )
 
 
 def scenarios_table(runs: list[ScenarioRun]) -> Any:

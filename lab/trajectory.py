@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from lab.atomic import atomic_write_text
 from lab.families import Family, Inputs
 from lab.families import family as get_family
 from lab.flow_grpo import (
@@ -218,10 +219,7 @@ class Trajectory:
 
     def to_json(self, path: str | Path) -> Path:
         """Write `to_dict()` to `path` (parent folders created)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1))
-        return path
+        return atomic_write_text(path, json.dumps(self.to_dict(), indent=1))
 
     @classmethod
     def from_json(cls, path: str | Path) -> Trajectory:

@@ -279,6 +279,10 @@ def test_pair_family_checkpoint_builds_inputs_from_its_config(tmp_path: Path) ->
     ctx = next(r for r in result.rows if r.module == "context_embedder")
     assert ctx.shape[-1] == fam.config("tiny")["num_attention_heads"] * 16
     assert result.meta["checkpoint"] == str(tmp_path / "wide")
+    provenance = result.meta["checkpoint_files"]
+    assert provenance["files"] == ["diffusion_pytorch_model.safetensors"]
+    n_tensors = len(lab.family("flux").load(tmp_path / "wide").state_dict())
+    assert provenance["dtypes"] == {"fp32": n_tensors}
 
 
 # ---- item 7 + raw errors: results and baselines -----------------------------------------------
