@@ -11,7 +11,6 @@ explained until a Result is asked for its `why`.
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -113,28 +112,32 @@ class FlowRecorder:
 
     def record(self, which: str, label: str, call: int, args: tuple, kwargs: dict) -> None:
         """Note the dtypes (and on side A the producers) of one call's tensor arguments."""
-        aliases = self._aliases if which == "a" else None
-        lookup = self._producer if aliases is not None else _no_producer
+        track = which == "a" and self._aliases is not None
+        producer = self._producer
+        tensor = torch.Tensor
         entries: list[InputEntry] = []
-        for key, value in itertools.chain(enumerate(args), kwargs.items()):
-            if isinstance(value, torch.Tensor):
-                entries.append((key, value.dtype, lookup(value), id(value)))
-            elif isinstance(value, tuple | list):
-                for j, item in enumerate(value):
-                    if isinstance(item, torch.Tensor):
-                        entries.append(((key, j), item.dtype, lookup(item), id(item)))
+        for items in (enumerate(args), kwargs.items()):
+            for key, value in items:
+                if isinstance(value, tensor):
+                    found = producer(value) if track else None
+                    entries.append((key, value.dtype, found, id(value)))
+                elif type(value) is tuple or type(value) is list:
+                    for j, item in enumerate(value):
+                        if isinstance(item, tensor):
+                            found = producer(item) if track else None
+                            entries.append(((key, j), item.dtype, found, id(item)))
         self.inputs[which][(label, call)] = tuple(entries)
 
     def _producer(self, tensor: torch.Tensor) -> Producer | None:
-        aliases = self._aliases
-        name = aliases.known(tensor)  # type: ignore[union-attr]
+        known = self._aliases.known  # type: ignore[union-attr]
+        name = known(tensor)
         if name is not None:
             return self.produced.get(name)
         # A view (reshape, transpose, chunk) of a captured output holds that output's values.
         base = tensor._base
         if base is None:
             return None
-        name = aliases.known(base)  # type: ignore[union-attr]
+        name = known(base)
         if name is not None:
             return self.produced.get(name)
         noted = self._bases.get(id(base))
@@ -159,10 +162,6 @@ class FlowRecorder:
             inputs_a=self.inputs["a"],
             inputs_b=self.inputs["b"],
         )
-
-
-def _no_producer(tensor: torch.Tensor) -> None:
-    return None
 
 
 def module_tensors(view: WeightView) -> Mapping[str, ModuleTensors]:
