@@ -575,10 +575,10 @@ def plot_gradient_divergence(
         name = label or f"{first.side_b.get('name')} vs {first.side_a.get('name')}"
         ax.plot(range(len(t)), values, marker="o", ms=3, lw=0.8, label=name)
     ax.axhline(floor, color="grey", lw=0.6, ls=":")
-    ax.set_yscale("log")
-    # Explicit limits: when every parameter is bit-exact all points sit on the floor, and
-    # matplotlib would warn that it cannot scale an axis of one value.
+    # Limits before the log scale: when every parameter is bit-exact all points sit on the
+    # floor, and matplotlib would warn that it cannot scale an axis of one value.
     ax.set_ylim(floor / 3, max([*nonzero, floor]) * 3)
+    ax.set_yscale("log")
     ax.set_xlabel("parameter (named_parameters order)")
     ax.set_ylabel(f"{metric} of the fp32 gradient")
     first = next(iter(runs.values()))
