@@ -19,6 +19,7 @@ before it. The divergence plot is a plotly FigureWidget (hover, zoom, click; cli
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import html
 import io
 import re
@@ -182,8 +183,12 @@ class ModuleDetail:
     def html(self) -> str:
         """The detail as the panel shows it above the ULP histogram."""
         a, b = self.side_names
-        rows = self.rows.rename(
-            columns={"dtype_a": f"dtype {a} (ref)", "dtype_b": f"dtype {b} (cand)"}
+        # One column per paired output, one line per field: the fields read top to bottom.
+        rows = (
+            self.rows.drop(columns=["why"], errors="ignore")
+            .rename(columns={"dtype_a": f"dtype {a} (ref)", "dtype_b": f"dtype {b} (cand)"})
+            .set_index("label")
+            .T.map(_cell)
         )
         whys = [w for w in dict.fromkeys(self.why) if w]
         why = (
@@ -198,13 +203,19 @@ class ModuleDetail:
         )
         return (
             f"<b>selected: {html.escape(self.label)}</b>{why}"
-            + rows.to_html(index=False, float_format=lambda v: f"{v:.3e}", classes="lab-rows")
+            + rows.to_html(classes="lab-rows")
             + f"<b>parameter and buffer dtypes</b> ({html.escape(a)} reference, "
             f"{html.escape(b)} candidate)" + params
         )
 
     def _repr_html_(self) -> str:
         return self.html()
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float) and not value.is_integer():
+        return f"{value:.4e}"
+    return str(int(value)) if isinstance(value, float) else str(value)
 
 
 def _param_sources(model: Any, side: Side) -> dict[str, tuple[str, str, str]]:
@@ -298,6 +309,8 @@ class ControlPanel:
         self.last_trajectory: Any = None
         """The last ratio-drift Trajectory (when "ratio_drift" was on), else None."""
         self.last_run_s: float | None = None
+        self.runs = 0
+        """Runs started (the status line numbers them, so each click shows its outcome)."""
         self.message: str = ""
         """The inline message: "" when all is well, else what is wrong and how to fix it."""
         self.rule_matches: dict[str, list[RuleMatch]] = {}
@@ -306,7 +319,7 @@ class ControlPanel:
         self.selected: ModuleDetail | None = None
         """The module shown below the plot (a click or `select`), else None."""
         self.figure: Any = None
-        """The divergence plot on screen: a plotly FigureWidget (an Output without anywidget)."""
+        """The divergence plot on screen (a plotly go.Figure), None before the first run."""
         self._param_dtypes: tuple[dict[str, tuple[str, str, str]], ...] = ({}, {})
         self._selecting = False
         self._models: dict[tuple, Any] = {}
@@ -434,6 +447,7 @@ class ControlPanel:
         """
         bar = self._outputs["progress"]
         bar.value, bar.max, bar.bar_style = 0, _RUN_STAGES, "info"
+        self.runs += 1
         start = time.perf_counter()
         # Warnings are recorded, not printed: the PrecisionWarnings become notes on the panel
         # (each says what to change); the rest (library internals) are nothing a panel user
@@ -459,7 +473,9 @@ class ControlPanel:
         self.last_run_s = time.perf_counter() - start
         notes = [str(w.message) for w in caught if issubclass(w.category, PrecisionWarning)]
         self._show_message("", notes=notes)
-        self._set_status(f"ran in {self.last_run_s:.2f} s at {_dt.datetime.now():%H:%M:%S}")
+        self._set_status(
+            f"run {self.runs}: ran in {self.last_run_s:.2f} s at {_dt.datetime.now():%H:%M:%S}"
+        )
         return result
 
     def select(self, module: str) -> ModuleDetail:
@@ -508,7 +524,7 @@ class ControlPanel:
         )
         self.selected = detail
         self._outputs["detail"].value = detail.html()
-        self._outputs["detail_plot"].children = (_figure_widget(detail.ulp_figure, "lab-ulp"),)
+        _show_plotly(self._outputs["detail_plot"], detail.ulp_figure)
         picker = self._outputs["module"]
         if module in picker.options:
             self._selecting = True
@@ -543,7 +559,8 @@ class ControlPanel:
             metric=self.get("metric"),
             trajectories=self.last_trajectory if self.last_trajectory is not None else (),
         )
-        self._outputs["status"].value = f"exported {self.exported}"
+        size_mb = self.exported.stat().st_size / 1e6
+        self._set_status(f"exported {self.exported} ({size_mb:.1f} MB)")
         return self.exported
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
@@ -828,6 +845,7 @@ class ControlPanel:
                 )
                 self.controls[f"{s}.op_switches.{name}"].tooltip = switch.description
             self._outputs[f"{s}.rules_table"] = W.HTML()
+            self._outputs[f"{s}.rules_table"].add_class(f"lab-{s}-rules-table")
         run = W.Button(description="Run", button_style="primary", icon="play")
         run.add_class("lab-run")
         run.on_click(lambda _: self.run())
@@ -843,12 +861,16 @@ class ControlPanel:
         o["message"] = W.HTML()
         o["summary"] = W.HTML("<i>press Run</i>")
         o["plot"] = W.Box(layout=W.Layout(width="100%"))
+        # One plot widget for the panel's life, updated in place (plotly.js reaches the
+        # browser once); without anywidget an Output shows the figure: hover, no clicks.
+        self.plot_widget = _plot_widget(self._on_click, "lab-divergence")
+        o["plot"].children = (self.plot_widget,)
         o["module"] = W.Dropdown(
             options=[], description="module", style=_style(), layout=W.Layout(width="60%")
         )
         o["module"].observe(self._on_pick, names="value")
         o["detail"] = W.HTML("<i>click a point of the plot (or pick a module) for its detail</i>")
-        o["detail_plot"] = W.Box(layout=W.Layout(width="100%"))
+        o["detail_plot"] = W.Output(layout=W.Layout(width="100%"))
         o["drift_plot"] = W.Image(format="png", layout=W.Layout(max_width="100%", display="none"))
         o["top_modules"] = W.HTML()
         for name in (
@@ -963,7 +985,7 @@ class ControlPanel:
         parts = []
         if text:
             kept = (
-                f" Still showing the last good result ({self.last_result.summary()['family']})."
+                f"\nStill showing the last good result ({self.last_result.summary()['family']})."
                 if self.last_result is not None
                 else ""
             )
@@ -987,13 +1009,13 @@ class ControlPanel:
             text = f"Run failed on side {err.side!r}{where}: {type(cause).__name__}: {cause}"
             if err.fix:
                 text += f"\n{err.fix}"
-            status = f"failed at {stamp} on side {err.side!r}" + (
+            status = f"run {self.runs}: failed at {stamp} on side {err.side!r}" + (
                 f" in {err.module}" if err.module else ""
             )
         else:
             # Python users are pointed at err.result; the panel shows what it holds below.
             text = _ERR_RESULT_HINT.sub("", f"{type(err).__name__}: {err}")
-            status = f"failed at {stamp}: {type(err).__name__}"
+            status = f"run {self.runs}: failed at {stamp}: {type(err).__name__}"
         self._show_message(text)
         partial = err.result if isinstance(err, PairError) else None
         if partial is not None:
@@ -1004,10 +1026,11 @@ class ControlPanel:
         if not self._selecting and change["new"]:
             self._select_inline(change["new"])
 
-    def _on_click(self, trace: Any, points: Any, state: Any) -> None:
-        # plotly calls this once per trace; only the clicked trace gets point indices.
-        if points.point_inds:
-            self._select_inline(_point_label(trace, points.point_inds[0], self.last_result))
+    def _on_click(self, curve: int, point: int) -> None:
+        """A click on point `point` of trace `curve` of the divergence plot (from the browser)."""
+        if self.figure is not None and self.last_result is not None:
+            trace = self.figure.data[curve]
+            self._select_inline(_point_label(trace, point, self.last_result))
 
     def _select_inline(self, label: str) -> None:
         try:
@@ -1020,14 +1043,13 @@ class ControlPanel:
 
         metric = self.get("metric")
         self._outputs["summary"].value = _summary_html(result, traj)
-        fig = plots.plot_divergence_by_layer(result, metric, backend="plotly")
-        self.figure = _figure_widget(fig, "lab-divergence", on_click=self._on_click)
-        self._outputs["plot"].children = (self.figure,)
+        self.figure = plots.plot_divergence_by_layer(result, metric, backend="plotly")
+        _show_plotly(self.plot_widget, self.figure)
         drift = self._outputs["drift_plot"]
         if traj is not None:
             from lab import drift_plots
 
-            drift.value = _png(drift_plots.plot_ratio_drift(traj))
+            drift.value = _png(drift_plots.plot_ratio_drift(traj, backend="matplotlib"))
             drift.layout.display = None
         else:
             drift.layout.display = "none"
@@ -1097,29 +1119,106 @@ def _point_label(trace: Any, index: int, result: Result | None) -> str:
     return result.rows[int(trace.x[index])].label()
 
 
-def _figure_widget(fig: Any, css: str, *, on_click: Callable | None = None) -> W.DOMWidget:
-    """`fig` as a live plotly FigureWidget; without anywidget, an Output showing the figure.
+# A plotly figure that reports clicks to Python. plotly's own FigureWidget ships plotly.js as
+# its anywidget module (~5 MB), and anywidget gives a module 2 s to load: on a busy machine
+# the model then never initialises and the plot stays empty. This module is a few lines;
+# plotly.js travels once as a trait and is loaded when the view renders, with no deadline.
+_PLOT_ESM = """
+function loadPlotly(model) {
+  if (window.Plotly) return Promise.resolve(window.Plotly);
+  if (!window.__labPlotly) {
+    window.__labPlotly = new Promise((resolve, reject) => {
+      const url = URL.createObjectURL(
+        new Blob([model.get("_plotly_js")], { type: "text/javascript" }));
+      const script = document.createElement("script");
+      script.src = url;
+      script.onload = () => resolve(window.Plotly);
+      script.onerror = () => reject(new Error("plotly.js did not load"));
+      document.head.appendChild(script);
+    });
+  }
+  return window.__labPlotly;
+}
 
-    plotly>=6 builds FigureWidget on anywidget; without it hover and zoom still work (the
-    figure is displayed through plotly's JupyterLab renderer), clicks do not: the module
-    selector below the plot does the same.
-    """
-    import plotly.graph_objects as go
+async function render({ model, el }) {
+  const Plotly = await loadPlotly(model);
+  const div = document.createElement("div");
+  el.appendChild(div);
+  const draw = () => {
+    const spec = model.get("spec") || {};
+    Plotly.react(div, spec.data || [], spec.layout || {},
+                 { displaylogo: false, responsive: true });
+  };
+  draw();
+  model.on("change:spec", draw);
+  div.on("plotly_click", (event) => {
+    const p = event.points && event.points[0];
+    if (p) model.send({ event: "click", curve: p.curveNumber, point: p.pointIndex });
+  });
+  return () => { model.off("change:spec", draw); Plotly.purge(div); };
+}
 
+export default { render };
+"""
+
+
+@functools.cache
+def _plot_widget_class() -> type | None:
     try:
-        widget = go.FigureWidget(fig)
+        import anywidget
     except ImportError:
-        widget = W.Output()
-        with widget:
-            from IPython.display import display
+        return None
+    import traitlets
+    from plotly.offline import get_plotlyjs
 
-            display(fig)
-    else:
-        if on_click is not None:
-            for trace in widget.data:
-                trace.on_click(on_click)
-    widget.add_class(css)
-    return widget
+    class PlotlyPlot(anywidget.AnyWidget):
+        """A plotly figure in the browser (hover, zoom) whose point clicks reach Python."""
+
+        _esm = traitlets.Unicode(_PLOT_ESM).tag(sync=True)
+        _plotly_js = traitlets.Unicode().tag(sync=True)
+        spec = traitlets.Dict().tag(sync=True)
+        """The figure as plotly JSON (data, layout)."""
+
+        def __init__(self, on_click: Callable[[int, int], None], css: str) -> None:
+            super().__init__(_plotly_js=get_plotlyjs(), _dom_classes=(css,))
+            self._on_click = on_click
+            self.on_msg(self._handle)
+
+        def _handle(self, _widget: Any, content: Any, _buffers: Any) -> None:
+            if isinstance(content, dict) and content.get("event") == "click":
+                self._on_click(int(content["curve"]), int(content["point"]))
+
+    return PlotlyPlot
+
+
+def _plot_widget(on_click: Callable[[int, int], None], css: str) -> W.DOMWidget:
+    """The divergence plot's widget: clickable with anywidget, an Output without it."""
+    cls = _plot_widget_class()
+    return cls(on_click, css) if cls is not None else W.Output(_dom_classes=(css,))
+
+
+def _plotly_spec(fig: Any) -> dict[str, Any]:
+    import json
+
+    import plotly.io as pio
+
+    return json.loads(pio.to_json(fig, validate=False, remove_uids=True))
+
+
+def _show_plotly(target: W.DOMWidget, fig: Any) -> None:
+    """Show `fig` in a plot widget, or in an Output through JupyterLab's plotly renderer."""
+    if not isinstance(target, W.Output):
+        target.spec = _plotly_spec(fig)
+        return
+    from IPython import get_ipython
+
+    target.clear_output(wait=True)
+    if get_ipython() is None:  # headless: the figure object is what tests read
+        return
+    from IPython.display import display
+
+    with target:
+        display({"application/vnd.plotly.v1+json": _plotly_spec(fig)}, raw=True)
 
 
 def _default_sides(fam: Any) -> tuple[Side, Side]:

@@ -1,12 +1,19 @@
-"""The control panel in a real JupyterLab, driven through Debian's chromium by Playwright.
+"""The lab in a real JupyterLab, driven through Debian's chromium by Playwright.
 
 Run with `pytest -m browser` (deselected by default; .ci/run runs it). Needs /usr/bin/chromium
 (`apt-get install -y chromium`) and the `playwright` package (the dev extra); Playwright's own
 browser download is never used.
+
+One JupyterLab serves a temp dir for the whole file and one kernel drives the control panel
+(notebook 03) through the steps in file order: switch family, toggle autocast, add a rule,
+a failing run, hover and click a point, export. The last test executes notebook 01 with
+papermill into the served dir and opens its output. Each test saves a screenshot under
+runs/browser/ (and `<name>-failure.png` + `.html` when it fails).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -18,12 +25,14 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytestmark = pytest.mark.browser
 
 REPO = Path(__file__).resolve().parent.parent
+SHOTS = REPO / "runs" / "browser"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--no-sandbox",
@@ -35,6 +44,7 @@ CHROMIUM_ARGS = [
 ]
 # The first Run in a fresh kernel imports torch and diffusers and builds the model.
 KERNEL_TIMEOUT_MS = 180_000
+RUN_TIMEOUT_MS = 90_000
 
 
 def _free_port() -> int:
@@ -43,33 +53,50 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def lab_server(tmp_path: Path) -> Iterator[str]:
-    """A token-less JupyterLab on 127.0.0.1 serving a temp dir with the panel notebook."""
+def _require(what: bool, reason: str) -> None:
     # .ci/run sets LAB_REQUIRE_BROWSER so that CI fails here rather than passing on a skip.
-    missing = pytest.fail if os.environ.get("LAB_REQUIRE_BROWSER") else pytest.skip
-    if not Path(CHROMIUM).exists():
-        missing(f"{CHROMIUM} is missing: `apt-get install -y chromium` (.ci/run does)")
-    if importlib.util.find_spec("playwright") is None:
-        missing("playwright is not installed: pip install -e '.[dev]' (it is in the dev extra)")
-    root = tmp_path / "lab"
+    if not what:
+        (pytest.fail if os.environ.get("LAB_REQUIRE_BROWSER") else pytest.skip)(reason)
+
+
+@pytest.fixture(scope="module")
+def lab_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    _require(Path(CHROMIUM).exists(), f"{CHROMIUM} is missing: `apt-get install -y chromium`")
+    _require(
+        importlib.util.find_spec("playwright") is not None,
+        "playwright is not installed: pip install -e '.[dev]' (it is in the dev extra)",
+    )
+    base = tmp_path_factory.mktemp("browser")
+    root = base / "lab"
     root.mkdir()
     shutil.copy(REPO / "notebooks" / "03_control_panel.ipynb", root)
-    # No "get notified about Jupyter news?" toast over the screenshot (and no news fetch).
-    settings = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
+    return root
+
+
+@pytest.fixture(scope="module")
+def lab_server(lab_root: Path) -> Iterator[str]:
+    """A token-less JupyterLab on 127.0.0.1 serving `lab_root`."""
+    base = lab_root.parent
+    # No "get notified about Jupyter news?" toast over the screenshots (and no news fetch).
+    settings = base / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
+    # Every cell stays rendered (no windowing), so off-screen widgets are measurable.
+    tracker = base / "settings" / "@jupyterlab" / "notebook-extension"
+    tracker.mkdir(parents=True)
+    (tracker / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
     port = _free_port()
     env = {
         **os.environ,
-        "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
-        "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings"),
-        "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces"),
-        "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+        "JUPYTER_CONFIG_DIR": str(base / "config"),
+        "JUPYTERLAB_SETTINGS_DIR": str(base / "settings"),
+        "JUPYTERLAB_WORKSPACES_DIR": str(base / "workspaces"),
+        "JUPYTER_RUNTIME_DIR": str(base / "runtime"),
         # The kernel imports lab from this checkout, wherever the temp dir is.
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
-    log = (tmp_path / "jupyter.log").open("w")
+    log_path = base / "jupyter.log"
+    log = log_path.open("w")
     server = subprocess.Popen(
         [
             sys.executable,
@@ -81,14 +108,14 @@ def lab_server(tmp_path: Path) -> Iterator[str]:
             f"--ServerApp.port={port}",
             "--IdentityProvider.token=",
             "--ServerApp.password=",
-            f"--ServerApp.root_dir={root}",
+            f"--ServerApp.root_dir={lab_root}",
             "--ServerApp.disable_check_xsrf=True",
             "--LabApp.news_url=None",
             "--LabApp.extension_manager=readonly",
             "--allow-root",  # CI containers run as root; the server is bound to 127.0.0.1
             "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
         ],
-        cwd=root,
+        cwd=lab_root,
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -102,9 +129,7 @@ def lab_server(tmp_path: Path) -> Iterator[str]:
                 break
             except OSError:
                 if server.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(
-                        f"JupyterLab did not start:\n{(tmp_path / 'jupyter.log').read_text()}"
-                    )
+                    pytest.fail(f"JupyterLab did not start:\n{log_path.read_text()}")
                 time.sleep(0.3)
         yield url
     finally:
@@ -116,71 +141,290 @@ def lab_server(tmp_path: Path) -> Iterator[str]:
         log.close()
 
 
-def test_panel_policy_toggle_reruns_and_updates_in_browser(lab_server: str, tmp_path: Path) -> None:
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+@pytest.fixture(scope="module")
+def browser(lab_server: str) -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         try:
-            page = browser.new_page(viewport={"width": 1500, "height": 2400})
-            page.goto(f"{lab_server}/lab/tree/03_control_panel.ipynb")
-            page.locator(".jp-Notebook").wait_for(timeout=60_000)
-            # Kernel started and idle before asking it to run anything.
-            page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=KERNEL_TIMEOUT_MS)
-            started = page.locator(".jp-InputPrompt", has_text=re.compile(r"\[(\*|\d+)\]"))
-            for _ in range(3):
-                # A Run All sent while the kernel connection is still settling can be dropped
-                # (seen on loaded CI machines): send it again until a prompt shows it ran.
-                page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-                page.locator(".lm-Menu-item[data-command='runmenu:run-all']").click()
-                try:
-                    started.first.wait_for(timeout=20_000)
-                    break
-                except PlaywrightTimeout:
-                    continue
-
-            # interactive=False: the notebook runs one pair headless before showing the panel.
-            rel_max = page.locator(".lab-summary td[data-key='model_output_rel_max']")
-            rel_max.wait_for(timeout=KERNEL_TIMEOUT_MS)
-            before = rel_max.inner_text()
-            plot_before = page.locator("img.lab-plot").get_attribute("src")
-            policy = page.locator(".lab-summary td[data-key='input policy trainer']")
-            assert "'timestep': None" in policy.inner_text()
-
-            page.locator(".lab-trainer-timestep select").select_option("bf16")
-            page.locator("button.lab-run").click()
-            page.wait_for_function(
-                """([before]) => {
-                    const td = document.querySelector(
-                        ".lab-summary td[data-key='model_output_rel_max']");
-                    return td && td.innerText !== before;
-                }""",
-                arg=[before],
-                timeout=KERNEL_TIMEOUT_MS,
-            )
-            after = rel_max.inner_text()
-            assert "'timestep': 'bf16'" in policy.inner_text()
-            assert float(after) != float(before) and float(after) > 0
-            # The plot updates in place: the same <img> gets the new PNG (a new blob URL).
-            page.wait_for_function(
-                "([before]) => document.querySelector('img.lab-plot').src !== before",
-                arg=[plot_before],
-                timeout=30_000,
-            )
-            assert page.locator(".lab-message .lab-error").count() == 0
-
-            shot = tmp_path / "panel.png"
-            page.locator(".lab-panel").screenshot(path=str(shot))
-            assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
-            keep = REPO / "runs" / "browser" / "panel.png"
-            keep.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(shot, keep)
-        except Exception:
-            # What the browser showed when it failed: kept beside the test's temp files.
-            page.screenshot(path=str(tmp_path / "failure.png"))
-            (tmp_path / "failure.html").write_text(page.content())
-            print(f"browser test failed; screenshot and page in {tmp_path}")
-            raise
+            yield chromium
         finally:
-            browser.close()
+            chromium.close()
+
+
+@contextlib.contextmanager
+def _recorded(page: Any, name: str) -> Iterator[None]:
+    """Keep what the page showed: `name.png` on success, `name-failure.png/.html` on failure."""
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except Exception:
+        page.screenshot(path=str(SHOTS / f"{name}-failure.png"), full_page=True)
+        (SHOTS / f"{name}-failure.html").write_text(page.content())
+        print(f"browser test failed; screenshot and page in {SHOTS}")
+        raise
+    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+
+
+def _open_notebook(page: Any, lab_server: str, name: str) -> None:
+    page.goto(f"{lab_server}/lab/tree/{name}")
+    page.locator(".jp-Notebook").wait_for(timeout=60_000)
+    # Kernel started and idle before asking it to run anything.
+    page.get_by_text("Python 3 (ipykernel) | Idle").wait_for(timeout=KERNEL_TIMEOUT_MS)
+
+
+def _run_all(page: Any) -> None:
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    started = page.locator(".jp-InputPrompt", has_text=re.compile(r"\[(\*|\d+)\]"))
+    for _ in range(3):
+        # A Run All sent while the kernel connection is still settling can be dropped (seen
+        # on loaded CI machines): send it again until a prompt shows it ran.
+        page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+        page.locator(".lm-Menu-item[data-command='runmenu:run-all']").click()
+        try:
+            started.first.wait_for(timeout=20_000)
+            return
+        except PlaywrightTimeout:
+            continue
+
+
+_SETUP_FAILED: list[str] = []
+
+
+@pytest.fixture(scope="module")
+def panel(lab_server: str, browser: Any) -> Iterator[Any]:
+    """Notebook 03 run top to bottom (its headless run and figure, then the panel)."""
+    if _SETUP_FAILED:  # pytest retries a failed module fixture for every test: fail fast
+        pytest.fail(f"notebook 03 did not open (see the first error): {_SETUP_FAILED[0]}")
+    page = browser.new_page(viewport={"width": 1500, "height": 2000})
+    try:
+        with _recorded(page, "panel-open"):
+            _open_notebook(page, lab_server, "03_control_panel.ipynb")
+            _run_all(page)
+            # interactive=False: run_and_export runs one pair and exports before the panel.
+            exported = page.locator(".lab-status-text", has_text="exported")
+            exported.wait_for(timeout=KERNEL_TIMEOUT_MS, state="attached")
+            plot = page.locator(".lab-divergence .js-plotly-plot")
+            plot.locator("path.point").first.wait_for(timeout=60_000, state="attached")
+            plot.scroll_into_view_if_needed()
+    except Exception as err:
+        _SETUP_FAILED.append(f"{type(err).__name__}: {str(err)[:300]}")
+        page.close()
+        raise
+    yield page
+    page.close()
+
+
+def _status(page: Any) -> str:
+    return page.locator(".lab-status-text").inner_text()
+
+
+def _run(page: Any) -> str:
+    """Click Run and wait for this run's status line (runs are numbered, so it is new)."""
+    before = _status(page)
+    page.locator("button.lab-run").click()
+    page.wait_for_function(
+        """([before]) => {
+            const s = document.querySelector('.lab-status-text');
+            return s && s.innerText !== before && /^run \\d+: /.test(s.innerText);
+        }""",
+        arg=[before],
+        timeout=RUN_TIMEOUT_MS,
+    )
+    return _status(page)
+
+
+def _rel_max(page: Any) -> float:
+    return float(page.locator(".lab-summary td[data-key='model_output_rel_max']").inner_text())
+
+
+def _checkbox(page: Any, key: str) -> Any:
+    return page.locator(f".lab-{key} input[type=checkbox]")
+
+
+def _use_flux(page: Any) -> None:
+    if page.locator(".lab-family select").input_value() != "flux":
+        page.locator(".lab-family select").select_option("flux")
+    plot_title = page.locator(".lab-divergence .gtitle")
+    if "flux [tiny]" not in plot_title.text_content():
+        assert "ran in" in _run(page), _status(page)
+
+
+def test_switch_family_loads_its_sides_and_reruns(panel: Any) -> None:
+    page = panel
+    with _recorded(page, "switch-family"):
+        family = page.locator(".lab-family select")
+        target = "sd3" if family.input_value() != "sd3" else "flux"
+        forward = page.locator(".lab-trainer-forward_dtype select")
+        family.select_option(target)
+        # The family's own sides load at once: sd3 runs fp16 (flux bf16) on both sides.
+        want = "fp16" if target == "sd3" else "bf16"
+        page.wait_for_function(
+            """([want]) => document.querySelector(
+                '.lab-trainer-forward_dtype select').value === want""",
+            arg=[want],
+            timeout=10_000,
+        )
+        assert forward.input_value() == want
+        assert page.locator(".lab-rollout-forward_dtype select").input_value() == want
+        status = _run(page)
+        assert "ran in" in status, status
+        title = page.locator(".lab-divergence .gtitle").text_content()
+        assert f"{target} [tiny]" in title, title
+        assert _rel_max(page) > 0
+        assert page.locator(".lab-message .lab-error").count() == 0
+
+
+def test_autocast_off_on_both_sides_gives_a_bit_exact_output(panel: Any) -> None:
+    page = panel
+    with _recorded(page, "autocast-off"):
+        _use_flux(page)
+        assert _rel_max(page) > 0, "tiny flux's trainer autocast must move the output"
+        assert not _checkbox(page, "rollout-autocast").is_checked()
+        _checkbox(page, "trainer-autocast").uncheck()
+        try:
+            status = _run(page)
+            assert "ran in" in status, status
+            assert _rel_max(page) == 0.0
+            first = page.locator(".lab-summary td[data-key='first_divergent_module']")
+            assert first.inner_text() == "None"
+        finally:
+            _checkbox(page, "trainer-autocast").check()
+
+
+def test_rule_shows_its_match_table_and_a_bad_combination_names_side_module_fix(
+    panel: Any,
+) -> None:
+    page = panel
+    with _recorded(page, "rule"):
+        _use_flux(page)
+        rules = page.locator(".lab-trainer-rules textarea")
+        rules.fill("*proj_out*: fp32")
+        rules.blur()  # the text box sends its value on change, as when a user leaves it
+        table = page.locator(".lab-trainer-rules-table table.lab-rules")
+        table.wait_for(timeout=30_000)
+        row = table.locator("tbody tr").first
+        cells = row.locator("td").all_inner_texts()
+        assert cells[:2] == ["*proj_out*", "fp32"], cells
+        assert int(cells[2]) >= 2, "proj_out weight and bias at least"
+        assert "proj_out" in cells[5]
+
+        # Autocast off with an fp32 Linear: the trainer's forward fails part-way.
+        _checkbox(page, "trainer-autocast").uncheck()
+        try:
+            status = _run(page)
+            assert "failed at" in status and "side 'trainer'" in status, status
+            error = page.locator(".lab-message .lab-error").inner_text()
+            assert "Run failed on side 'trainer' in module 'single_transformer_blocks.0" in error
+            assert "Fix:" in error and "Turn autocast on for side 'trainer'" in error
+            assert "err.result" not in page.locator(".lab-message").inner_text()
+            assert "compared before the failure" in page.locator(".lab-partial").inner_text()
+            page.screenshot(path=str(SHOTS / "failure-message.png"), full_page=True)
+        finally:
+            _checkbox(page, "trainer-autocast").check()
+            rules.fill("")
+            rules.blur()
+        status = _run(page)
+        assert "ran in" in status, status
+        assert page.locator(".lab-message .lab-error").count() == 0
+
+
+def test_hover_reads_the_module_and_click_shows_its_detail(panel: Any) -> None:
+    page = panel
+    with _recorded(page, "hover-click"):
+        _use_flux(page)
+        points = page.locator(".lab-divergence .scatterlayer .trace .points path.point")
+        assert points.count() > 50
+        # A point well inside the plot: the last one of the "linear" trace.
+        linear = page.locator(".lab-divergence .scatterlayer .trace").nth(
+            _trace_index(page, "linear")
+        )
+        point = linear.locator("path.point").last
+        page.locator(".lab-divergence").scroll_into_view_if_needed()
+        box = point.bounding_box()
+        assert box is not None
+        x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+        page.mouse.move(x, y)
+        hover = page.locator(".lab-divergence .hoverlayer .hovertext")
+        hover.wait_for(timeout=10_000)
+        lines = hover.locator("tspan.line").all_text_contents()
+        text = "\n".join(lines)
+        label = lines[0].strip()
+        assert re.fullmatch(r"(<root>|[\w.]+)(:\w+)?(#\d+)?", label), text
+        for field in ("class:", "dtype:", "rel_max:", "why:"):
+            assert field in text, text
+        page.screenshot(path=str(SHOTS / "hover.png"), full_page=True)
+
+        page.mouse.click(x, y)
+        detail = page.locator(".lab-detail")
+        detail.locator("b", has_text=f"selected: {label}").wait_for(timeout=30_000)
+        assert page.locator(".lab-module select").input_value() == label
+        params = detail.locator("table.lab-param-dtypes").inner_text()
+        assert "weight" in params and "param_dtype" in params
+        page.locator(".lab-detail-plot .js-plotly-plot").wait_for(timeout=30_000)
+        assert "ULP distance" in page.locator(".lab-detail-plot .gtitle").text_content()
+
+
+def _trace_index(page: Any, name: str) -> int:
+    names = page.locator(".lab-divergence .legend .traces .legendtext").all_text_contents()
+    assert name in names, names
+    return names.index(name)
+
+
+def test_export_writes_one_report(panel: Any, lab_root: Path) -> None:
+    page = panel
+    with _recorded(page, "export"):
+        before = _status(page)
+        page.locator("button.lab-export").click()
+        page.wait_for_function(
+            """([before]) => {
+                const s = document.querySelector('.lab-status-text');
+                return s && s.innerText !== before && s.innerText.startsWith('exported');
+            }""",
+            arg=[before],
+            timeout=60_000,
+        )
+        match = re.match(r"exported (\S+report\.html)", _status(page))
+        assert match, _status(page)
+        report = lab_root / match.group(1)
+        assert report.exists() and report.stat().st_size > 10_000
+        assert (report.parent / "results.json").exists()
+        assert "flux" in report.read_text()
+
+
+def test_executed_quickstart_shows_its_figure(
+    lab_server: str, lab_root: Path, browser: Any
+) -> None:
+    import papermill as pm
+
+    out = lab_root / "01_quickstart.out.ipynb"
+    pm.execute_notebook(
+        str(REPO / "notebooks" / "01_quickstart.ipynb"),
+        str(out),
+        kernel_name="python3",
+        progress_bar=False,
+        cwd=str(lab_root),
+    )
+    page = browser.new_page(viewport={"width": 1400, "height": 1600})
+    try:
+        with _recorded(page, "quickstart-output"):
+            page.goto(f"{lab_server}/lab/tree/{out.name}")
+            page.locator(".jp-Notebook").wait_for(timeout=60_000)
+            # The stored figure: plotly's renderer draws it (a static PNG where it cannot).
+            figure = (
+                page.locator(".jp-OutputArea-output.js-plotly-plot, .jp-OutputArea-output img")
+                .filter(visible=True)
+                .first
+            )
+            figure.wait_for(timeout=60_000)
+            figure.scroll_into_view_if_needed()
+            box = figure.bounding_box()
+            assert box is not None and box["width"] > 300 and box["height"] > 200, box
+            title = figure.locator(".gtitle")
+            if title.count():
+                assert "[tiny]" in title.text_content()
+                assert figure.locator("path.point").count() > 50
+    finally:
+        page.close()
