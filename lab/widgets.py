@@ -196,11 +196,7 @@ class ModuleDetail:
             if whys
             else "<div class='lab-why'><i>no why recorded for this row</i></div>"
         )
-        params = (
-            self.param_dtypes.to_html(index=False, classes="lab-param-dtypes")
-            if len(self.param_dtypes)
-            else "<i>no parameters or floating buffers</i>"
-        )
+        params = _param_dtypes_html(self.param_dtypes, self.side_names)
         return (
             f"<b>selected: {html.escape(self.label)}</b>{why}"
             + rows.to_html(classes="lab-rows")
@@ -210,6 +206,42 @@ class ModuleDetail:
 
     def _repr_html_(self) -> str:
         return self.html()
+
+
+_PARAM_ROWS = 12
+"""Parameter rows shown before the rest are summed up (a block or the root owns hundreds)."""
+
+
+def _param_dtypes_html(table: Any, side_names: tuple[str, str]) -> str:
+    """The parameter table, the tensors a rule, a keep or a cast touched (or that differ) first.
+
+    Past `_PARAM_ROWS` rows, the tensors both sides hold at their plain param_dtype are summed
+    up in one line by dtype, so a block or the whole model stays readable.
+    """
+    if not len(table):
+        return "<i>no parameters or floating buffers</i>"
+    a, b = side_names
+    plain = (
+        (table[f"{a} set by"] == "param_dtype")
+        & (table[f"{b} set by"] == "param_dtype")
+        & (table[f"{a} dtype"] == table[f"{b} dtype"])
+    )
+    shown = table[~plain]
+    rest = table[plain]
+    if len(table) <= _PARAM_ROWS:
+        shown, rest = table, rest.iloc[:0]
+    elif len(shown) < _PARAM_ROWS:
+        shown = table[~plain | (plain.cumsum() <= _PARAM_ROWS - len(shown))]
+        rest = table[plain & (plain.cumsum() > _PARAM_ROWS - int((~plain).sum()))]
+    out = shown.to_html(index=False, classes="lab-param-dtypes")
+    if len(rest):
+        counts = rest[f"{a} dtype"].value_counts()
+        by_dtype = ", ".join(f"{d} x{n}" for d, n in counts.items())
+        out += (
+            f"<div>and {len(rest)} more at param_dtype on both sides ({html.escape(by_dtype)})"
+            "; all rows are in <code>panel.selected.param_dtypes</code>.</div>"
+        )
+    return out
 
 
 def _cell(value: Any) -> str:
@@ -432,7 +464,11 @@ class ControlPanel:
             return None
         self.rule_matches[side_name] = matches
         if matches:
-            table.value = rule_matches_table(matches).to_html(index=False, classes="lab-rules")
+            table.value = (
+                "<div style='overflow-x:auto'>"
+                + rule_matches_table(matches).to_html(index=False, classes="lab-rules")
+                + "</div>"
+            )
         else:
             table.value = "<i>no rules: every parameter at param_dtype</i>"
         self._show_message("")
@@ -1143,6 +1179,8 @@ function loadPlotly(model) {
 async function render({ model, el }) {
   const Plotly = await loadPlotly(model);
   const div = document.createElement("div");
+  el.style.width = "100%";
+  div.style.width = "100%";
   el.appendChild(div);
   const draw = () => {
     const spec = model.get("spec") || {};
@@ -1212,9 +1250,9 @@ def _show_plotly(target: W.DOMWidget, fig: Any) -> None:
         return
     from IPython import get_ipython
 
-    target.clear_output(wait=True)
     if get_ipython() is None:  # headless: the figure object is what tests read
         return
+    target.clear_output(wait=True)
     from IPython.display import display
 
     with target:

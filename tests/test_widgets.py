@@ -309,3 +309,19 @@ def test_apply_prints_nothing_and_stops_at_the_first_value_not_taken() -> None:
     assert p.get("trainer.autocast") is False, "apply stops at the first value not taken"
     with pytest.raises(RuntimeError, match="unknown value 'fp64'"):
         p.run_and_export("unused")
+
+
+def test_root_detail_lists_the_ruled_parameters_first_and_sums_up_the_rest() -> None:
+    p = control_panel("flux")
+    p.set("trainer.param_dtype_rules", "*proj_out*: fp32")
+    assert p.run() is not None, p.message
+    detail = p.select("<root>")
+    table = detail.param_dtypes
+    ruled = table[table["trainer set by"] == "*proj_out*: fp32"]
+    assert len(ruled) == 6 and set(ruled["trainer dtype"]) == {"fp32"}
+    assert set(ruled["rollout dtype"]) == {"bf16"}
+    html = detail.html()
+    shown = re.findall(r"<td>([\w.]+\.(?:weight|bias))</td>", html)
+    assert set(ruled["tensor"]) <= set(shown), "the ruled tensors come first"
+    more = re.search(r"and (\d+) more at param_dtype on both sides \(bf16 x(\d+)\)", html)
+    assert more and int(more.group(1)) == int(more.group(2)) == len(table) - len(shown)
