@@ -72,6 +72,11 @@ def test_control_panel_headless_runs_one_pair_and_exports(tmp_path: Path) -> Non
     assert any("application/vnd.jupyter.widget-view+json" in o["data"] for o in shown), (
         "the last cell must display the panel"
     )
+    apply_cells = [c for c in nb.cells if c.source.strip() == "panel.apply(settings)"]
+    assert apply_cells, "03 applies its settings in a cell of its own"
+    assert all(not c.outputs for c in apply_cells), "panel.apply must not print True"
+    noise = [o["text"] for c in nb.cells for o in c.get("outputs", []) if o.get("name") == "stderr"]
+    assert not noise, noise
 
 
 def test_param_overrides_table_and_effect(tmp_path: Path) -> None:
