@@ -188,6 +188,10 @@ def _check_01(out: Path, family: str, nb: Any) -> None:
     assert data["side_a"]["name"] == "rollout" and data["side_b"]["name"] == "trainer"
     assert data["summary"]["model_output_rel_max"] >= 0
     assert (out / "divergence_by_layer.png").read_bytes()[:8] == PNG
+    # interactive=True by default: the figure is plotly (hover), with a static fallback
+    # (a PNG or HTML) beside it for viewers without the plotly renderer.
+    shown = [o["data"] for o in _outputs(nb) if PLOTLY_MIME in o.get("data", {})]
+    assert shown and all({"image/png", "text/html"} & set(d) for d in shown)
 
 
 def _check_02(out: Path, family: str, nb: Any) -> None:
