@@ -896,7 +896,7 @@ class ControlPanel:
         o["status"] = W.HTML()
         o["message"] = W.HTML()
         o["summary"] = W.HTML("<i>press Run</i>")
-        o["plot"] = W.Box(layout=W.Layout(width="100%"))
+        o["plot"] = W.VBox(layout=W.Layout(width="100%"))
         # One plot widget for the panel's life, updated in place (plotly.js reaches the
         # browser once); without anywidget an Output shows the figure: hover, no clicks.
         self.plot_widget = _plot_widget(self._on_click, "lab-divergence")
@@ -1193,7 +1193,10 @@ async function render({ model, el }) {
     const p = event.points && event.points[0];
     if (p) model.send({ event: "click", curve: p.curveNumber, point: p.pointIndex });
   });
-  return () => { model.off("change:spec", draw); Plotly.purge(div); };
+  // The view is drawn before JupyterLab attaches it: follow the width it gets.
+  const resize = new ResizeObserver(() => Plotly.Plots.resize(div));
+  resize.observe(el);
+  return () => { resize.disconnect(); model.off("change:spec", draw); Plotly.purge(div); };
 }
 
 export default { render };

@@ -310,6 +310,7 @@ def test_rule_shows_its_match_table_and_a_bad_combination_names_side_module_fix(
         assert cells[:2] == ["*proj_out*", "fp32"], cells
         assert int(cells[2]) >= 2, "proj_out weight and bias at least"
         assert "proj_out" in cells[5]
+        page.screenshot(path=str(SHOTS / "rule-table.png"))
 
         # Autocast off with an fp32 Linear: the trainer's forward fails part-way.
         _checkbox(page, "trainer-autocast").uncheck()
@@ -321,7 +322,8 @@ def test_rule_shows_its_match_table_and_a_bad_combination_names_side_module_fix(
             assert "Fix:" in error and "Turn autocast on for side 'trainer'" in error
             assert "err.result" not in page.locator(".lab-message").inner_text()
             assert "compared before the failure" in page.locator(".lab-partial").inner_text()
-            page.screenshot(path=str(SHOTS / "failure-message.png"), full_page=True)
+            page.locator(".lab-message").scroll_into_view_if_needed()
+            page.screenshot(path=str(SHOTS / "failure-message.png"))
         finally:
             _checkbox(page, "trainer-autocast").check()
             rules.fill("")
@@ -337,11 +339,11 @@ def test_hover_reads_the_module_and_click_shows_its_detail(panel: Any) -> None:
         _use_flux(page)
         points = page.locator(".lab-divergence .scatterlayer .trace .points path.point")
         assert points.count() > 50
-        # A point well inside the plot: the last one of the "linear" trace.
+        # A point well inside the plot: the middle one of the "linear" trace.
         linear = page.locator(".lab-divergence .scatterlayer .trace").nth(
             _trace_index(page, "linear")
         )
-        point = linear.locator("path.point").last
+        point = linear.locator("path.point").nth(linear.locator("path.point").count() // 2)
         page.locator(".lab-divergence").scroll_into_view_if_needed()
         box = point.bounding_box()
         assert box is not None
@@ -355,16 +357,18 @@ def test_hover_reads_the_module_and_click_shows_its_detail(panel: Any) -> None:
         assert re.fullmatch(r"(<root>|[\w.]+)(:\w+)?(#\d+)?", label), text
         for field in ("class:", "dtype:", "rel_max:", "why:"):
             assert field in text, text
-        page.screenshot(path=str(SHOTS / "hover.png"), full_page=True)
+        page.screenshot(path=str(SHOTS / "hover.png"))
 
         page.mouse.click(x, y)
         detail = page.locator(".lab-detail")
         detail.locator("b", has_text=f"selected: {label}").wait_for(timeout=30_000)
         assert page.locator(".lab-module select").input_value() == label
         params = detail.locator("table.lab-param-dtypes").inner_text()
-        assert "weight" in params and "param_dtype" in params
+        assert "class: Linear" in text, "a point of the linear trace"
+        assert "weight" in params and "bias" in params and "param_dtype" in params
         page.locator(".lab-detail-plot .js-plotly-plot").wait_for(timeout=30_000)
         assert "ULP distance" in page.locator(".lab-detail-plot .gtitle").text_content()
+        detail.locator("b").first.scroll_into_view_if_needed()
 
 
 def _trace_index(page: Any, name: str) -> int:
