@@ -12,8 +12,11 @@ kept, so a toggle and a re-run on the tiny preset only re-runs `pair`. A bad set
 with an unknown dtype, a glob matching nothing, an unknown policy value) never raises out of
 the panel: it becomes `panel.message`, shown in red, and the last good result stays on screen.
 A forward that fails part-way is shown with its side, module and fix, and the pairs compared
-before it. The divergence plot is a plotly FigureWidget (hover, zoom, click; clicks need the
-`anywidget` package, which plotly>=6 uses for FigureWidget).
+before it; the status line says the run failed. The divergence plot is plotly (hover: module,
+class, dtypes, metrics, why); a click on a point, the module picker below it and `select`
+show that output's row, its why, its ULP histogram and the dtype of every parameter and
+buffer on both sides with what set it. Clicks reach Python through `anywidget`; without it
+the plot still hovers and zooms and the picker selects.
 """
 
 from __future__ import annotations
