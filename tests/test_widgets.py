@@ -325,3 +325,18 @@ def test_root_detail_lists_the_ruled_parameters_first_and_sums_up_the_rest() -> 
     assert set(ruled["tensor"]) <= set(shown), "the ruled tensors come first"
     more = re.search(r"and (\d+) more at param_dtype on both sides \(bf16 x(\d+)\)", html)
     assert more and int(more.group(1)) == int(more.group(2)) == len(table) - len(shown)
+
+
+def test_without_anywidget_the_plot_is_an_output_and_select_still_works(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import ipywidgets as W
+
+    from lab import widgets
+
+    monkeypatch.setattr(widgets, "_plot_widget_class", lambda: None)
+    p = control_panel("flux")
+    assert isinstance(p.plot_widget, W.Output) and "lab-divergence" in p.plot_widget._dom_classes
+    assert p.run() is not None, p.message
+    assert p.selected.label == p.last_result.first_divergence().label()
+    assert p.select("proj_out").rows["label"].tolist() == ["proj_out"]
