@@ -174,6 +174,9 @@ def find_run(ref: str | Path | SavedRun, runs: Sequence[SavedRun] | None = None,
         return ref
     text = str(ref)
     path = Path(text)
+    if not path.is_absolute():
+        # A relative path names a run under `root` (the working directory only when root is ".").
+        path = Path(root) / path
     if path.is_dir() and (path / "results.json").is_file():
         path = path / "results.json"
     if path.is_file():
