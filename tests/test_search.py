@@ -11,8 +11,11 @@ from lab.search import Change, find_smallest_changes, module_rules
 
 def test_bisection_finds_exactly_the_norm2_rules_wan_needs() -> None:
     fam = lab.family("wan2_2")
-    model, inputs = fam.build("tiny", 0), fam.make_inputs("tiny", 0)
-    # Seeded LayerNorm affine params are exactly 1 and 0, which bf16 holds exactly: give norm2
+    # The plain init, with only norm2 moved off the bf16 grid: the trained-like default moves
+    # every engine-kept norm (norm3 too) and the time embedder off it, so more than the norm2
+    # rules would be needed; this test is about the bisection finding an exact known set.
+    model, inputs = fam.build("tiny", 0, init="plain"), fam.make_inputs("tiny", 0)
+    # Plain LayerNorm affine params are exactly 1 and 0, which bf16 holds exactly: give norm2
     # fp32-only values so its dtype matters, as trained weights do.
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
