@@ -103,6 +103,10 @@ def tensor_fingerprint(tensor: torch.Tensor) -> dict[str, Any]:
 
 def _checksum(t: torch.Tensor) -> str:
     flat = t.contiguous().reshape(-1)
+    if flat.numel() and flat.stride(-1) != 1:
+        # A one-element (e.g. expanded timestep) tensor counts as contiguous with any stride,
+        # and a dtype view needs stride 1.
+        flat = flat.clone(memory_format=torch.contiguous_format)
     words = flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(torch.int16)
     acc = torch.zeros(2, dtype=torch.int64, device=words.device)
     for start in range(0, words.numel(), _CHUNK_WORDS):
@@ -783,7 +787,7 @@ def _unlisted_reasons(dump: Dump, entries: list[dict], what: str) -> dict[str, s
 
 def _live_capture(model: torch.nn.Module, inputs: Any, side: Any) -> dict[str, torch.Tensor]:
     from lab.capture import ModuleHooks
-    from lab.run import check_side_device, model_device, side_context, side_inputs
+    from lab.run import check_side_device, model_device, model_in_use, side_context, side_inputs
     from lab.weights import WeightView
 
     device = model_device(model)
@@ -800,6 +804,7 @@ def _live_capture(model: torch.nn.Module, inputs: Any, side: Any) -> dict[str, t
     model.eval()
     try:
         with (
+            model_in_use(model, "pair_dump"),
             torch.no_grad(),
             ModuleHooks(model, on_output).attached(),
             WeightView(model, side).applied(),

@@ -152,7 +152,7 @@ def master_gradients(
     """
     import time
 
-    from lab.run import check_side_device, model_device, side_context, side_inputs
+    from lab.run import check_side_device, model_device, model_in_use, side_context, side_inputs
     from lab.weights import WeightView
 
     device = model_device(model)
@@ -169,7 +169,12 @@ def master_gradients(
     try:
         for p in params.values():
             p.grad = None
-        with torch.enable_grad(), view.applied(), _fsdp2_block_inputs(model, side):
+        with (
+            model_in_use(model, "master_gradients"),
+            torch.enable_grad(),
+            view.applied(),
+            _fsdp2_block_inputs(model, side),
+        ):
             with side_context(side, device, model):
                 output = model(**cast.kwargs)
             # Loss and backward outside autocast, as the FSDP2 ranks run them.

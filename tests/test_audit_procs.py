@@ -69,11 +69,18 @@ def test_the_rounded_weights_made_fp32_pair_as_their_own_master() -> None:
 # ---- item 6: one model, two threads ----------------------------------------------------------
 
 
-def test_a_second_concurrent_pair_on_one_model_is_refused_and_the_model_survives() -> None:
+def test_a_second_concurrent_pair_on_one_model_is_refused_and_the_model_survives(
+    tmp_path: Any,
+) -> None:
+    from lab.dump import attach, pair_dump
+    from lab.gradients import master_gradients
+
     fam, model, inputs = _tiny("wan2_2")
     rollout, trainer = lab.Side.rollout(fam), lab.Side.trainer(fam)
     before = _snapshot(model)
     expected = lab.pair(model, inputs, rollout, trainer).table()
+    with attach(model, tmp_path / "dump"):
+        lab.forward_side(model, inputs, rollout)
 
     inside, release = threading.Event(), threading.Event()
 
@@ -100,6 +107,11 @@ def test_a_second_concurrent_pair_on_one_model_is_refused_and_the_model_survives
             lab.pair(model, inputs, rollout, trainer)
         with pytest.raises(ModelInUseError, match=r"forward_side: .*copy\.deepcopy\(model\)"):
             lab.forward_side(model, inputs, rollout)
+        # Every other call that swaps the parameter tensors holds the model the same way.
+        with pytest.raises(ModelInUseError, match=r"^master_gradients: "):
+            master_gradients(model, inputs, trainer, lambda out, _: out[0].float().mean())
+        with pytest.raises(ModelInUseError, match=r"^pair_dump: "):
+            pair_dump(tmp_path / "dump", model, inputs, trainer)
     finally:
         release.set()
         thread.join()

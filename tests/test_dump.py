@@ -379,3 +379,15 @@ def test_fingerprint_is_the_same_on_cpu_and_cuda(dtype: torch.dtype) -> None:
     on_cpu, on_gpu = tensor_fingerprint(t), tensor_fingerprint(t.cuda())
     assert on_cpu == on_gpu
     assert len(on_cpu["hashes"]) == (3 if dtype == torch.float32 else 1)
+
+
+def test_fingerprint_of_a_stride_zero_tensor_equals_its_contiguous_copy() -> None:
+    from lab.dump import _checksum
+
+    # Wan's timestep arrives as an expanded one-element tensor (stride 0): a dtype view of it
+    # used to raise instead of fingerprinting it.
+    value = torch.tensor([750.0])
+    expanded = torch.tensor(750.0).expand(1)
+    assert expanded.stride() == (0,)
+    assert _checksum(expanded) == _checksum(value)
+    assert _checksum(expanded) != _checksum(torch.tensor([751.0]))
