@@ -409,6 +409,7 @@ def _scenarios(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from lab import runs
+    from lab.atomic import atomic_write_text
 
     if not args.runs:
         saved = runs.list_runs(args.root)
@@ -438,8 +439,7 @@ def _compare(args: argparse.Namespace) -> int:
         figure = plots.save_figure(
             cmp.plot_overlay(args.metric, backend="matplotlib"), out / "overlay.png"
         )
-        out.mkdir(parents=True, exist_ok=True)
-        diff.to_csv(out / "settings_diff.csv")
+        atomic_write_text(out / "settings_diff.csv", diff.to_csv())
         print(f"wrote {figure} and {out / 'settings_diff.csv'}")
         write_html(cmp.runs, out / "report.html", metric=args.metric)
     if worse:
