@@ -351,6 +351,7 @@ def rule_effect(
                 cfg=False,
                 variant=variant,
                 expert=expert,
+                init=getattr(model, "lab_init", None),
                 rule_effect_run=name,
             ),
             stream=preset == "full",
