@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 import lab
-from lab.capture import ModuleHooks, flatten_output
-from lab.metrics import segment_stats
-from lab.weights import WeightView
+from lab.pairing.capture import ModuleHooks, flatten_output
+from lab.pairing.metrics import segment_stats
+from lab.pairing.weights import WeightView
 
 
 def _floating(output: Any) -> list[torch.Tensor]:

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 import lab
-from lab.capture import ROOT, ModuleHooks, depth_filter, flatten_output
-from lab.metrics import compare
-from lab.weights import WeightView
+from lab.pairing.capture import ROOT, ModuleHooks, depth_filter, flatten_output
+from lab.pairing.metrics import compare
+from lab.pairing.weights import WeightView
 
 
 def _sync(device: str) -> None:

@@ -15,7 +15,7 @@ import time
 import torch
 
 import lab
-from lab.capture import depth_filter
+from lab.pairing.capture import depth_filter
 
 
 def measure(family_name: str, preset: str, capture_depth: int | None = None) -> dict:

@@ -5,9 +5,10 @@ shapes of a 14B DiT, (1, 32760, 5120) and (1, 32760, 13824), a small (1, 1024, 3
 overheads dominate, and the dtype pairs (bf16, bf16),
 (bf16, fp32) and (fp32, fp32), it times one pair (median of --repeat runs, CUDA-synchronised)
 with
-- eager: `lab.metrics._single_core`;
-- compiled: `lab.metrics._single_stats(cuda)`, the path `pair_stats` takes today (warmed first);
-- fused: `lab._fused_stats.fused_pair_stats`, one read of each input;
+- eager: `lab.pairing.metrics._single_core`;
+- compiled: `lab.pairing.metrics._single_stats(cuda)`, the path `pair_stats` takes today
+  (warmed first);
+- fused: `lab.pairing._fused_stats.fused_pair_stats`, one read of each input;
 - read_only: `a.float().sum() + b.float().sum()`, a bandwidth reference doing no metrics
   (for bf16 it also writes and rereads the fp32 copy);
 - sum_only: `a.sum(dtype=torch.float32) + b.sum(dtype=torch.float32)`, one plain read of each;
@@ -74,7 +75,7 @@ def _time(fn: Callable[[], Any], repeat: int) -> tuple[float, float, float]:
 
 def _matches(fused: tuple[torch.Tensor, torch.Tensor], eager: tuple[torch.Tensor, ...]) -> bool:
     """Counts, maxima and histogram equal; sums within rtol 1e-12 (float64 reassociation)."""
-    from lab.metrics import STAT_FIELDS
+    from lab.pairing.metrics import STAT_FIELDS
 
     stats, hist = (t.cpu() for t in fused)
     ref_stats, ref_hist = eager[0][0].cpu(), eager[1][0].cpu()
@@ -100,7 +101,7 @@ def _inputs(shape: tuple[int, ...], dtype_a: torch.dtype, dtype_b: torch.dtype):
 def bench_case(
     shape: tuple[int, ...], dtype_a: torch.dtype, dtype_b: torch.dtype, repeat: int, sweep: bool
 ) -> dict[str, Any]:
-    from lab import _fused_stats, metrics
+    from lab.pairing import _fused_stats, metrics
 
     a, b = _inputs(shape, dtype_a, dtype_b)
     flat_a, flat_b = a.reshape(-1), b.reshape(-1)

@@ -27,7 +27,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
                 "Every notebook pairs a rollout (reference) forward with a trainer (candidate) forward of a\n",
                 "diffusers DiT and shows where and how far they drift apart. Run all cells with the defaults\n",
                 "and each one shows its figures inline (plotly: hover for the module, its dtypes and metrics).\n",
-                "Headless: `python -m lab.notebooks notebooks/01_quickstart.ipynb out.ipynb -p family sd3`\n",
+                "Headless: `python -m lab.views.notebooks notebooks/01_quickstart.ipynb out.ipynb -p family sd3`\n",
                 "(papermill's command line; dict and list parameters take JSON text). Runs write to `runs/`.\n",
                 "\n",
                 "| notebook | what it is for |\n",
@@ -65,7 +65,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
                 "\n",
                 "Builds a family DiT with seeded weights, runs the same inputs under the engine-like\n",
                 "rollout side and the FSDP2-like trainer side, and shows where they first diverge.\n",
-                "Headless: `python -m lab.notebooks notebooks/01_quickstart.ipynb out.ipynb -p family wan2_2`\n",
+                "Headless: `python -m lab.views.notebooks notebooks/01_quickstart.ipynb out.ipynb -p family wan2_2`\n",
                 "(or `precision-lab pair --family wan2_2`).",
             ],
         ),
@@ -75,7 +75,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             [
                 "import lab\n",
                 "from lab import plots\n",
-                "from lab.parameters import json_parameter",
+                "from lab.views.parameters import json_parameter",
             ],
         ),
         (
@@ -143,7 +143,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
                 "Samples a Flow-GRPO rollout (SDE noise inside the window), recomputes every step's\n",
                 "velocity and log-prob as the trainer, and plots the ratio drift per step, its\n",
                 "distribution, and |d log_prob| against the velocity gap (predicted beside measured).\n",
-                "Headless: `python -m lab.notebooks notebooks/02_ratio_drift.ipynb out.ipynb -p family sd3`\n",
+                "Headless: `python -m lab.views.notebooks notebooks/02_ratio_drift.ipynb out.ipynb -p family sd3`\n",
                 "(or `precision-lab drift --family sd3`).",
             ],
         ),
@@ -151,8 +151,8 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             "code",
             "",
             [
-                "from lab import drift_plots, plots, trajectory, widgets\n",
-                "from lab.parameters import json_parameter",
+                "from lab import plots, trajectory, widgets\n",
+                "from lab.views.parameters import json_parameter",
             ],
         ),
         (
@@ -216,7 +216,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             "",
             [
                 "plots.show(\n",
-                '    drift_plots.plot_ratio_drift(traj, backend=backend), save_as=f"{out_dir}/ratio_drift.png"\n',
+                '    plots.plot_ratio_drift(traj, backend=backend), save_as=f"{out_dir}/ratio_drift.png"\n',
                 ")",
             ],
         ),
@@ -225,7 +225,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             "",
             [
                 "plots.show(\n",
-                '    drift_plots.plot_ratio_histogram(traj, backend=backend), save_as=f"{out_dir}/ratio_hist.png"\n',
+                '    plots.plot_ratio_histogram(traj, backend=backend), save_as=f"{out_dir}/ratio_hist.png"\n',
                 ")",
             ],
         ),
@@ -234,7 +234,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             "",
             [
                 "plots.show(\n",
-                "    drift_plots.plot_logprob_vs_velocity_gap(traj, backend=backend),\n",
+                "    plots.plot_logprob_vs_velocity_gap(traj, backend=backend),\n",
                 '    save_as=f"{out_dir}/logprob_vs_velocity_gap.png",\n',
                 ")",
             ],
@@ -270,8 +270,8 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             "",
             [
                 "from lab import plots\n",
-                "from lab.parameters import json_parameter\n",
-                "from lab.widgets import control_panel",
+                "from lab.views.parameters import json_parameter\n",
+                "from lab.views.widgets import control_panel",
             ],
         ),
         (
@@ -328,10 +328,10 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             "",
             [
                 "from lab import plots\n",
-                "from lab.parameters import json_parameter\n",
-                "from lab.report import write_html\n",
-                "from lab.rule_effect import rule_effect\n",
-                "from lab.widgets import rule_matches_table",
+                "from lab.views.parameters import json_parameter\n",
+                "from lab.views.report import write_html\n",
+                "from lab.causes.rule_effect import rule_effect\n",
+                "from lab.views.widgets import rule_matches_table",
             ],
         ),
         (
@@ -397,7 +397,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
         (
             "code",
             "",
-            ["from lab import plots, sweep\n", "from lab.parameters import json_parameter"],
+            ["from lab import plots, sweep\n", "from lab.views.parameters import json_parameter"],
         ),
         (
             "code",
@@ -441,7 +441,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
                 "\n",
                 "Runs every known-mismatch scenario available on the device (GPU-only ones need CUDA):\n",
                 "the buggy pair of sides, the fixed pair, and the culprit the lab finds in local mode.\n",
-                "Headless: `python -m lab.notebooks notebooks/06_scenarios.ipynb out.ipynb -p device cuda`\n",
+                "Headless: `python -m lab.views.notebooks notebooks/06_scenarios.ipynb out.ipynb -p device cuda`\n",
                 "(or `precision-lab scenarios --device cuda`).",
             ],
         ),
@@ -449,8 +449,8 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             "code",
             "",
             [
-                "from lab import plots, scenario_plots, scenarios\n",
-                "from lab.parameters import json_parameter",
+                "from lab import plots, scenarios\n",
+                "from lab.views.parameters import json_parameter",
             ],
         ),
         (
@@ -472,7 +472,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             "",
             [
                 "plots.show(\n",
-                '    scenario_plots.plot_bug_vs_fixed(runs, backend=backend), save_as=f"{out_dir}/bug_vs_fixed.png"\n',
+                '    plots.plot_bug_vs_fixed(runs, backend=backend), save_as=f"{out_dir}/bug_vs_fixed.png"\n',
                 ")",
             ],
         ),
@@ -499,7 +499,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             [
                 "import lab\n",
                 "from lab import fsdp, gradients, plots\n",
-                "from lab.result import results_table",
+                "from lab.pairing.result import results_table",
             ],
         ),
         (
@@ -551,7 +551,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             "",
             [
                 "plots.show(\n",
-                '    gradients.plot_gradient_divergence(grads, metric), save_as=f"{out_dir}/gradient_divergence.png"\n',
+                '    plots.plot_gradient_divergence(grads, metric), save_as=f"{out_dir}/gradient_divergence.png"\n',
                 ")",
             ],
         ),
@@ -568,7 +568,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             "",
             [
                 "plots.show(\n",
-                '    gradients.plot_gradient_divergence(reduce, metric), save_as=f"{out_dir}/reduce_dtypes.png"\n',
+                '    plots.plot_gradient_divergence(reduce, metric), save_as=f"{out_dir}/reduce_dtypes.png"\n',
                 ")",
             ],
         ),
@@ -608,8 +608,8 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             "",
             [
                 "from lab import plots, runs\n",
-                "from lab.parameters import json_parameter\n",
-                "from lab.report import write_html",
+                "from lab.views.parameters import json_parameter\n",
+                "from lab.views.report import write_html",
             ],
         ),
         (

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The main job: the quickstart notebook through papermill on the tiny preset.
 # Writes runs/quickstart/{01_quickstart.ipynb,results.json,divergence_by_layer.png}.
-# Extra arguments go to papermill (run through lab.notebooks: the kernel transport is
+# Extra arguments go to papermill (run through lab.views.notebooks: the kernel transport is
 # encrypted, so no TCP warning), e.g.: bash scripts/quickstart.sh -p family wan2_2
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 out=${OUT_DIR:-runs/quickstart}
 mkdir -p "$out"
-.venv/bin/python -m lab.notebooks notebooks/01_quickstart.ipynb "$out/01_quickstart.ipynb" \
+.venv/bin/python -m lab.views.notebooks notebooks/01_quickstart.ipynb "$out/01_quickstart.ipynb" \
   -p preset tiny -p out_dir "$out" "$@"
 .venv/bin/python - "$out/results.json" <<'PY'
 import json, sys

@@ -14,16 +14,16 @@ import torch
 from safetensors.torch import save_file
 
 import lab
-from lab.atomic import atomic_path, atomic_write_bytes, atomic_write_text
-from lab.baselines import load_baseline, save_baseline
-from lab.errors import CheckpointError
-from lab.result import Result
+from lab.base.atomic import atomic_path, atomic_write_bytes, atomic_write_text
+from lab.base.errors import CheckpointError
+from lab.pairing.result import Result
+from lab.views.baselines import load_baseline, save_baseline
 
 
 def _enospc_after(monkeypatch: pytest.MonkeyPatch, real_bytes: int) -> None:
     """Make writes put `real_bytes` on disk, then fail as a full disk does.
 
-    Patches both ways a file gets written: os.write (lab.atomic) and io.open in a write mode
+    Patches both ways a file gets written: os.write (lab.base.atomic) and io.open in a write mode
     (Path.write_text, open(...).write), so the same fault reaches any writer.
     """
     real_write, real_open = os.write, io.open
@@ -70,7 +70,7 @@ def _leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if ".tmp" in p.name)
 
 
-# ---- lab.atomic -------------------------------------------------------------------------------
+# ---- lab.base.atomic -----------------------------------------------------------------------------
 
 
 def test_atomic_write_replaces_and_leaves_no_temporary(tmp_path: Path) -> None:
@@ -393,7 +393,7 @@ def test_from_json_accepts_rows_with_and_without_extra_keys(result: Result, tmp_
 def test_a_temporary_left_by_a_killed_writer_is_not_a_baseline(
     result: Result, tmp_path: Path
 ) -> None:
-    from lab.baselines import list_baselines
+    from lab.views.baselines import list_baselines
 
     save_baseline(result, "flux_tiny", directory=tmp_path)
     (tmp_path / ".flux_tiny.0a1b2c3d.tmp.json").write_text('{"sche')  # kill -9 mid-write

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lab
-from lab.errors import ModelInUseError, PairError
+from lab.base.errors import ModelInUseError, PairError
 
 
 def _tiny(family_name: str = "wan2_2") -> tuple[Any, torch.nn.Module, lab.Inputs]:
@@ -72,8 +72,8 @@ def test_the_rounded_weights_made_fp32_pair_as_their_own_master() -> None:
 def test_a_second_concurrent_pair_on_one_model_is_refused_and_the_model_survives(
     tmp_path: Any,
 ) -> None:
-    from lab.dump import attach, pair_dump
-    from lab.gradients import master_gradients
+    from lab.engine.dump import attach, pair_dump
+    from lab.rl.gradients import master_gradients
 
     fam, model, inputs = _tiny("wan2_2")
     rollout, trainer = lab.Side.rollout(fam), lab.Side.trainer(fam)
@@ -217,7 +217,7 @@ def test_inputs_that_are_not_an_inputs_record_are_refused() -> None:
     ],
 )
 def test_control_panel_refuses_an_unknown_preset_or_device(args: tuple, match: str) -> None:
-    from lab.widgets import control_panel
+    from lab.views.widgets import control_panel
 
     with pytest.raises(ValueError, match=match):
         control_panel(*args)

@@ -6,14 +6,14 @@ from pathlib import Path
 import pytest
 
 import lab
-from lab.baselines import (
+from lab.pairing.result import Result
+from lab.views.baselines import (
     BASELINE_DIR,
     compare_to_baseline,
     list_baselines,
     load_baseline,
     save_baseline,
 )
-from lab.result import Result
 
 FP16_TRAINER = {"forward_dtype": "fp16", "rollout_precision": "fp16", "param_dtype": "fp16"}
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import lab
-from lab.__main__ import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
+from lab.views.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 
 REPO = Path(__file__).resolve().parent.parent
 TOY = REPO / "tests" / "data" / "sweep_toy.ipynb"

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import lab
-from lab.dump import DumpError, attach, load_dump, pair_dump, pair_dumps, tensor_fingerprint
-from lab.run import forward_side
+from lab.engine.dump import DumpError, attach, load_dump, pair_dump, pair_dumps, tensor_fingerprint
+from lab.pairing.run import forward_side
 
 # The reference side runs the SD3-shaped sgld group on Qwen-Image, which the trainer does not
 # match: the pair has real divergences to reproduce (root rel ~4.6e-3), not just zeros.
@@ -21,9 +21,9 @@ _WRITER = textwrap.dedent(
     """
     import json, sys
     import lab
-    from lab.dump import attach
-    from lab.run import forward_side
-    from lab.sides import Side
+    from lab.engine.dump import attach
+    from lab.pairing.run import forward_side
+    from lab.pairing.sides import Side
 
     directory, side_json = sys.argv[1], sys.argv[2]
     fam = lab.family("qwen_image")
@@ -382,7 +382,7 @@ def test_fingerprint_is_the_same_on_cpu_and_cuda(dtype: torch.dtype) -> None:
 
 
 def test_fingerprint_of_a_stride_zero_tensor_equals_its_contiguous_copy() -> None:
-    from lab.dump import _checksum
+    from lab.engine.dump import _checksum
 
     # Wan's timestep arrives as an expanded one-element tensor (stride 0): a dtype view of it
     # used to raise instead of fingerprinting it.

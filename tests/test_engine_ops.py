@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import lab
-from lab.capture import ROOT
+from lab.pairing.capture import ROOT
 from lab.precision.engine_ops import PATCH_GROUPS, SWITCHES, ops_applied
 
 
@@ -70,9 +70,9 @@ def test_groups_are_per_instance_and_restored(built: dict) -> None:
 def test_patch_groups_do_not_leak_into_the_other_side(built: dict) -> None:
     fam, model, inputs = _model_inputs(built, "qwen_image")
     plain = lab.Side.trainer(fam)
-    before = lab.run.forward_side(model, inputs, plain)[0]
+    before = lab.pairing.run.forward_side(model, inputs, plain)[0]
     lab.pair(model, inputs, lab.Side.rollout(fam, engine_ops=("sgld",)), plain, mode="local")
-    after = lab.run.forward_side(model, inputs, plain)[0]
+    after = lab.pairing.run.forward_side(model, inputs, plain)[0]
 
     assert torch.equal(before, after)
 
@@ -82,9 +82,9 @@ def test_later_group_wins(built: dict) -> None:
     both = lab.Side.rollout(fam, engine_ops=("sgld", "qwen_image"))
     reversed_order = lab.Side.rollout(fam, engine_ops=("qwen_image", "sgld"))
     sgld = lab.Side.rollout(fam, engine_ops=("sgld",))
-    y_both = lab.run.forward_side(model, inputs, both)[0]
-    y_rev = lab.run.forward_side(model, inputs, reversed_order)[0]
-    y_sgld = lab.run.forward_side(model, inputs, sgld)[0]
+    y_both = lab.pairing.run.forward_side(model, inputs, both)[0]
+    y_rev = lab.pairing.run.forward_side(model, inputs, reversed_order)[0]
+    y_sgld = lab.pairing.run.forward_side(model, inputs, sgld)[0]
 
     assert not torch.equal(y_both, y_sgld)
     assert torch.equal(y_rev, y_sgld)

@@ -165,6 +165,6 @@ def test_make_inputs_bad_values() -> None:
 
 
 def _tensors(out):
-    from lab.capture import flatten_output
+    from lab.pairing.capture import flatten_output
 
     return [t for _, t in flatten_output(out) if isinstance(t, torch.Tensor)]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lab.families import FAMILY_NAMES
-from lab.flow_grpo import combine_cfg, sde_step_with_logprob, sigma_schedule
+from lab.rl.flow_grpo import combine_cfg, sde_step_with_logprob, sigma_schedule
 
 
 def _float64_log_prob(v, x, x_prev, sigma, sigma_prev, sigma_max, eta, sde_type):

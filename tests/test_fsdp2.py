@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import lab
-from lab.capture import ROOT
+from lab.engine.fsdp import Fsdp2Job, Fsdp2RankError, apply_fsdp2, pair_capture, run_fsdp2_forwards
 from lab.families import FAMILY_NAMES
-from lab.fsdp import Fsdp2Job, Fsdp2RankError, apply_fsdp2, pair_capture, run_fsdp2_forwards
+from lab.pairing.capture import ROOT
 from lab.precision.fsdp2_patch import (
     ParamDtypeMixedPrecisionPolicy,
     apply_param_dtype_map_patch,
@@ -482,7 +482,7 @@ def _wan_job() -> Fsdp2Job:
 
 def _processes_naming(text: str) -> list[int]:
     """Live processes whose command line contains `text` (the launch's folder names them)."""
-    from lab.processes import alive
+    from lab.base.processes import alive
 
     found = []
     for entry in Path("/proc").iterdir():
@@ -535,7 +535,7 @@ _CALLER = """
 import sys, tempfile
 tempfile.tempdir = sys.argv[1]
 import lab
-from lab.fsdp import Fsdp2Job, run_fsdp2_forwards
+from lab.engine.fsdp import Fsdp2Job, run_fsdp2_forwards
 job = Fsdp2Job(family_name="wan2_2", side=lab.Side.trainer(lab.family("wan2_2")))
 run_fsdp2_forwards([job], nproc=2, device="cpu", timeout_s=600)
 """

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import lab
-from lab.capture import ROOT
+from lab.engine.fsdp import Fsdp2Job, pair_capture, run_fsdp2_forwards
 from lab.families import FAMILY_NAMES
-from lab.fsdp import Fsdp2Job, pair_capture, run_fsdp2_forwards
+from lab.pairing.capture import ROOT
 
 pytestmark = pytest.mark.gpu
 

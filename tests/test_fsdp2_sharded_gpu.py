@@ -1,4 +1,4 @@
-"""Both sides sharded under FSDP2 (`lab.fsdp.pair_sharded`): the same per-module table as the
+"""Both sides sharded under FSDP2 (`lab.engine.fsdp.pair_sharded`): the same per-module table as the
 in-process pair, bit for bit on tiny, and Qwen-Image `full` (20 B parameters; both sides fit only
 sharded) across 2 GPUs with a row for every block.
 
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import lab
-from lab.capture import ROOT
+from lab.engine.fsdp import pair_sharded, pair_sharded_captures, run_fsdp2_forwards, sharded_jobs
 from lab.families import FAMILY_NAMES
-from lab.fsdp import pair_sharded, pair_sharded_captures, run_fsdp2_forwards, sharded_jobs
+from lab.pairing.capture import ROOT
 
 # minimax_h3: keep_fp32_modules plus rules; qwen_image: engine ops (sgld, qwen_image).
 CPU_FAMILIES = ("minimax_h3", "qwen_image")

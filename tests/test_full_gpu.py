@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import lab
-from lab.capture import ROOT
-from lab.weights import WeightView
+from lab.pairing.capture import ROOT
+from lab.pairing.weights import WeightView
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""lab._fused_stats: the one-pass Triton kernel equals `lab.metrics._single_core`.
+"""lab.pairing._fused_stats: the one-pass Triton kernel equals `lab.pairing.metrics._single_core`.
 
 The CPU tests run the kernel under Triton's interpreter. TRITON_INTERPRET must be set before
 `triton.jit` decorates the kernel, so it is set only in a subprocess: this file, run as a
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab import metrics
+from lab.pairing import metrics
 
 BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 DTYPES = (BF16, FP16, FP32, FP64)
@@ -149,7 +149,7 @@ CASES["no-finite-pair-fp32-fp64"] = _made(
 
 def _compute(case: str, device: str) -> dict[str, list[list[float]]]:
     """The kernel's and the reference's (stats, hist) for one case, as lists."""
-    from lab._fused_stats import fused_pair_stats
+    from lab.pairing._fused_stats import fused_pair_stats
 
     a, b, kwargs = CASES[case]()
     a, b = a.to(device), b.to(device)
@@ -219,7 +219,7 @@ def test_cases_cover_what_they_claim(
 
 
 def test_empty_pair_matches_segment_stats() -> None:
-    from lab._fused_stats import fused_pair_stats
+    from lab.pairing._fused_stats import fused_pair_stats
 
     a, b = torch.zeros(0, 3, dtype=BF16), torch.zeros(0, 3, dtype=FP32)
     stats, hist = fused_pair_stats(a, b)
@@ -228,7 +228,7 @@ def test_empty_pair_matches_segment_stats() -> None:
 
 
 def test_rejects_mismatched_pairs() -> None:
-    from lab._fused_stats import fused_pair_stats
+    from lab.pairing._fused_stats import fused_pair_stats
 
     with pytest.raises(ValueError, match="shapes differ"):
         fused_pair_stats(torch.zeros(3), torch.zeros(4))
@@ -237,7 +237,7 @@ def test_rejects_mismatched_pairs() -> None:
 
 
 def test_available_needs_cuda_or_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lab import _fused_stats
+    from lab.pairing import _fused_stats
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert not _fused_stats.available(torch.device("cpu"))
@@ -256,7 +256,7 @@ def test_compiled_kernel_matches_single_core_on_cuda(case: str) -> None:
 def test_compiled_kernel_matches_single_core_on_large_tensors(
     dtype_a: torch.dtype, dtype_b: torch.dtype
 ) -> None:
-    from lab._fused_stats import fused_pair_stats
+    from lab.pairing._fused_stats import fused_pair_stats
 
     n = 30_000_000 + 4097  # not a multiple of any tile
     gen = torch.Generator("cuda").manual_seed(1)

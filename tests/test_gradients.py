@@ -10,14 +10,14 @@ import pytest
 import torch
 
 import lab
-from lab.fsdp import compare_reduce_dtypes
-from lab.gradients import (
+from lab.engine.fsdp import compare_reduce_dtypes
+from lab.rl.gradients import (
     LogProbLoss,
     gradient_pair,
     master_gradients,
     pair_gradients,
-    plot_gradient_divergence,
 )
+from lab.views.plots import plot_gradient_divergence
 
 # wan2_2 pins norm2 to fp32 on the trainer side: the FSDP2 runs take the patched path and mix
 # bf16 and fp32 gradients in one reduce.

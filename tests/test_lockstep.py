@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import lab
-from lab.capture import ROOT
-from lab.errors import PairError
+from lab.base.errors import PairError
 from lab.families import FAMILY_NAMES
-from lab.weights import PairedWeights, WeightView
+from lab.pairing.capture import ROOT
+from lab.pairing.weights import PairedWeights, WeightView
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +207,7 @@ def test_metrics_on_a_side_stream_give_the_same_rows(
 
 
 def test_aliases_name_one_tensor_object_until_it_is_edited() -> None:
-    from lab.pairing import Aliases
+    from lab.pairing.collect import Aliases
 
     aliases = Aliases()
     x = torch.randn(4)
@@ -232,7 +232,7 @@ def test_repeated_tensor_pairs_are_reduced_once_with_the_same_numbers(
     assert labels["blocks.0.attn1"] == labels["blocks.0.attn1.to_out.0"]
     assert labels["blocks.0.attn1"].max_ulp > 0  # a real difference, reused not zeroed
 
-    from lab.pairing import Aliases
+    from lab.pairing.collect import Aliases
 
     counter = iter(range(1, 10**9))
     monkeypatch.setattr(Aliases, "name", lambda self, t: next(counter))  # every leaf new
@@ -250,7 +250,7 @@ def test_pair_family_passes_stream_and_lockstep_through() -> None:
 
 
 def test_metrics_stream_switch_rejects_other_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lab.pairing import metrics_on_side_stream
+    from lab.pairing.collect import metrics_on_side_stream
 
     monkeypatch.delenv("LAB_METRICS_STREAM", raising=False)
     assert metrics_on_side_stream() is True

@@ -14,8 +14,8 @@ from fractions import Fraction
 import pytest
 import torch
 
-from lab import metrics
-from lab.metrics import (
+from lab.pairing import metrics
+from lab.pairing.metrics import (
     STAT_FIELDS,
     ULP_BIN_EDGES,
     ULP_BIN_LABELS,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lab import metrics
+from lab.pairing import metrics
 
 pytestmark = pytest.mark.gpu
 

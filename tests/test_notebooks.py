@@ -20,9 +20,9 @@ import pytest
 
 import lab
 from lab.families import FAMILY_NAMES
-from lab.notebooks import execute_notebook
-from lab.parameters import json_parameter
-from lab.plots import PLOTLY_MIME
+from lab.views.notebooks import execute_notebook
+from lab.views.parameters import json_parameter
+from lab.views.plots import PLOTLY_MIME
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = REPO / "notebooks"
@@ -167,7 +167,7 @@ def test_headless_runs_start_the_kernel_without_the_tcp_warning(tmp_path: Path) 
     assert plain.returncode == 0, plain.stderr
     # Guards the check below: plain papermill does start its kernel over unencrypted TCP.
     assert "without encryption" in plain.stderr
-    ours = run("lab.notebooks")
+    ours = run("lab.views.notebooks")
     assert ours.returncode == 0, ours.stderr
     assert "without encryption" not in ours.stderr
     assert "WARNING" not in ours.stderr, ours.stderr

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import lab
-from lab.capture import ROOT
-from lab.errors import DegenerateOutputError, NonFiniteOutputError, PairError
+from lab.base.errors import DegenerateOutputError, NonFiniteOutputError, PairError
 from lab.families import FAMILY_NAMES
+from lab.pairing.capture import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +234,7 @@ def test_stream_mode_gives_the_same_rows(built: dict, family_name: str) -> None:
 
 def test_stream_mode_casts_one_block_at_a_time(built: dict) -> None:
     fam, model, inputs = _model_inputs(built, "wan2_2")
-    from lab.weights import WeightView
+    from lab.pairing.weights import WeightView
 
     view = WeightView(model, lab.Side.rollout(fam), stream_classes=fam.block_classes)
     seen = []
@@ -283,7 +283,7 @@ def test_rounding_only_first_divergence_is_labelled() -> None:
 
 
 def test_shared_weight_views_are_replanned_when_the_model_changes(built: dict) -> None:
-    from lab.weights import WeightView
+    from lab.pairing.weights import WeightView
 
     fam, model, inputs = _model_inputs(built, "wan2_2")
     side = lab.Side.rollout(fam)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 import lab
-import lab.scenarios as scenarios
-from lab.capture import ROOT
+import lab.engine.scenarios as scenarios
+from lab.pairing.capture import ROOT
 
 pytestmark = pytest.mark.gpu
 

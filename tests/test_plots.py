@@ -15,8 +15,9 @@ import plotly.io as pio
 import pytest
 
 import lab
-from lab import drift_plots, plots, scenario_plots
-from lab.result import Result
+from lab.pairing.result import Result
+from lab.views import plots
+from lab.views.plots import _show
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -113,7 +114,7 @@ def test_hover_has_dtypes_of_both_sides_parameter_dtypes_metrics_and_why(
     assert text.startswith(f"<b>{row.label()}</b>") and "class: Linear" in text
     assert f"dtype: {row.dtype_a} (ref) / {row.dtype_b} (cand)" in text
     assert (row.dtype_a, row.dtype_b) == ("bf16", "fp16")
-    # lab.run records dtype -> count per side for the whole model.
+    # lab.pairing.run records dtype -> count per side for the whole model.
     n = sum(fp16_result.meta["param_dtypes_a"].values())
     assert f"params: bf16 x{n} (ref) / fp16 x{n} (cand) (whole model)" in text
     assert f"max_ulp: {row.metrics.max_ulp:g}" in text
@@ -297,7 +298,7 @@ def test_show_outside_ipython_only_writes(result: Result, tmp_path, capsys) -> N
 def test_a_plotly_figure_without_a_twin_gets_html_with_plotlyjs_once(monkeypatch) -> None:
     import plotly.graph_objects as go
 
-    monkeypatch.setattr(plots, "_plotlyjs_published", False)
+    monkeypatch.setattr(_show, "_plotlyjs_published", False)
     fig = go.Figure(go.Bar(x=[1, 2], y=[3, 4]))
     first, second = plots.figure_mimebundle(fig), plots.figure_mimebundle(fig)
 
@@ -327,7 +328,7 @@ def test_save_figure_formats_by_suffix(result: Result, tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def traj():
-    from lab.trajectory import trajectory
+    from lab.rl.trajectory import trajectory
 
     return trajectory("flux", steps=4, samples=2, progress=False)
 
@@ -337,16 +338,16 @@ def test_drift_plots_in_both_backends(traj, shell) -> None:
 
     df = traj.per_step()
     in_window = df[df["in_window"]]
-    fig = drift_plots.plot_ratio_drift(traj)
+    fig = plots.plot_ratio_drift(traj)
     _band_hi, _band_lo, median, _mean = fig.data
     assert list(median.x) == in_window["step"].tolist()
     assert list(median.y) == pytest.approx((in_window["ratio_p50"] - 1).tolist())
     assert f"sigma: {in_window['sigma'].iloc[0]:.4g}" in median.text[0]
     assert [s.y0 for s in fig.layout.shapes] == [traj.meta["clip_range"], -traj.meta["clip_range"]]
 
-    hist = drift_plots.plot_ratio_histogram(traj, bins=10)
+    hist = plots.plot_ratio_histogram(traj, bins=10)
     assert sum(hist.data[0].y) == len(traj.per_sample())
-    gap = drift_plots.plot_logprob_vs_velocity_gap(traj)
+    gap = plots.plot_logprob_vs_velocity_gap(traj)
     assert len(gap.data[0].x) == len(traj.per_sample())
     assert "log_prob_old" in gap.data[0].text[0]
 
@@ -357,16 +358,16 @@ def test_drift_plots_in_both_backends(traj, shell) -> None:
         {plots.PLOTLY_MIME, "text/html", "text/plain"}
     ] * 3
     assert all("data:image/png;base64," in o.data["text/html"] for o in captured.outputs)
-    mpl = drift_plots.plot_ratio_drift(traj, backend="matplotlib")
+    mpl = plots.plot_ratio_drift(traj, backend="matplotlib")
     assert mpl.axes[0].get_yscale() == "symlog"
     plt.close(mpl)
 
 
 def test_scenario_plot_marks_the_culprit_with_hover_names() -> None:
-    from lab import scenarios
+    from lab.engine import scenarios
 
     run = scenarios.run("qwen_fused_norm_rounding")
-    fig = scenario_plots.plot_bug_vs_fixed([run])
+    fig = plots.plot_bug_vs_fixed([run])
     bug, fixed = fig.data
     assert len(bug.x) == len(run.bug.rows) and len(fixed.x) == len(run.fixed.rows)
     assert f"<b>bug</b><br><b>{html.escape(run.bug.rows[0].label())}</b>" in bug.text[0]
@@ -377,6 +378,6 @@ def test_scenario_plot_marks_the_culprit_with_hover_names() -> None:
     twin = fig._lab_static_twin()
     assert len(twin.axes) == 1
     plt.close(twin)
-    mpl = scenario_plots.plot_bug_vs_fixed([run], interactive=False)
+    mpl = plots.plot_bug_vs_fixed([run], interactive=False)
     assert hasattr(mpl, "savefig")
     plt.close(mpl)

@@ -53,7 +53,7 @@ def test_readme_command_lines_parse() -> None:
     """Every `precision-lab ...` line in the README's bash blocks parses with the real parser."""
     import shlex
 
-    from lab.__main__ import _COMMANDS, _parser
+    from lab.views.cli import _COMMANDS, _parser
 
     bash = "\n".join(re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S))
     joined = re.sub(r"\\\n\s*", " ", bash)

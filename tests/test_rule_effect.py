@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lab.rule_effect import rule_effect
+from lab.causes.rule_effect import rule_effect
 
 
 def test_wan_suggestions_close_the_parameter_gap_and_runs_record_their_init() -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 import lab
-from lab import runs
-from lab.baselines import save_baseline
+from lab.views import runs
+from lab.views.baselines import save_baseline
 
 
 @pytest.fixture(scope="module")

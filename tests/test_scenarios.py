@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import lab
-import lab.scenarios as scenarios
-from lab.run import side_inputs
+import lab.engine.scenarios as scenarios
+from lab.pairing.side_context import side_inputs
 
 CPU_NAMES = scenarios.names("cpu")
 # Families whose fixed pair is the record's bitwise-aligned stack.
@@ -87,7 +87,7 @@ def test_scenarios_notebook_runs_headless(tmp_path) -> None:
 
     import papermill as pm
 
-    notebook = scenarios.__file__.replace("lab/scenarios.py", "notebooks/06_scenarios.ipynb")
+    notebook = scenarios.__file__.replace("lab/engine/scenarios.py", "notebooks/06_scenarios.ipynb")
     out_dir = tmp_path / "out"
     only = ["qwen_fused_norm_rounding", "wan_root_table_rounding"]
     pm.execute_notebook(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import lab
-from lab.search import Change, find_smallest_changes, module_rules
+from lab.engine.search import Change, find_smallest_changes, module_rules
 
 
 def test_bisection_finds_exactly_the_norm2_rules_wan_needs() -> None:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import lab
-from lab.errors import PairError
-from lab.weights import WeightView, plan_weights
+from lab.base.errors import PairError
+from lab.pairing.weights import WeightView, plan_weights
 
 
 def _param_seen(model, side, name):

@@ -14,8 +14,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from lab.processes import alive
-from lab.sweep import grid_points, parse_grid, run_sweep
+from lab.base.processes import alive
+from lab.views.sweep import grid_points, parse_grid, run_sweep
 
 REPO = Path(__file__).resolve().parent.parent
 TOY = REPO / "tests" / "data" / "sweep_toy.ipynb"
@@ -242,7 +242,7 @@ def test_an_unwritable_out_is_refused_before_any_run(tmp_path: Path) -> None:
 def test_run_sweep_works_from_a_script_without_a_main_guard(tmp_path: Path) -> None:
     script = tmp_path / "no_guard.py"
     script.write_text(
-        "from lab.sweep import run_sweep\n"
+        "from lab.views.sweep import run_sweep\n"
         f"sweep = run_sweep({str(TOY)!r}, {{'x': [1, 3]}}, {str(tmp_path / 'out')!r}, "
         "progress=False)\n"
         "print(sweep.describe())\n"

@@ -11,7 +11,7 @@ import torch
 
 import lab
 from lab.families import FAMILY_NAMES
-from lab.trajectory import Trajectory, trajectory
+from lab.rl.trajectory import Trajectory, trajectory
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 

@@ -1,4 +1,4 @@
-"""lab.why: each divergent row's cause, from the two sides and the recorded dtype flow."""
+"""lab.pairing.why: each divergent row's cause, from the two sides and the recorded dtype flow."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 import lab
 from lab.families import FAMILY_NAMES
-from lab.why import CAUSES
+from lab.pairing.why import CAUSES
 
 _BUILT: dict[str, tuple[Any, Any]] = {}
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import lab
-from lab.errors import PairError
-from lab.widgets import ControlPanel, control_panel, format_rules_text, parse_rules_text
+from lab.base.errors import PairError
+from lab.views.widgets import ControlPanel, control_panel, format_rules_text, parse_rules_text
 
 
 @pytest.fixture(scope="module")
@@ -332,7 +332,7 @@ def test_without_anywidget_the_plot_is_an_output_and_select_still_works(
 ) -> None:
     import ipywidgets as W
 
-    from lab import widgets
+    from lab.views import widgets
 
     monkeypatch.setattr(widgets, "_plot_widget_class", lambda: None)
     p = control_panel("flux")

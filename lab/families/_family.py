@@ -160,7 +160,7 @@ class Family:
     expert_boundary: float | None = None
     """Sigma at or above which the first expert runs."""
     sampler: SamplerSettings = field(default_factory=SamplerSettings)
-    """The flow-matching sampler the RL rollout steps with (lab.flow_grpo.sigma_schedule)."""
+    """The flow-matching sampler the RL rollout steps with (lab.rl.flow_grpo.sigma_schedule)."""
     init_weights: Callable[[torch.nn.Module], None] | None = None
     """Adjust freshly seeded weights (never applied to loaded checkpoints)."""
     prepare_model: Callable[[torch.nn.Module], None] | None = None
@@ -228,7 +228,7 @@ class Family:
         Raises:
             ValueError: Unknown preset, variant, expert or init.
         """
-        from lab.devices import resolve_device
+        from lab.base.devices import resolve_device
 
         check_init(init, where=f"family {self.name!r}: build(init)")
         check_seed(seed, where=f"family {self.name!r}: build(seed)")
@@ -285,9 +285,9 @@ class Family:
                 to), a truncated or unreadable safetensors file or index (naming it), a tensor
                 in two shards, or weights that do not fit the class.
         """
-        from lab.devices import resolve_device
-        from lab.errors import CheckpointError
-        from lab.precision.dtypes import dtype_name
+        from lab.base.devices import resolve_device
+        from lab.base.dtypes import dtype_name
+        from lab.base.errors import CheckpointError
 
         path = _model_directory(self.name, Path(path), subfolder)
         cls = self.model_cls()
@@ -395,8 +395,8 @@ class Family:
         Raises:
             ValueError: Bad preset, batch < 1, sigma outside [0, 1], or a bad dtype name.
         """
-        from lab.devices import resolve_device
-        from lab.precision.dtypes import parse_dtype
+        from lab.base.devices import resolve_device
+        from lab.base.dtypes import parse_dtype
 
         preset_config = self.config(preset, variant)
         if config is not None:
@@ -487,7 +487,7 @@ def _checkpoint_files(path: Path, variant: str | None) -> tuple[list[Path], Path
     Mirrors diffusers 0.42.1 (_fetch_index_file, _fetch_index_file_legacy,
     _get_checkpoint_shard_files) for a local folder with use_safetensors=True.
     """
-    from lab.errors import CheckpointError
+    from lab.base.errors import CheckpointError
 
     index = path / _add_variant(INDEX_NAME, variant)
     if variant is not None and not index.is_file():
@@ -548,7 +548,7 @@ def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
     """
     from safetensors.torch import load_file
 
-    from lab.errors import CheckpointError
+    from lab.base.errors import CheckpointError
 
     try:
         return load_file(str(file))
@@ -561,7 +561,7 @@ def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
 
 def _family_hint(class_name: str) -> str:
     """Which lab family a diffusers class belongs to, as advice for the error."""
-    from lab.families import FAMILY_NAMES, family
+    from lab.families.registry import FAMILY_NAMES, family
 
     owners = [n for n in FAMILY_NAMES if family(n).model_class == class_name]
     if owners:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lab.precision.dtypes import DTYPES, dtype_name, parse_dtype
+from lab.base.dtypes import DTYPES, dtype_name, parse_dtype
 from lab.precision.input_policy import (
     POLICY_KEYS,
     apply_input_dtype_policy,

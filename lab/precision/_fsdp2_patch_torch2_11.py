@@ -40,7 +40,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import compiled_autograd_e
 from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-from lab.precision.fsdp2_patch import (
+from lab.precision.fsdp2_policy import (
     ParamDtypeMixedPrecisionPolicy,
     check_trainable_dtypes,
     resolve_wrap_param_dtypes,

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lab.precision.engine_ops import PatchGroup, Switch, register_group, register_switch
+from lab.precision.engine_registry import PatchGroup, Switch, register_group, register_switch
 
 # ---- shared rounding helpers -----------------------------------------------------------------
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from lab.precision.dtypes import DTYPES, parse_dtype
+from lab.base.dtypes import DTYPES, parse_dtype
 
 if TYPE_CHECKING:
     pass

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lab.precision.dtypes import dtype_name, parse_dtype
+from lab.base.dtypes import dtype_name, parse_dtype
 
 Wrap = torch.nn.Module | Sequence[torch.nn.Module]
 """One fully_shard call: a module, or a list of modules sharded together."""
@@ -135,7 +135,7 @@ def ruled_param_sources(
 ) -> dict[str, tuple[torch.dtype, str]]:
     """Every parameter some rule matched (canonical name) -> (its dtype, the deciding glob).
 
-    The last matching rule decides, as in `ruled_param_dtypes`; the glob is what `lab.why`
+    The last matching rule decides, as in `ruled_param_dtypes`; the glob is what `lab.pairing.why`
     names when a parameter's dtype differs between two sides.
 
     Raises:

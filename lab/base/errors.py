@@ -1,0 +1,49 @@
+"""Errors that carry what was computed before they happened (partial results survive)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lab.pairing.result import Result
+
+
+class PairError(RuntimeError):
+    """A paired forward failed part-way; `result` holds every pair compared before that."""
+
+    def __init__(
+        self,
+        message: str,
+        result: Result | None = None,
+        *,
+        side: str | None = None,
+        module: str | None = None,
+        module_class: str | None = None,
+        fix: str | None = None,
+    ) -> None:
+        """Keep the partial result, and where the failure happened, next to the message."""
+        super().__init__(message)
+        self.result = result
+        self.side = side
+        """Name of the side whose forward failed (None when no forward failed)."""
+        self.module = module
+        """`named_modules()` path of the innermost module that was running, or None."""
+        self.module_class = module_class
+        self.fix = fix
+        """What would most likely make the pair run, or None when nothing specific is known."""
+
+
+class NonFiniteOutputError(PairError, ValueError):
+    """A side's model output holds NaN or Inf."""
+
+
+class DegenerateOutputError(PairError, ValueError):
+    """Both sides' model outputs are all zero or constant: agreement there proves nothing."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded as asked (the message names the file)."""
+
+
+class ModelInUseError(RuntimeError):
+    """A second thread asked to pair or run a model another thread is pairing or running."""

@@ -1,0 +1,1281 @@
+"""The trainer side under real FSDP2: apply_fsdp2, its ranks, and pairing their capture.
+
+`apply_fsdp2` shards a family model the way the trainer does (one `fully_shard` per no-split
+block, then the root). `run_fsdp2_forwards` launches N rank processes (gloo on CPU, NCCL on
+GPU) around a rendezvous store bound to 127.0.0.1; each rank builds the same seeded model and
+inputs, shards it and runs the side's forward; rank 0 captures every module output and writes it
+to a file. The ranks die with the caller; a timeout, Ctrl-C, SIGTERM or a failing rank ends
+every rank's process group and removes the launch's temporary folder, and a failing rank's own
+exception reaches the caller (`Fsdp2RankError`).
+`pair_capture` pairs such a capture against an in-process side in the parent and returns the
+usual `Result`. `pair_fsdp2` does all of it for one family.
+
+Two more uses of the same ranks: a job with a `loss` also runs the backward and returns rank 0's
+gathered fp32 gradients (`compare_reduce_dtypes`: FSDP2's reduce dtype against an unsharded
+reference), and `pair_sharded` runs *both* sides sharded, for models whose two sides do not
+fit on one device (the engine-like rollout side expressed as FSDP2; see its docstring).
+
+Run as a module (`-m lab.engine.fsdp --spec SPEC --out DIR`, with RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT set) this file is the rank entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fnmatch
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lab.base.dtypes import dtype_name
+from lab.families import Family, Inputs
+from lab.pairing.capture import ROOT, ModuleHooks, depth_filter, flatten_output
+from lab.pairing.collect import pair_leaves
+from lab.pairing.result import Result
+from lab.pairing.sides import Side
+from lab.precision.fsdp2_patch import (
+    ParamDtypeMixedPrecisionPolicy,
+    apply_param_dtype_map_patch,
+    is_param_dtype_map_patch_applied,
+)
+from lab.precision.param_rules import ParamDtypeMaps, block_wraps, compile_param_dtype_maps
+from lab.rl.gradients import (
+    GradientResult,
+    LogProbLoss,
+    SideGradients,
+    master_gradients,
+    mean_gradients,
+    pair_gradients,
+)
+
+__all__ = [
+    "Fsdp2Capture",
+    "Fsdp2Job",
+    "Fsdp2Plan",
+    "Fsdp2RankError",
+    "ParamDtypeMixedPrecisionPolicy",
+    "apply_fsdp2",
+    "apply_param_dtype_map_patch",
+    "compare_reduce_dtypes",
+    "express_engine_load",
+    "pair_capture",
+    "pair_fsdp2",
+    "pair_sharded",
+    "pair_sharded_captures",
+    "run_fsdp2_forwards",
+    "sharded_jobs",
+]
+
+
+_RANK_THREADS = "1"
+"""CPU threads per rank unless OMP_NUM_THREADS is set (the ranks share the cores)."""
+
+# ---- sharding -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fsdp2Plan:
+    """What `apply_fsdp2` did to a model."""
+
+    wrap_count: int
+    """fully_shard calls on blocks (the root call comes on top)."""
+    patched: bool
+    """Whether ParamDtypeMixedPrecisionPolicy (and the FSDP2 patch) was used."""
+    maps: ParamDtypeMaps | None
+    """The compiled per-wrap maps (None without rules)."""
+    param_dtype: str
+    reduce_dtype: str
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready fields for Result.meta."""
+        return {
+            "wrap_count": self.wrap_count,
+            "patched": self.patched,
+            "param_dtype": self.param_dtype,
+            "reduce_dtype": self.reduce_dtype,
+            "override_count": self.maps.override_count if self.maps else 0,
+            "override_numel": self.maps.override_numel if self.maps else 0,
+        }
+
+
+def _check_fsdp2_side(side: Side) -> None:
+    where = f"apply_fsdp2: Side({side.name!r})"
+    if side.keep_fp32_modules:
+        raise ValueError(
+            f"{where}.keep_fp32_modules={list(side.keep_fp32_modules)}: FSDP2 has no notion of "
+            "modules kept in fp32 (that is engine load semantics); express them as "
+            "param_dtype_rules (e.g. {'*.norm2.*': 'fp32'}) or use Side.trainer."
+        )
+    if side.cast_buffers:
+        raise ValueError(
+            f"{where}.cast_buffers=True: FSDP2 casts parameters only, buffers stay at the "
+            "master dtype. Use cast_buffers=False (Side.trainer does)."
+        )
+
+
+def apply_fsdp2(model: torch.nn.Module, family: Family, side: Side, mesh: Any) -> Fsdp2Plan:
+    """Shard `model` as the trainer does: one fully_shard per no-split block, then the root.
+
+    Every call gets MixedPrecisionPolicy(param_dtype=side's param dtype, reduce_dtype=side's
+    reduce dtype, cast_forward_inputs=False); the model boundary is input_dtype_policy's job.
+    When the side's param_dtype_rules leave any override after compilation, every call gets
+    a ParamDtypeMixedPrecisionPolicy with its own wrap-local map (the root takes the root map)
+    and the FSDP2 patch is applied; otherwise the stock path runs and nothing is patched.
+    Parameters are first cast to the side's master dtype (the sharded copy FSDP2 keeps).
+
+    Args:
+        model: The fp32 model from `Family.build`, on the mesh's device type.
+        family: Its family (block classes come from `family.block_classes`).
+        side: The trainer-like side.
+        mesh: A 1-D DeviceMesh.
+
+    Returns:
+        What was done (wrap count, whether the patch was used, the compiled maps).
+
+    Raises:
+        ValueError: A side FSDP2 cannot express (keep_fp32_modules, cast_buffers), or bad
+            rules (see `compile_param_dtype_maps`).
+        RuntimeError: Overrides on a torch other than 2.11.0 (see
+            `apply_param_dtype_map_patch`).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    _check_fsdp2_side(side)
+    param_dtype = side.param_torch_dtype
+    reduce_dtype = side.reduce_torch_dtype
+    master = side.master_torch_dtype
+    wraps = block_wraps(model, family.block_classes)
+    maps = (
+        compile_param_dtype_maps(model, wraps, side.param_dtype_rules, param_dtype)
+        if side.param_dtype_rules
+        else None
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != master:
+                p.data = p.data.to(master)
+    common = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    patched = False
+    if maps is not None and maps.override_count:
+        patched = True
+        apply_param_dtype_map_patch()
+        for wrap, wrap_map in zip(wraps, maps.wrap_maps, strict=True):
+            fully_shard(
+                wrap,
+                mesh=mesh,
+                mp_policy=ParamDtypeMixedPrecisionPolicy(**common, param_dtype_map=wrap_map),
+            )
+        root_policy: MixedPrecisionPolicy = ParamDtypeMixedPrecisionPolicy(
+            **common, param_dtype_map=maps.root_map
+        )
+    else:
+        for wrap in wraps:
+            fully_shard(wrap, mesh=mesh, mp_policy=MixedPrecisionPolicy(**common))
+        root_policy = MixedPrecisionPolicy(**common)
+    fully_shard(model, mesh=mesh, mp_policy=root_policy)
+    return Fsdp2Plan(
+        wrap_count=len(wraps),
+        patched=patched,
+        maps=maps,
+        param_dtype=dtype_name(param_dtype),
+        reduce_dtype=dtype_name(reduce_dtype),
+    )
+
+
+def express_engine_load(model: torch.nn.Module, side: Side) -> tuple[Side, dict[str, torch.dtype]]:
+    """Express an engine-like side in FSDP2's terms: keep-fp32 modules as rules, buffer casts.
+
+    An engine loads each weight straight to its dtype and keeps named modules in fp32;
+    FSDP2 gathers parameters from the sharded master at a policy dtype and never touches
+    buffers. Both give the same values (a gathered cast of the fp32 master is the rounding the
+    engine's load does), once the keep-fp32 components become `param_dtype_rules` (placed
+    before the side's own rules, which keep winning) and the persistent floating buffers are
+    cast in place before sharding (buffers are replicated, not sharded).
+
+    Args:
+        model: The unsharded fp32 model.
+        side: An engine-like side (e.g. `Side.rollout`).
+
+    Returns:
+        (the side with keep_fp32_modules=() and cast_buffers=False and the rules added,
+        buffer name -> dtype to cast before sharding).
+
+    Raises:
+        ValueError: The rules would not reproduce the side's per-parameter dtypes exactly
+            (named: the first parameter that differs), so the FSDP2 side would not be the side.
+    """
+    from lab.pairing.weights import plan_weights
+
+    want = plan_weights(model, side)
+    names = [n for n, _ in model.named_parameters()]
+    keep_rules: dict[str, str] = {}
+    for component in side.keep_fp32_modules:
+        for pattern in (component, f"{component}.*", f"*.{component}", f"*.{component}.*"):
+            # A rule that matches nothing is an error in compile_param_dtype_maps: only the
+            # shapes of the component that occur are kept.
+            if any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                keep_rules[pattern] = "fp32"
+    rules = {p: d for p, d in keep_rules.items() if p not in side.param_dtype_rules}
+    rules.update(side.param_dtype_rules)
+    expressed = side.replace(keep_fp32_modules=(), cast_buffers=False, param_dtype_rules=rules)
+    got = plan_weights(model, expressed).param_dtypes
+    for name, dtype in want.param_dtypes.items():
+        if got.get(name) != dtype:
+            raise ValueError(
+                f"express_engine_load: Side({side.name!r}) cannot be expressed as FSDP2 rules: "
+                f"{name!r} is {dtype_name(dtype)} on the side but "
+                f"{dtype_name(got[name]) if name in got else 'absent'} under rules {rules}. "
+                "Pin it with an explicit param_dtype_rules entry on the side."
+            )
+    return expressed, dict(want.buffer_dtypes)
+
+
+# ---- launching ranks ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fsdp2Job:
+    """One forward for the ranks to run: which model, which inputs, which side."""
+
+    family_name: str
+    side: Side
+    preset: str = "tiny"
+    seed: int = 0
+    batch: int = 1
+    cfg: bool = False
+    sigma: float = 0.75
+    variant: str | None = None
+    capture_depth: int | None = None
+    """Capture only modules this many levels deep (None: every module)."""
+    loss: LogProbLoss | None = None
+    """Also run the backward of this loss; rank 0 returns the gathered fp32 gradients."""
+    data_parallel: bool = False
+    """Rank r draws its inputs with seed + r (its own samples), as a data-parallel step does;
+    FSDP2's reduce then averages the ranks' gradients."""
+    emulate_engine_load: bool = False
+    """Run an engine-like side (keep_fp32_modules, cast_buffers) by `express_engine_load`;
+    False refuses such a side, as `apply_fsdp2` does."""
+
+    def __post_init__(self) -> None:
+        # Checked here, in the caller's process: a rank would only fail with a bare error.
+        from lab.families._family import check_seed
+
+        check_seed(self.seed, where=f"Fsdp2Job({self.family_name!r}).seed")
+        if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
+            raise ValueError(
+                f"Fsdp2Job({self.family_name!r}).batch: must be an int >= 1, got {self.batch!r}."
+            )
+        if not isinstance(self.side, Side):
+            raise ValueError(
+                f"Fsdp2Job({self.family_name!r}).side: expected a Side, got "
+                f"{type(self.side).__name__}."
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (the side as `Side.to_dict`)."""
+        return {
+            "family_name": self.family_name,
+            "side": self.side.to_dict(),
+            "preset": self.preset,
+            "seed": self.seed,
+            "batch": self.batch,
+            "cfg": self.cfg,
+            "sigma": self.sigma,
+            "variant": self.variant,
+            "capture_depth": self.capture_depth,
+            "loss": self.loss.to_dict() if self.loss is not None else None,
+            "data_parallel": self.data_parallel,
+            "emulate_engine_load": self.emulate_engine_load,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Fsdp2Job:
+        """Inverse of `to_dict`."""
+        loss = LogProbLoss.from_dict(data["loss"]) if data.get("loss") else None
+        return cls(**{**data, "side": Side.from_dict(data["side"]), "loss": loss})
+
+    def build(self, device: torch.device | str, rank: int = 0) -> tuple[torch.nn.Module, Inputs]:
+        """The seeded model and inputs, exactly as the in-process pair would build them.
+
+        With data_parallel, rank r's inputs use seed + r (the weights always use seed).
+        """
+        from lab.families import family as get_family
+
+        fam = get_family(self.family_name)
+        expert = fam.expert_for_sigma(self.sigma)
+        model = fam.build(
+            self.preset, self.seed, variant=self.variant, device=device, expert=expert
+        )
+        inputs = fam.make_inputs(
+            self.preset,
+            self.seed + (rank if self.data_parallel else 0),
+            self.batch,
+            self.cfg,
+            variant=self.variant,
+            sigma=self.sigma,
+            device=device,
+        )
+        return model, inputs
+
+
+@dataclass
+class Fsdp2Capture:
+    """Rank 0's module outputs of one job, in forward completion order."""
+
+    job: Fsdp2Job
+    leaves: list[tuple[str, int, str, Any]]
+    """(module path or ROOT, call index, output index path, CPU tensor or a type marker)."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """World size, backend, device, the Fsdp2Plan summary, seconds, peak memory per rank."""
+    grads: dict[str, torch.Tensor | None] | None = None
+    """With a loss: parameter name -> full fp32 gradient after FSDP2's reduce (CPU)."""
+
+
+def run_fsdp2_forwards(
+    jobs: Sequence[Fsdp2Job],
+    *,
+    nproc: int = 1,
+    device: str = "cpu",
+    timeout_s: float = 600.0,
+    workdir: str | Path | None = None,
+) -> list[Fsdp2Capture]:
+    """Run each job's forward under real FSDP2 in `nproc` ranks (one launch for all).
+
+    Ranks use gloo on CPU and NCCL on GPU (one GPU per rank). Every rank builds the same seeded
+    model and inputs; rank 0's parameters are broadcast so every rank shards identical
+    weights; every rank runs the forward (the collectives need all of them) and rank 0 writes
+    its capture. CPU ranks run one thread each unless OMP_NUM_THREADS is set: the ranks share
+    the cores, and the forward kernels used here give the same bits at any thread count
+    (tests/test_fsdp2.py checks every family against a 2-thread in-process forward).
+
+    Args:
+        jobs: The forwards to run, in order.
+        nproc: Ranks (1..N); on GPU at most the visible GPU count.
+        device: "cpu" or "cuda".
+        timeout_s: Wall-clock limit for the whole launch.
+        workdir: Where the spec, captures and rank logs go (default: a temporary
+            `lab-fsdp2-*` directory, removed on every way out).
+
+    Returns:
+        One Fsdp2Capture per job, in order.
+
+    Raises:
+        ValueError: nproc < 1, no jobs, an unknown device, a job whose side names another
+            device, or more ranks than GPUs.
+        Fsdp2RankError: A rank failed: the first failing rank's own exception and traceback
+            (every rank ended).
+        RuntimeError: The launch ran past timeout_s (every rank ended, the rank logs quoted).
+        lab.base.processes.Terminated: SIGTERM arrived (every rank ended; a KeyboardInterrupt).
+    """
+    if not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"run_fsdp2_forwards: nproc must be an int >= 1, got {nproc!r}.")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"run_fsdp2_forwards: device must be 'cpu' or 'cuda', got {device!r}.")
+    if not jobs:
+        raise ValueError("run_fsdp2_forwards: no jobs given; pass at least one Fsdp2Job.")
+    for job in jobs:
+        if job.side.device.split(":")[0] != device:
+            raise ValueError(
+                f"run_fsdp2_forwards: job {job.family_name!r} has Side({job.side.name!r}).device="
+                f"{job.side.device!r} but the ranks run on {device!r}. Build the side with "
+                f"device={device!r} so the in-process side it is paired with runs there too."
+            )
+    if device == "cuda":
+        from lab.base.devices import resolve_device
+
+        resolve_device("cuda")
+        if nproc > torch.cuda.device_count():
+            raise ValueError(
+                f"run_fsdp2_forwards: nproc={nproc} NCCL ranks need {nproc} GPUs; "
+                f"{torch.cuda.device_count()} visible."
+            )
+    if workdir is None:
+        with tempfile.TemporaryDirectory(prefix="lab-fsdp2-") as tmp:
+            return run_fsdp2_forwards(
+                jobs, nproc=nproc, device=device, timeout_s=timeout_s, workdir=tmp
+            )
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec = {"device": device, "jobs": [j.to_dict() for j in jobs]}
+    spec_path = workdir / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    _launch_ranks(spec_path, workdir, nproc=nproc, device=device, timeout_s=timeout_s)
+    captures = []
+    for i, job in enumerate(jobs):
+        saved = torch.load(workdir / f"job{i}.pt", weights_only=True)
+        captures.append(
+            Fsdp2Capture(
+                job=job, leaves=saved["leaves"], meta=saved["meta"], grads=saved.get("grads")
+            )
+        )
+    return captures
+
+
+def _repo_root() -> str:
+    return str(Path(__file__).resolve().parents[2])
+
+
+class Fsdp2RankError(RuntimeError):
+    """A rank of an FSDP2 launch failed: the first failing rank's own exception, as text.
+
+    `rank` is that rank, `error_type` its exception class name, `traceback` its formatted
+    traceback (empty when the rank died without one, e.g. killed by a signal).
+    """
+
+    def __init__(self, message: str, rank: int, error_type: str, traceback: str) -> None:
+        """Keep the failing rank's details next to the message."""
+        super().__init__(message)
+        self.rank = rank
+        self.error_type = error_type
+        self.traceback = traceback
+
+
+LOOPBACK = "127.0.0.1"
+"""Every socket of a single-node launch listens here only: the rendezvous store, gloo, NCCL."""
+
+_FAULT_ENV = "LAB_FSDP2_FAULT"
+"""Test hook honoured by the ranks: "raise@R" makes rank R raise, "hang@R" makes it sleep."""
+
+_FAILED_GRACE_S = 10.0
+"""After one rank fails, how long the others get to fail on their own (writing their errors)."""
+
+
+def _launch_ranks(
+    spec_path: Path, workdir: Path, *, nproc: int, device: str, timeout_s: float
+) -> None:
+    """Run `nproc` ranks of `-m lab.engine.fsdp` and wait; end them all on every way out.
+
+    The parent hosts the rendezvous store on a socket bound to 127.0.0.1 (TCPStore would bind
+    every interface if it opened the port itself; torchrun's agent store does). Each rank is a
+    process group of its own (start_new_session) that dies with this process; timeout, Ctrl-C,
+    SIGTERM and a failing rank all end every rank's group before this returns or raises.
+
+    Raises:
+        Fsdp2RankError: A rank failed: the first failing rank's exception and traceback.
+        RuntimeError: The launch ran past `timeout_s`.
+    """
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    from lab.base.processes import end_child, sigterm_raises, start_child
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((LOOPBACK, 0))
+    listener.listen(max(128, nproc))
+    port = listener.getsockname()[1]
+    try:
+        store = dist.TCPStore(
+            LOOPBACK,
+            port,
+            None,
+            True,
+            datetime.timedelta(seconds=max(timeout_s, 1.0)),
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno(),
+        )
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store owns the descriptor now and closes it when it goes
+    tmp = workdir / "tmp"
+    tmp.mkdir(exist_ok=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": _repo_root() + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": LOOPBACK,
+        "MASTER_PORT": str(port),
+        # Whatever a rank writes to the temporary folder goes with the launch's folder.
+        "TMPDIR": str(tmp),
+    }
+    # One thread per rank on CPU: the ranks share the cores, and oversubscription only slows.
+    env.setdefault("OMP_NUM_THREADS", _RANK_THREADS)
+    loopback = _loopback_interface()
+    if loopback is not None:
+        env.setdefault("GLOO_SOCKET_IFNAME", loopback)
+        env.setdefault("NCCL_SOCKET_IFNAME", loopback)
+    cmd = [sys.executable, "-m", "lab.engine.fsdp", "--spec", str(spec_path), "--out", str(workdir)]
+    procs: list[subprocess.Popen] = []
+    try:
+        with sigterm_raises():
+            for rank in range(nproc):
+                with open(workdir / f"rank{rank}.log", "wb") as log:
+                    procs.append(
+                        start_child(
+                            cmd,
+                            new_group=True,
+                            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                            stdin=subprocess.DEVNULL,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                        )
+                    )
+            (workdir / "ranks.json").write_text(json.dumps([p.pid for p in procs]))
+            _wait_for_ranks(procs, workdir, timeout_s)
+    finally:
+        for proc in procs:
+            end_child(proc, group=True, grace_s=2.0)
+        del store
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _wait_for_ranks(procs: list[subprocess.Popen], workdir: Path, timeout_s: float) -> None:
+    """Wait until every rank exits 0; raise on the first failure or past the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c == 0 for c in codes):
+            return
+        if any(c not in (None, 0) for c in codes):
+            # The others usually fail within moments (a collective loses its peer); give them
+            # that long to write their own errors, so the first failure can be told apart.
+            grace = min(deadline, time.monotonic() + _FAILED_GRACE_S)
+            while any(p.poll() is None for p in procs) and time.monotonic() < grace:
+                time.sleep(0.05)
+            raise _rank_failure(procs, workdir)
+        if time.monotonic() > deadline:
+            tails = "\n".join(
+                f"--- rank {r} (log tail)\n{_tail(workdir / f'rank{r}.log')}"
+                for r in range(len(procs))
+            )
+            raise RuntimeError(
+                f"run_fsdp2_forwards: the {len(procs)}-rank launch ran past {timeout_s:g} s; "
+                "every rank was ended and the launch's temporaries removed. Use a smaller "
+                f"preset, fewer jobs, or a larger timeout_s.\n{tails}"
+            )
+        time.sleep(0.05)
+
+
+def _rank_failure(procs: list[subprocess.Popen], workdir: Path) -> Fsdp2RankError:
+    """The error of the rank that failed first (by the time its exception was raised)."""
+    errors = []
+    for rank in range(len(procs)):
+        path = workdir / f"rank{rank}.error.json"
+        with contextlib.suppress(OSError, ValueError):
+            errors.append(json.loads(path.read_text()))
+    codes = [p.poll() for p in procs]
+    others = ", ".join(
+        f"rank {r}: " + ("still running, ended" if c is None else _exit_text(c))
+        for r, c in enumerate(codes)
+    )
+    if errors:
+        first = min(errors, key=lambda e: e["time"])
+        rank = first["rank"]
+        return Fsdp2RankError(
+            f"run_fsdp2_forwards: rank {rank} of {len(procs)} failed first: "
+            f"{first['type']}: {first['message']}\n{first['traceback']}({others}; every rank "
+            "was ended.)",
+            rank,
+            first["type"],
+            first["traceback"],
+        )
+    rank = next(r for r, c in enumerate(codes) if c not in (None, 0))
+    return Fsdp2RankError(
+        f"run_fsdp2_forwards: rank {rank} of {len(procs)} {_exit_text(codes[rank])} without a "
+        f"Python exception (killed? out of host memory?). Its log (tail):\n"
+        f"{_tail(workdir / f'rank{rank}.log')}\n({others}; every rank was ended.)",
+        rank,
+        "",
+        "",
+    )
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    return f"exited with {code}"
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return "(no log)"
+
+
+def _loopback_interface() -> str | None:
+    """The loopback interface's name ("lo" on Linux), for gloo's and NCCL's sockets."""
+    import socket
+
+    with contextlib.suppress(OSError, AttributeError):
+        for _, name in socket.if_nameindex():
+            if name in ("lo", "lo0"):
+                return name
+    return None
+
+
+# ---- pairing in the parent ------------------------------------------------------------------
+
+
+def pair_capture(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    reference: Side,
+    capture: Fsdp2Capture,
+    *,
+    meta: dict[str, Any] | None = None,
+) -> Result:
+    """Pair an in-process side's forward (reference) against an FSDP2 capture (candidate).
+
+    The reference runs like one side of `lab.pair` (weights view, input policy and switches,
+    autocast, kernel, engine ops), with the same names_filter as the capture; leaves are
+    paired by exact (module, call, output) key. A key on one side only, or a pair that
+    cannot be compared, becomes a Skipped.
+
+    Returns:
+        A Result with side_a = reference, side_b = the capture's side; rows in the
+        reference's completion order.
+    """
+    from lab.pairing.guards import check_fp32_master, check_inputs, model_in_use
+    from lab.pairing.side_context import check_side_device
+
+    with model_in_use(model, "pair_capture"):
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        check_side_device(reference, device)
+        check_fp32_master(model, "pair_capture")
+        check_inputs(model, inputs, "pair_capture")
+        return _pair_capture(model, inputs, reference, capture, device, meta)
+
+
+def _pair_capture(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    reference: Side,
+    capture: Fsdp2Capture,
+    device: torch.device,
+    meta: dict[str, Any] | None,
+) -> Result:
+    from lab.pairing.side_context import side_context, side_inputs
+    from lab.pairing.weights import WeightView
+
+    job = capture.job
+    names_filter = depth_filter(job.capture_depth) if job.capture_depth is not None else None
+    view = WeightView(model, reference)
+    cast = side_inputs(inputs, reference, device)
+    leaves_a: list[tuple[str, int, str, Any]] = []
+    hooks = ModuleHooks(model, _capture_into(leaves_a), names_filter=names_filter)
+    was_training = model.training
+    model.eval()
+    start = time.perf_counter()
+    try:
+        # With the model as root: the reference's engine ops (a rollout side's) apply, as in pair.
+        with (
+            torch.no_grad(),
+            hooks.attached(),
+            view.applied(),
+            side_context(reference, device, model),
+        ):
+            model(**cast.kwargs)
+    finally:
+        model.train(was_training)
+    seconds_a = time.perf_counter() - start
+    classes = {(n or ROOT): type(m).__name__ for n, m in model.named_modules()}
+    rows, skipped = pair_leaves(leaves_a, capture.leaves, classes, reference.name, job.side.name)
+    result_meta = {
+        **(meta or {}),
+        "device": str(device),
+        "autocast_policy_a": reference.resolved_autocast_policy,
+        "autocast_policy_b": job.side.resolved_autocast_policy,
+        "runtime_b": "fsdp2",
+        "fsdp2": {k: v for k, v in capture.meta.items() if k != "module_classes"},
+        "capture_depth": job.capture_depth,
+        "timings_s": {"a_s": seconds_a, "b_s": capture.meta.get("forward_s")},
+    }
+    return Result("propagated", reference.to_dict(), job.side.to_dict(), rows, skipped, result_meta)
+
+
+def _capture_into(leaves: list[tuple[str, int, str, Any]]) -> Callable[..., None]:
+    def on_output(label: str, call: int, module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        for idx, leaf in flatten_output(output):
+            if isinstance(leaf, torch.Tensor):
+                # Copied now: a later in-place op of the forward must not edit what we compare.
+                leaves.append((label, call, idx, leaf.detach().to("cpu", copy=True)))
+            else:
+                leaves.append((label, call, idx, f"<{type(leaf).__name__}>"))
+
+    return on_output
+
+
+def pair_fsdp2(
+    family_name: str,
+    preset: str = "tiny",
+    *,
+    seed: int = 0,
+    nproc: int = 1,
+    device: str = "cpu",
+    reference: Side | None = None,
+    trainer: Side | None = None,
+    batch: int = 1,
+    cfg: bool = False,
+    sigma: float = 0.75,
+    variant: str | None = None,
+    capture_depth: int | None = None,
+    timeout_s: float = 600.0,
+) -> Result:
+    """Pair an in-process side against the trainer side run under real FSDP2 in `nproc` ranks.
+
+    Args:
+        family_name: One of `lab.families()`.
+        preset: "tiny", "reduced" or "full".
+        seed: Weight and input seed (the same in every rank and in this process).
+        nproc: FSDP2 ranks (gloo on CPU, NCCL on GPU).
+        device: "cpu" or "cuda".
+        reference: The in-process side; default `Side.rollout(family)`.
+        trainer: The side run under FSDP2; default `Side.trainer(family)`.
+        batch: Samples per forward.
+        cfg: Use the family's CFG layout.
+        sigma: The step's flow-matching sigma.
+        variant: A family variant.
+        capture_depth: Capture only modules this many levels deep (None: every module).
+        timeout_s: Wall-clock limit for the launch (every rank is ended past it).
+
+    Returns:
+        The Result (reference first, FSDP2 trainer second), with the FSDP2 plan in
+        meta["fsdp2"].
+    """
+    from lab.families import family as get_family
+
+    fam = get_family(family_name)
+    reference = reference or Side.rollout(fam, device=device)
+    trainer = trainer or Side.trainer(fam, device=device)
+    job = Fsdp2Job(
+        family_name=family_name,
+        side=trainer,
+        preset=preset,
+        seed=seed,
+        batch=batch,
+        cfg=cfg,
+        sigma=sigma,
+        variant=variant,
+        capture_depth=capture_depth,
+    )
+    (capture,) = run_fsdp2_forwards([job], nproc=nproc, device=device, timeout_s=timeout_s)
+    model, inputs = job.build(device)
+    meta = dict(
+        family=family_name,
+        preset=preset,
+        seed=seed,
+        sigma=sigma,
+        batch=batch,
+        cfg=cfg,
+        variant=variant,
+        expert=fam.expert_for_sigma(sigma),
+    )
+    return pair_capture(model, inputs, reference, capture, meta=meta)
+
+
+# ---- gradients under FSDP2's reduce ---------------------------------------------------------
+
+
+def compare_reduce_dtypes(
+    family_name: str,
+    preset: str = "tiny",
+    *,
+    nproc: int = 2,
+    device: str = "cpu",
+    reduce_dtypes: Sequence[str] = ("fp32", "bf16"),
+    seed: int = 0,
+    sigma: float = 0.75,
+    batch: int = 1,
+    trainer: Side | None = None,
+    loss: LogProbLoss | None = None,
+    timeout_s: float = 600.0,
+) -> dict[str, GradientResult]:
+    """Gradients of one data-parallel step under real FSDP2 at each reduce dtype, vs unsharded.
+
+    Every rank r runs the trainer side on its own inputs (seed + r) and backs the loss
+    through FSDP2, whose reduce-scatter averages the ranks' gradients at the reduce dtype and
+    stores them in fp32. The reference is the same step unsharded, in this process: each
+    rank's inputs through `master_gradients` (fp32 reduce), averaged in fp32. At one rank and
+    fp32 reduce the two are the same arithmetic; at two ranks the fp32 sum of two ranks is
+    exact whatever the order, so only a coarser reduce dtype should move the gradients.
+
+    Args:
+        family_name: One of `lab.families()`.
+        preset: "tiny", "reduced" or "full".
+        nproc: FSDP2 ranks (gloo on CPU, NCCL on GPU).
+        device: "cpu" or "cuda".
+        reduce_dtypes: The reduce dtypes to run (one job each, one launch for all).
+        seed: Weight seed; rank r's inputs use seed + r.
+        sigma: The step's sigma.
+        batch: Samples per rank.
+        trainer: The side run under FSDP2; default `Side.trainer(family)`.
+        loss: Default `LogProbLoss(family_name, sigma_prev=sigma - 0.1, seed=seed)`.
+        timeout_s: Wall-clock limit for the launch (every rank is ended past it).
+
+    Returns:
+        "reduce <dtype>" -> GradientResult (unsharded reference first, FSDP2 second); its
+        meta["emulation"] summarises FSDP2 against the same reduce emulated in process
+        (`mean_gradients(per_rank, reduce_dtype)`), bit-exact when the emulation is exact.
+
+    Raises:
+        ValueError: Bad arguments (see `run_fsdp2_forwards`), or a bad reduce dtype name.
+    """
+    from lab.families import family as get_family
+
+    fam = get_family(family_name)
+    trainer = trainer or Side.trainer(fam, device=device)
+    loss = loss or LogProbLoss(family_name=family_name, sigma_prev=sigma - 0.1, seed=seed)
+    jobs = [
+        Fsdp2Job(
+            family_name=family_name,
+            side=trainer.replace(name=f"fsdp2_reduce_{name}", reduce_dtype=name),
+            preset=preset,
+            seed=seed,
+            batch=batch,
+            sigma=sigma,
+            capture_depth=0,
+            loss=loss,
+            data_parallel=True,
+        )
+        for name in reduce_dtypes
+    ]
+    captures = run_fsdp2_forwards(jobs, nproc=nproc, device=device, timeout_s=timeout_s)
+    model, _ = jobs[0].build(device)
+    reference_side = trainer.replace(name="unsharded", reduce_dtype="fp32")
+    with _rank_threads(device):
+        per_rank = [
+            master_gradients(model, jobs[0].build(device, rank)[1], reference_side, loss)
+            for rank in range(nproc)
+        ]
+    reference = mean_gradients(per_rank)
+    out = {}
+    for job, capture in zip(jobs, captures, strict=True):
+        meta = {k: v for k, v in capture.meta.items() if k != "module_classes"}
+        fsdp2 = SideGradients(
+            job.side.to_dict(),
+            capture.grads or {},
+            reference.compute_dtypes,
+            capture.meta["loss"],
+            {"runtime": "fsdp2", "reduce_dtype": job.side.reduce_dtype, **meta},
+        )
+        # The same reduce emulated in process: cast, sum in rank order, divide, cast back.
+        emulated = mean_gradients(per_rank, job.side.reduce_dtype)
+        run_meta = dict(
+            family=family_name,
+            preset=preset,
+            seed=seed,
+            sigma=sigma,
+            nproc=nproc,
+            emulation=pair_gradients(emulated, fsdp2).summary(),
+        )
+        out[f"reduce {job.side.reduce_dtype}"] = pair_gradients(reference, fsdp2, meta=run_meta)
+    return out
+
+
+@contextlib.contextmanager
+def _rank_threads(device: str) -> Iterator[None]:
+    """Run CPU kernels at the ranks' thread count while computing a bitwise reference.
+
+    Forward kernels give the same bits at any thread count, but some backward reductions
+    (layer_norm's weight gradient) split the sum per thread.
+    """
+    if device != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", _RANK_THREADS)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# ---- both sides sharded ----------------------------------------------------------------------
+
+
+def pair_sharded(
+    family_name: str,
+    preset: str = "tiny",
+    *,
+    nproc: int = 2,
+    device: str = "cuda",
+    capture_depth: int | None = 1,
+    seed: int = 0,
+    sigma: float = 0.75,
+    batch: int = 1,
+    rollout: Side | None = None,
+    trainer: Side | None = None,
+    timeout_s: float = 600.0,
+) -> Result:
+    """Pair the rollout and trainer sides with BOTH run sharded under FSDP2 across `nproc` ranks.
+
+    For models whose two sides do not fit on one device (Qwen-Image full: 20 B parameters,
+    80 GB of fp32 master). Each side is one job of one launch: every rank builds the
+    seeded fp32 model, shards it (one fully_shard per block, then the root) and runs the
+    side's forward; rank 0 captures the module outputs (block level by default, to bound
+    memory) and moves them to the CPU; the parent pairs them with `pair_leaves`, on `device`.
+
+    The rollout side as FSDP2: the fp32 master is sharded and each block is gathered at
+    param_dtype = the rollout dtype, with no autocast and the engine's input policy. Where
+    the in-process rollout side (`Side.rollout`, a WeightView) has semantics FSDP2 lacks, they
+    are emulated exactly or refused (`express_engine_load`):
+      - keep_fp32_modules (engine load keeps named modules fp32) -> param_dtype_rules,
+        checked to give every parameter the same dtype as the in-process plan, else refused;
+      - cast_buffers (the engine holds persistent buffers at its dtype) -> those buffers are
+        cast in place before sharding (FSDP2 replicates buffers and never casts them);
+      - engine_ops / op_switches (rounding-point patches matched by class name) -> installed
+        before fully_shard renames the classes, and the input switches applied as usual.
+    What stays different from a real engine is what the in-process rollout side does not
+    model either: the engine's own loader and fused kernels. Gathering a shard is a copy, so
+    the gathered bf16 weights are bitwise the engine's resident cast of the same master.
+
+    Args:
+        family_name: One of `lab.families()`.
+        preset: "tiny", "reduced" or "full".
+        nproc: Ranks (gloo on CPU, NCCL on GPU, one GPU each).
+        device: "cuda" or "cpu".
+        capture_depth: Capture only modules this many levels deep (1 = every block's output;
+            None = every module, which at full size may not fit in host memory).
+        seed: Weight and input seed.
+        sigma: The step's sigma (also picks the expert of MoE families).
+        batch: Samples per forward.
+        rollout: Reference side; default `Side.rollout(family)`.
+        trainer: Candidate side; default `Side.trainer(family)`.
+        timeout_s: Wall-clock limit for the launch.
+
+    Returns:
+        A Result like `lab.pair`'s (rollout first, trainer second, propagated), with both
+        jobs' FSDP2 plans, seconds and per-rank peak memory in meta["fsdp2_a"/"fsdp2_b"].
+
+    Raises:
+        ValueError: Bad arguments, or a side FSDP2 cannot express.
+        RuntimeError: A rank failed (its output is quoted).
+    """
+    jobs = sharded_jobs(
+        family_name,
+        preset,
+        device=device,
+        capture_depth=capture_depth,
+        seed=seed,
+        sigma=sigma,
+        batch=batch,
+        rollout=rollout,
+        trainer=trainer,
+    )
+    start = time.perf_counter()
+    capture_a, capture_b = run_fsdp2_forwards(jobs, nproc=nproc, device=device, timeout_s=timeout_s)
+    result = pair_sharded_captures(capture_a, capture_b)
+    result.meta["timings_s"]["launch_s"] = time.perf_counter() - start
+    return result
+
+
+def sharded_jobs(
+    family_name: str,
+    preset: str = "tiny",
+    *,
+    device: str = "cuda",
+    capture_depth: int | None = 1,
+    seed: int = 0,
+    sigma: float = 0.75,
+    batch: int = 1,
+    rollout: Side | None = None,
+    trainer: Side | None = None,
+) -> list[Fsdp2Job]:
+    """The two jobs of `pair_sharded` (rollout, trainer), to batch several in one launch."""
+    from lab.families import family as get_family
+
+    fam = get_family(family_name)
+    rollout = rollout or Side.rollout(fam, device=device)
+    trainer = trainer or Side.trainer(fam, device=device)
+    common = dict(
+        family_name=family_name,
+        preset=preset,
+        seed=seed,
+        batch=batch,
+        sigma=sigma,
+        capture_depth=capture_depth,
+    )
+    return [
+        Fsdp2Job(side=rollout, emulate_engine_load=True, **common),
+        Fsdp2Job(side=trainer, **common),
+    ]
+
+
+def pair_sharded_captures(capture_a: Fsdp2Capture, capture_b: Fsdp2Capture) -> Result:
+    """Pair two sharded captures (the jobs of `sharded_jobs`) on their ranks' device type."""
+    from lab.families import family as get_family
+
+    job = capture_a.job
+    family_name, preset, seed, sigma = job.family_name, job.preset, job.seed, job.sigma
+    batch, capture_depth = job.batch, job.capture_depth
+    rollout, trainer = job.side, capture_b.job.side
+    device = capture_a.meta["device"].split(":")[0]
+    fam = get_family(family_name)
+    classes = capture_a.meta["module_classes"]
+    start = time.perf_counter()
+    pair_device = torch.device("cuda" if device == "cuda" else "cpu")
+    rows, skipped = pair_leaves(
+        _leaves_on(capture_a.leaves, pair_device),
+        _leaves_on(capture_b.leaves, pair_device),
+        classes,
+        rollout.name,
+        trainer.name,
+    )
+    pair_s = time.perf_counter() - start
+
+    def job_meta(capture: Fsdp2Capture) -> dict[str, Any]:
+        return {k: v for k, v in capture.meta.items() if k != "module_classes"}
+
+    meta = dict(
+        family=family_name,
+        preset=preset,
+        seed=seed,
+        sigma=sigma,
+        batch=batch,
+        expert=fam.expert_for_sigma(sigma),
+        device=device,
+        capture_depth=capture_depth,
+        runtime_a="fsdp2",
+        runtime_b="fsdp2",
+        autocast_policy_a=rollout.resolved_autocast_policy,
+        autocast_policy_b=trainer.resolved_autocast_policy,
+        fsdp2_a=job_meta(capture_a),
+        fsdp2_b=job_meta(capture_b),
+        timings_s={
+            "a_s": capture_a.meta["forward_s"],
+            "b_s": capture_b.meta["forward_s"],
+            "pair_s": pair_s,
+        },
+    )
+    return Result("propagated", rollout.to_dict(), trainer.to_dict(), rows, skipped, meta)
+
+
+def _leaves_on(
+    leaves: list[tuple[str, int, str, Any]], device: torch.device
+) -> list[tuple[str, int, str, Any]]:
+    return [(m, c, o, v.to(device) if isinstance(v, torch.Tensor) else v) for m, c, o, v in leaves]
+
+
+# ---- the rank entry point -------------------------------------------------------------------
+
+
+def _run_rank(spec_path: Path, out_dir: Path) -> None:
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    spec = json.loads(spec_path.read_text())
+    if spec["device"] == "cuda":
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # A client of the parent's store (bound to 127.0.0.1): no rank opens a listening store.
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        False,
+        datetime.timedelta(minutes=30),
+    )
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world,
+        device_id=device if backend == "nccl" else None,
+    )
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mesh = init_device_mesh(device.type, (world,))
+        for index, data in enumerate(spec["jobs"]):
+            job = Fsdp2Job.from_dict(data)
+            saved = _run_rank_job(job, device, mesh, rank, world, backend)
+            if rank == 0:
+                torch.save(saved, out_dir / f"job{index}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_rank_job(
+    job: Fsdp2Job, device: torch.device, mesh: Any, rank: int, world: int, backend: str
+) -> dict[str, Any]:
+    """One job on one rank: build, shard, forward (rank 0 captures), backward if asked."""
+    import torch.distributed as dist
+
+    from lab.families import family as get_family
+    from lab.pairing.side_context import side_context, side_inputs
+    from lab.precision.engine_ops import ops_applied
+
+    _injected_fault(rank)
+    fam = get_family(job.family_name)
+    seconds: dict[str, float] = {}
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    model, inputs = job.build(device, rank)
+    if world > 1:
+        # Identical weights on every rank whatever the device's RNG did.
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t.data, src=0)
+    module_classes = {(n or ROOT): type(m).__name__ for n, m in model.named_modules()}
+    seconds["build_s"] = _elapsed(start, device)
+    side = job.side
+    if job.emulate_engine_load:
+        side, buffer_dtypes = express_engine_load(model, job.side)
+        _cast_buffers(model, buffer_dtypes, job.side)
+    leaves: list[tuple[str, int, str, Any]] = []
+    names_filter = depth_filter(job.capture_depth) if job.capture_depth is not None else None
+    on_output = _capture_into(leaves) if rank == 0 else (lambda *a: None)
+    loss_value = None
+    # Engine ops match modules by class name, and fully_shard renames every sharded class
+    # (FSDP<Class>): install them first; the instance-level forwards survive the rename.
+    with ops_applied(model, job.side.engine_ops, job.side.op_switches):
+        start = time.perf_counter()
+        plan = apply_fsdp2(model, fam, side, mesh)
+        seconds["shard_s"] = _elapsed(start, device)
+        cast = side_inputs(inputs, job.side, device)
+        grad_mode = torch.enable_grad() if job.loss is not None else torch.no_grad()
+        start = time.perf_counter()
+        with grad_mode:
+            with (
+                ModuleHooks(model, on_output, names_filter=names_filter).attached(),
+                side_context(job.side, device),
+            ):
+                output = model(**cast.kwargs)
+            seconds["forward_s"] = _elapsed(start, device)
+            if job.loss is not None:
+                # Loss and backward outside autocast, as master_gradients runs them.
+                value = job.loss(output, inputs)
+                start = time.perf_counter()
+                value.backward()
+                seconds["backward_s"] = _elapsed(start, device)
+                total = value.detach().reshape(1).clone()
+                dist.all_reduce(total)
+                loss_value = float(total) / world
+        del output
+    grads = _gather_grads(model, rank) if job.loss is not None else None
+    peaks: list[Any] = [None] * world
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    dist.all_gather_object(peaks, peak)
+    del model
+    meta = {
+        "world_size": world,
+        "backend": backend,
+        "device": str(device),
+        "plan": plan.summary(),
+        **seconds,
+        "peak_memory_gib_per_rank": peaks,
+        "loss": loss_value,
+        "patch_applied": is_param_dtype_map_patch_applied(),
+        "torch": str(torch.__version__),
+        "module_classes": module_classes,
+    }
+    return {"leaves": leaves, "meta": meta, "grads": grads}
+
+
+def _elapsed(start: float, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def _gather_grads(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor | None]:
+    """Full gradients on rank 0 (every rank joins each all-gather, in the same order)."""
+    grads: dict[str, torch.Tensor | None] = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        full = g.full_tensor() if hasattr(g, "full_tensor") else g
+        if rank == 0:
+            grads[name] = None if full is None else full.detach().to("cpu", copy=True)
+    return grads
+
+
+def _cast_buffers(
+    model: torch.nn.Module, buffer_dtypes: dict[str, torch.dtype], side: Side
+) -> None:
+    """Cast buffers in place as the side's WeightView would (master dtype first)."""
+    master = side.master_torch_dtype
+    modules = dict(model.named_modules())
+    for full, dtype in buffer_dtypes.items():
+        owner, _, name = full.rpartition(".")
+        module = modules[owner]
+        module._buffers[name] = module._buffers[name].to(master).to(dtype)
+
+
+def _injected_fault(rank: int) -> None:
+    """Honour LAB_FSDP2_FAULT ("raise@R" or "hang@R"), so tests can make one rank fail."""
+    value = os.environ.get(_FAULT_ENV)
+    if not value:
+        return
+    kind, _, target = value.partition("@")
+    if kind not in ("raise", "hang") or not target.isdigit():
+        raise ValueError(f"{_FAULT_ENV}={value!r}: expected 'raise@RANK' or 'hang@RANK'.")
+    if int(target) != rank:
+        return
+    if kind == "raise":
+        raise RuntimeError(f"injected fault in rank {rank} ({_FAULT_ENV}={value!r})")
+    Path(os.environ.get("TMPDIR", "."), f"hang{rank}").write_text("hanging")
+    while True:
+        time.sleep(60)
+
+
+def _write_rank_error(out_dir: Path, err: BaseException) -> None:
+    """Leave this rank's exception for the parent (`_rank_failure` picks the earliest)."""
+    import traceback
+
+    record = {
+        "rank": int(os.environ.get("RANK", "0")),
+        "type": type(err).__name__,
+        "message": str(err),
+        "traceback": "".join(traceback.format_exception(err)),
+        "time": time.time(),
+    }
+    with contextlib.suppress(OSError):
+        path = out_dir / f"rank{record['rank']}.error.json"
+        path.write_text(json.dumps(record))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Rank entry point: `python -m lab.engine.fsdp --spec S --out D` (see `_launch_ranks`)."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--spec", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    try:
+        _run_rank(args.spec, args.out)
+    except BaseException as err:
+        _write_rank_error(args.out, err)
+        import traceback
+
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    # The work is done and its files are written; skip the interpreter teardown. Seen in CI on
+    # 2 CPU cores: a gloo rank occasionally aborted at exit ("terminate called without an
+    # active exception", exit -6) after destroy_process_group, failing a launch that succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""What a pair or forward refuses before it starts, and what a failure says afterwards.
+
+Before: a model another thread is running (`model_in_use`), a master that is not fp32, inputs
+that do not fit the model. After: the module that was running when a forward raised, and how
+to fix a dtype mismatch there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import functools
+import re
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from lab.base.dtypes import dtype_name, parse_dtype
+from lab.base.errors import ModelInUseError
+from lab.families import Inputs
+from lab.pairing.capture import ROOT
+from lab.pairing.sides import Side
+
+_IN_USE: weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+_IN_USE_GUARD = threading.Lock()
+
+
+@contextlib.contextmanager
+def model_in_use(model: torch.nn.Module, where: str) -> Iterator[None]:
+    """Hold `model` for one pair or forward; another thread's call is refused, not queued.
+
+    Each side swaps the model's parameter tensors in place, so a second thread pairing the same
+    model meanwhile takes the first side's casts for the fp32 masters and "restores" them (seen:
+    every parameter left bf16 for later runs). The holding thread may nest calls (a trajectory
+    pairs between its forwards); lockstep's two side threads run inside the holder's call.
+
+    Raises:
+        ModelInUseError: Another thread holds the model, naming its class and the fix.
+    """
+    with _IN_USE_GUARD:
+        lock = _IN_USE.get(model)
+        if lock is None:
+            lock = _IN_USE[model] = threading.RLock()
+    if not lock.acquire(blocking=False):
+        raise ModelInUseError(
+            f"{where}: this {type(model).__name__} is being paired or run in another thread right "
+            "now. Its sides swap the parameter tensors in place, so a second call at the same "
+            "time would corrupt it. Wait for the other call to finish, or give this thread its "
+            "own model (copy.deepcopy(model), or fam.build(...) again)."
+        )
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _holding_model(where: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Run the decorated function (model first) inside `model_in_use(model, where)`."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def holding(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            with model_in_use(model, where):
+                return fn(model, *args, **kwargs)
+
+        return holding
+
+    return wrap
+
+
+def check_fp32_master(model: torch.nn.Module, where: str) -> None:
+    """Refuse a model whose parameters are not (at least) fp32: sides cast from an fp32 master.
+
+    A bf16 model taken as the master would be run by `Side.fp32_reference` on bf16-rounded
+    weights while its record says fp32 (issue 14: rel_max 0.06415 instead of 0.06326).
+
+    Raises:
+        ValueError: Naming how many parameters are in which dtype, one of them, and the fix.
+    """
+    if not any(p.is_floating_point() and p.element_size() < 4 for p in model.parameters()):
+        return
+    low: dict[str, list[str]] = {}
+    total = 0
+    for name, p in model.named_parameters():
+        total += 1
+        if p.is_floating_point() and p.element_size() < 4:
+            low.setdefault(dtype_name(p.dtype), []).append(name)
+    if not low:
+        return
+    counts = ", ".join(f"{len(names)} {d}" for d, names in low.items())
+    first = next(iter(low.values()))[0]
+    raise ValueError(
+        f"{where}: {type(model).__name__} holds {counts} parameter(s) of {total} (e.g. {first!r}), "
+        "but the model must be the fp32 master every side casts from: a side's master_dtype "
+        "'fp32' (and Side.fp32_reference) would otherwise run on weights already rounded while "
+        "its record says fp32. Keep the model in fp32 (Family.build and Family.load give fp32); "
+        "if the rounded weights are what you mean to compare, call model.float() first, so both "
+        "sides cast from exactly those values."
+    )
+
+
+def check_inputs(model: torch.nn.Module, inputs: Inputs, where: str) -> None:
+    """Refuse inputs `model` cannot run: not an Inputs record, meta tensors, another family's.
+
+    Raises:
+        ValueError: Naming the bad kwarg, or the model's class and the inputs' family.
+    """
+    if not isinstance(inputs, Inputs):
+        raise ValueError(
+            f"{where}: inputs must be an Inputs record (fam.make_inputs(preset, seed), or "
+            f"lab.Inputs(kwargs=..., roles=...)), got {type(inputs).__name__}."
+        )
+    for label, record in (("inputs", inputs), ("inputs.negative", inputs.negative)):
+        if record is None:
+            continue
+        for key, value in record.kwargs.items():
+            if any(t.device.type == "meta" for t in _tensors(value)):
+                raise ValueError(
+                    f"{where}: {label}[{key!r}] is on the meta device (a shape without values). "
+                    "Make the inputs with device='cpu' or 'cuda' (fam.make_inputs(preset, seed, "
+                    "device=...))."
+                )
+    if inputs.origin is None:
+        return
+    from lab.families import family as get_family
+
+    family_name, preset, _ = inputs.origin
+    made_for = get_family(family_name).model_class
+    model_class = type(model).__name__
+    if model_class != made_for and any(
+        get_family(n).model_class == model_class for n in _family_names()
+    ):
+        raise ValueError(
+            f"{where}: the model is a {model_class} but the inputs were made by family "
+            f"{family_name!r} (preset {preset!r}), whose model is a {made_for}. Make both from one "
+            "family: fam.build(preset, seed) and fam.make_inputs(preset, seed)."
+        )
+
+
+def inputs_mismatch_hint(model: torch.nn.Module, inputs: Inputs) -> str:
+    """After a failed forward: name the model's and the inputs' sizes where they differ."""
+    if not isinstance(inputs, Inputs) or inputs.origin is None:
+        return ""
+    from lab.families import family as get_family
+
+    family_name, preset, variant = inputs.origin
+    try:
+        made_for = get_family(family_name).config(preset, variant)
+    except ValueError:
+        return ""
+    config = getattr(model, "config", None)
+    if not isinstance(config, dict):
+        return ""
+    differ = [k for k, v in made_for.items() if k in config and config[k] != v]
+    widths = [k for k in differ if k != "num_layers" and "layers" not in k]
+    if not widths:
+        return ""
+    shown = ", ".join(f"{k}={made_for[k]!r} vs {config[k]!r}" for k in widths[:4])
+    return (
+        f" The inputs were made for {family_name} preset {preset!r}"
+        + (f" variant {variant!r}" if variant else "")
+        + f" and the model ({type(model).__name__}) has other widths ({shown}, inputs vs model):"
+        " build the model and the inputs from one preset."
+    )
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def _family_names() -> tuple[str, ...]:
+    from lab.families import FAMILY_NAMES
+
+    return FAMILY_NAMES
+
+
+# ---- after a failure --------------------------------------------------------------------
+
+
+def failing_module(err: BaseException, model: Any) -> tuple[str, str] | None:
+    """The innermost module of `model` whose `forward` was on the stack when `err` was raised.
+
+    Walks the traceback (it survives the lockstep thread hand-over, which re-raises the same
+    exception object) for frames whose `self` is one of the model's modules.
+
+    Returns:
+        (module path, class name), the path as in `named_modules()` with "<root>" for the
+        model itself; None when the failure happened outside every module.
+    """
+    names = {id(m): n or ROOT for n, m in model.named_modules()}
+    found = None
+    tb = err.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if id(owner) in names:
+            found = (names[id(owner)], type(owner).__name__)
+        tb = tb.tb_next
+    return found
+
+
+_DTYPE_MISMATCH = re.compile(r"dtype|scalar type|should be the same", re.IGNORECASE)
+
+
+def dtype_mismatch_fix(
+    err: BaseException, side: Side, module: str, param_dtypes: Mapping[str, Any]
+) -> str | None:
+    """Say how to fix a dtype mismatch inside `module` on `side`, or None if it is not one.
+
+    The common case: a rule (or keep_fp32_modules) pins a module's parameters to fp32 on a
+    side that runs bf16 without autocast, so the module's bf16 input meets fp32 weights.
+
+    Args:
+        err: The exception the forward raised.
+        side: The side whose forward raised it.
+        module: The failing module's path (see `failing_module`).
+        param_dtypes: That side's parameter name -> dtype (torch dtype or name).
+    """
+    if not _DTYPE_MISMATCH.search(str(err)):
+        return None
+    forward = side.resolved_param_dtype
+    prefix = "" if module == ROOT else f"{module}."
+    own = {
+        name: d if isinstance(d, str) else dtype_name(d)
+        for name, d in param_dtypes.items()
+        if name.startswith(prefix) and "." not in name[len(prefix) :]
+    }
+    pinned = {n: d for n, d in own.items() if parse_dtype(d) != parse_dtype(forward)}
+    if pinned and not side.autocast:
+        rules = [
+            f"'{p}: {v}'"
+            for p, v in side.param_dtype_rules.items()
+            if any(fnmatch.fnmatchcase(n, p) for n in pinned)
+        ]
+        why = f"rule {rules[-1]}" if rules else "keep_fp32_modules"
+        held = "/".join(sorted(set(pinned.values())))
+        return (
+            f"Fix: {module}'s parameters are {held} on side {side.name!r} ({why}) while that "
+            f"side runs {forward} without autocast, so a {forward} input meets {held} weights. "
+            f"Turn autocast on for side {side.name!r}, or drop that rule or narrow it so that "
+            f"it misses {module!r}."
+        )
+    return (
+        f"Fix: check side {side.name!r}'s dtypes at {module!r}: its input_dtype_policy, "
+        "param_dtype, param_dtype_rules and autocast (autocast casts matmul inputs to one dtype)."
+    )

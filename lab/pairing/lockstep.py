@@ -1,0 +1,287 @@
+"""Lockstep pairing: the two sides' forwards run in two threads that take turns module by module.
+
+Propagated mode compares side A's output of a module with side B's output of the same module.
+Running A to the end and then B needs every output of A kept until B reaches it (all of one
+forward's activations); re-running blocks of A next to B bounds that memory but costs a
+third forward. Here each side's forward runs in its own thread and the two hand one baton
+back and forth: the side that reaches a captured module output first holds it (no copy: its
+thread is parked right there, so nothing can edit the tensor) and hands over; the other side
+runs up to the same module, the pair is reduced to its metric vector on the device, and that
+side runs on to the next output. Memory holds one forward's live activations per side plus
+one output; time is the two forwards plus the metrics. Only one thread runs at any moment.
+
+What is thread-local in torch (grad mode, autocast, the autocast emulation's function mode)
+is set once per thread; what is global (parameter tensors, engine-op forwards, SDPA kernel
+flags) is handed over with the baton: `PairedWeights.activate`, `ops_dispatched` and a
+per-turn `sdpa_kernel` context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lab.pairing.capture import ROOT, flatten_output
+from lab.pairing.collect import Aliases
+from lab.pairing.result import Skipped
+from lab.pairing.side_context import sdpa_context, side_autocast
+from lab.pairing.weights import PairedWeights
+
+if TYPE_CHECKING:
+    from lab.families import Inputs
+    from lab.pairing.state import PairRun
+
+
+class _Abort(BaseException):
+    """Raised in a side's thread to unwind its forward after the other side failed."""
+
+
+class _Baton:
+    """Strict turn-taking between named threads; `stop` wakes everyone to unwind."""
+
+    def __init__(self, first: str) -> None:
+        self._cond = threading.Condition()
+        self._turn = first
+        self._stopped = False
+
+    def wait(self, key: str) -> None:
+        with self._cond:
+            while self._turn != key and not self._stopped:
+                self._cond.wait()
+            if self._stopped:
+                raise _Abort
+
+    def give(self, key: str) -> None:
+        with self._cond:
+            self._turn = key
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+
+_local = threading.local()
+
+
+def _current_key() -> str:
+    return getattr(_local, "key", "")
+
+
+def _own_inputs(inputs_a: Inputs, inputs_b: Inputs) -> Inputs:
+    """Side B's inputs, with a copy of every tensor it shares with side A's.
+
+    Either forward may edit its inputs in place while the other is parked.
+    """
+    shared = {id(v) for v in inputs_a.kwargs.values() if isinstance(v, torch.Tensor)}
+    kwargs = {
+        k: v.clone() if isinstance(v, torch.Tensor) and id(v) in shared else v
+        for k, v in inputs_b.kwargs.items()
+    }
+    return replace(inputs_b, kwargs=kwargs)
+
+
+class _Lockstep:
+    def __init__(self, run: PairRun, blocks: set[int], stream: bool) -> None:
+        self.run = run
+        self.sides = {"a": run.side_a, "b": run.side_b}
+        self.inputs = {"a": run.inputs_a, "b": _own_inputs(run.inputs_a, run.inputs_b)}
+        self.weights = PairedWeights({"a": run.view_a, "b": run.view_b}, blocks, stream=stream)
+        self.baton = _Baton("a")
+        self.held: dict[str, dict[tuple[str, int, str], list[Any]]] = {"a": {}, "b": {}}
+        self.calls: dict[str, dict[str, int]] = {"a": {}, "b": {}}
+        self.done = {"a": False, "b": False}
+        self.errors: dict[str, BaseException] = {}
+        self.order = 0
+        self.aliases = {"a": Aliases(), "b": Aliases()}
+        self.sdpa: dict[str, contextlib.ExitStack] = {}
+
+    # ---- one side's thread ---------------------------------------------------------------
+
+    def thread(self, key: str) -> None:
+        _local.key = key
+        side = self.sides[key]
+        other = "b" if key == "a" else "a"
+        try:
+            self.baton.wait(key)
+            device = self.run.device
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.no_grad())
+                if device.type == "cuda":
+                    stack.enter_context(torch.cuda.device(device))
+                stack.enter_context(side_autocast(side, device))
+                self._resume(key)
+                try:
+                    self.run.model(**self.inputs[key].kwargs)
+                finally:
+                    self._suspend(key)
+        except _Abort:
+            pass
+        except BaseException as err:
+            self.errors.setdefault(key, err)
+            self.baton.stop()
+        finally:
+            self.done[key] = True
+            self.baton.give(other)
+
+    def _resume(self, key: str) -> None:
+        self.weights.activate(key)
+        stack = contextlib.ExitStack()
+        stack.enter_context(sdpa_context(self.sides[key].attention_backend))
+        self.sdpa[key] = stack
+
+    def _suspend(self, key: str) -> None:
+        stack = self.sdpa.pop(key, None)
+        if stack is not None:
+            stack.close()
+
+    def _pause(self, key: str) -> None:
+        other = "b" if key == "a" else "a"
+        self._suspend(key)
+        self.baton.give(other)
+        self.baton.wait(key)
+        self._resume(key)
+        # Outputs of ours the other side did not reach while we were parked: from here on our
+        # forward runs again and may edit them in place, so keep copies.
+        for entry in self.held[key].values():
+            if not entry[2] and isinstance(entry[1], torch.Tensor):
+                entry[1], entry[2] = entry[1].detach().clone(), True
+
+    # ---- hooks (run in the side's thread) ---------------------------------------------------
+
+    def on_output(self, label: str, args: tuple, kwargs: dict, output: Any) -> None:
+        # Pairing is no part of the side's forward: no autocast emulation (a torch-function
+        # mode, thread-local) between our tensor calls and torch.
+        with torch._C.DisableTorchFunction():
+            self._on_output(label, args, kwargs, output)
+
+    def _on_output(self, label: str, args: tuple, kwargs: dict, output: Any) -> None:
+        key = _current_key()
+        other = "b" if key == "a" else "a"
+        calls = self.calls[key]
+        call = calls.get(label, 0)
+        calls[label] = call + 1
+        self.run.flow.record(key, label, call, args, kwargs)
+        flow = self.run.flow if key == "a" else None
+        parked = False
+        aliases = self.aliases[key]
+        for idx, leaf in flatten_output(output):
+            k = (label, call, idx)
+            name = aliases.name(leaf)
+            if flow is not None:
+                flow.note_output(name, k, leaf)
+            theirs = self.held[other].pop(k, None)
+            if theirs is not None:
+                if key == "a":
+                    order, a, b, names = self._next_order(), leaf, theirs[1], (name, theirs[3])
+                else:
+                    order, a, b, names = theirs[0], theirs[1], leaf, (theirs[3], name)
+                self.run.collector.compare(order, k, a, b, names=names)
+            elif self.done[other]:
+                reason = f"only on side {self.sides[key].name!r}"
+                self.run.collector.skipped.append(Skipped(label, call, idx, reason))
+            else:
+                order = self._next_order() if key == "a" else -1
+                # [order, tensor, copied yet, alias name]
+                self.held[key][k] = [order, leaf, False, name]
+                parked = True
+        if parked:
+            self._pause(key)
+
+    def _next_order(self) -> int:
+        self.order += 1
+        return self.order - 1
+
+    def leftovers(self) -> None:
+        for key in ("a", "b"):
+            name = self.sides[key].name
+            for (module, call, idx), _entry in sorted(
+                self.held[key].items(), key=lambda kv: kv[1][0]
+            ):
+                self.run.collector.skipped.append(
+                    Skipped(module, call, idx, f"only on side {name!r}")
+                )
+
+
+def run_lockstep(run: PairRun, block_ids: set[int], *, stream: bool) -> None:
+    """Pair every captured module of `run` with the two forwards in lockstep (propagated).
+
+    Args:
+        run: The pairing run (model, sides, views, inputs, collector, filter).
+        block_ids: Ids of the model's blocks: a switch refills only their tensors and the
+            ones outside every block; with `stream`, a block's casts exist only while it runs.
+        stream: Cast block tensors block by block instead of once for the run.
+
+    Raises:
+        The first exception either side's forward raised (the other side is unwound).
+    """
+    from lab.precision.engine_ops import ops_dispatched
+
+    model = run.model
+    step = _Lockstep(run, block_ids, stream)
+    run.flow.track(step.aliases["a"], step.inputs["a"].kwargs)
+    blocks = step.weights.block_modules
+    handles = []
+
+    def pre(mod: torch.nn.Module, args: Any) -> None:
+        key = _current_key()
+        if key:
+            step.weights.enter_block(key, mod)
+
+    def make_post(label: str, captured: bool, block: bool) -> Any:
+        def post(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            key = _current_key()
+            if not key:
+                return
+            if block:
+                step.weights.exit_block(key, mod)
+            if captured:
+                step.on_output(label, args, kwargs, output)
+
+        return post
+
+    for name, module in model.named_modules():
+        label = name or ROOT
+        captured = run.names_filter is None or run.names_filter(label)
+        block = id(module) in blocks
+        if block:
+            handles.append(module.register_forward_pre_hook(pre, prepend=True))
+        if captured or block:
+            handles.append(
+                module.register_forward_hook(make_post(label, captured, block), with_kwargs=True)
+            )
+    per_side = {k: (s.engine_ops, s.op_switches) for k, s in step.sides.items()}
+    threads = [
+        threading.Thread(target=step.thread, args=(k,), name=f"lab-pair-{k}", daemon=True)
+        for k in ("a", "b")
+    ]
+    start = time.perf_counter()
+    try:
+        with step.weights.applied(), ops_dispatched(model, per_side, _current_key):
+            for t in threads:
+                t.start()
+            try:
+                for t in threads:
+                    t.join()
+            except BaseException:  # KeyboardInterrupt: unwind both forwards first
+                step.baton.stop()
+                for t in threads:
+                    t.join()
+                raise
+    finally:
+        for h in handles:
+            h.remove()
+    if run.device.type == "cuda":
+        torch.cuda.synchronize(run.device)
+    run.timings["lockstep_s"] = time.perf_counter() - start
+    if step.errors:
+        key, err = next(iter(step.errors.items()))  # the side that failed first
+        run.phase["side"] = step.sides[key].name
+        raise err
+    step.leftovers()

@@ -1,0 +1,62 @@
+"""`PairRun`: what every pairing strategy (two passes, local, lockstep) works with."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from lab.families import Inputs
+from lab.pairing.capture import ModuleHooks
+from lab.pairing.collect import Collector
+from lab.pairing.dtype_flow import FlowRecorder
+from lab.pairing.side_context import side_context
+from lab.pairing.sides import Side
+from lab.pairing.weights import WeightView
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class PairRun:
+    """What every pairing strategy works with, plus the one way a side's forward is run."""
+
+    model: torch.nn.Module
+    inputs_a: Inputs
+    inputs_b: Inputs
+    side_a: Side
+    side_b: Side
+    view_a: WeightView
+    view_b: WeightView
+    device: torch.device
+    collector: Collector
+    names_filter: Callable[[str], bool] | None
+    timings: dict[str, float]
+    phase: dict[str, str]
+    flow: FlowRecorder
+    """Input dtypes (and side A's producers) of every captured call, for `lab.pairing.why`."""
+
+    def forward(self, which: str, hooks: ModuleHooks | None) -> None:
+        """Run side `which` ("a" or "b") over the whole model with `hooks`, timed.
+
+        `hooks=None`: the caller has attached its hooks already.
+        """
+        side, view, inputs = (
+            (self.side_a, self.view_a, self.inputs_a)
+            if which == "a"
+            else (self.side_b, self.view_b, self.inputs_b)
+        )
+        self.phase["side"] = side.name
+        start = time.perf_counter()
+        attached = hooks.attached() if hooks is not None else contextlib.nullcontext()
+        with attached, view.applied(), side_context(side, self.device, self.model):
+            self.model(**inputs.kwargs)
+        sync(self.device)
+        self.timings[f"{which}_s"] = time.perf_counter() - start

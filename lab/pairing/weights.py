@@ -1,0 +1,496 @@
+"""WeightView: one side's view of the fp32 master weights, swapped in for a forward and back out.
+
+A side never gets its own copy of the model: for the duration of a forward, each parameter's
+`.data` (and, for engine-like sides, each persistent floating buffer) is replaced by the tensor
+that side would hold or gather (master -> master_dtype -> per-parameter dtype), and restored
+afterwards. The model object, its hooks and its parameters stay the same objects throughout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lab.base.dtypes import dtype_name
+from lab.pairing.capture import ROOT
+from lab.pairing.sides import Side
+from lab.precision.param_rules import (
+    ParamDtypeMaps,
+    block_wraps,
+    compile_param_dtype_maps,
+    ruled_param_sources,
+)
+
+# A parameter a rule pins to fp32 meets a bf16 activation in torch's rms_norm / layer_norm, which
+# then warns "Mismatch dtype between input and weight ... Cannot dispatch to fused
+# implementation" (ATen layer_norm.cpp) and runs the unfused kernel. That mix is the rule applied
+# as FSDP2 applies it, not something a lab user can change, so this one message is ignored.
+warnings.filterwarnings(
+    "ignore",
+    message=r"Mismatch dtype between input and weight.*Cannot dispatch to fused implementation",
+    category=UserWarning,
+)
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """Per-parameter and per-buffer dtypes one side runs with."""
+
+    param_dtypes: dict[str, torch.dtype]
+    """Canonical parameter name -> dtype for the forward."""
+    buffer_dtypes: dict[str, torch.dtype]
+    """Buffer name -> dtype, only for buffers the side casts."""
+    master_dtype: torch.dtype
+    maps: ParamDtypeMaps | None
+    """The FSDP2 lowering of the side's rules (None without rules)."""
+    param_sources: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    """Parameter name -> what decided its dtype: ("forward_dtype" | "param_dtype", None),
+    ("keep_fp32_modules", component) or ("param_dtype_rules", glob). Read by `lab.pairing.why`."""
+    buffer_sources: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    """Cast buffer name -> ("cast_buffers", None) or ("keep_fp32_modules", component)."""
+
+    def dtype_counts(self) -> dict[str, int]:
+        """How many parameters run at each dtype (for summaries)."""
+        counts: dict[str, int] = {}
+        for d in self.param_dtypes.values():
+            counts[dtype_name(d)] = counts.get(dtype_name(d), 0) + 1
+        return counts
+
+
+def _component(name: str, components: tuple[str, ...]) -> str | None:
+    """The first of `components` that is a dotted component of `name` (None: none is)."""
+    parts = name.split(".")
+    return next((c for c in components if c in parts), None)
+
+
+def plan_weights(model: torch.nn.Module, side: Side) -> WeightPlan:
+    """Decide the dtype of every parameter and buffer for `side`.
+
+    Order: the side's param_dtype, then keep_fp32_modules (engine load semantics: any dotted
+    component equal to a listed module name), then param_dtype_rules (later rules win).
+
+    Raises:
+        ValueError: A keep_fp32_modules entry naming no module, or a bad rule (see
+            `compile_param_dtype_maps`).
+    """
+    default = side.param_torch_dtype
+    fp32 = torch.float32
+    names = [n for n, _ in _unique_named(model.named_parameters(remove_duplicate=False))]
+    dtypes = {n: default for n in names}
+    decided: tuple[str, str | None] = ("param_dtype" if side.param_dtype else "forward_dtype", None)
+    sources = dict.fromkeys(names, decided)
+    if side.keep_fp32_modules:
+        module_parts = {part for n, _ in model.named_modules() for part in n.split(".")}
+        missing = [m for m in side.keep_fp32_modules if m not in module_parts]
+        if missing:
+            raise ValueError(
+                f"Side({side.name!r}).keep_fp32_modules: {missing} name no module of "
+                f"{type(model).__name__}. Entries are module-name components such as 'norm2'."
+            )
+        for n in names:
+            keep = _component(n, side.keep_fp32_modules)
+            if keep is not None:
+                dtypes[n] = fp32
+                sources[n] = ("keep_fp32_modules", keep)
+    maps = None
+    if side.param_dtype_rules:
+        wraps = block_wraps(model, side.fsdp_wrap_classes) if side.fsdp_wrap_classes else []
+        maps = compile_param_dtype_maps(model, wraps, side.param_dtype_rules, default)
+        # Every parameter a rule matched takes that rule's dtype, also when it equals the
+        # default: such a rule carves a parameter back out of keep_fp32_modules.
+        for n, (d, pattern) in ruled_param_sources(model, side.param_dtype_rules).items():
+            dtypes[n] = d
+            sources[n] = ("param_dtype_rules", pattern)
+    buffers: dict[str, torch.dtype] = {}
+    buffer_sources: dict[str, tuple[str, str | None]] = {}
+    if side.cast_buffers:
+        for mod_name, module in model.named_modules():
+            for buf_name, buf in module._buffers.items():
+                full = f"{mod_name}.{buf_name}" if mod_name else buf_name
+                persistent = buf_name not in module._non_persistent_buffers_set
+                if buf is None or not buf.is_floating_point() or not persistent:
+                    continue
+                keep = _component(full, side.keep_fp32_modules)
+                buffers[full] = fp32 if keep is not None else default
+                buffer_sources[full] = (
+                    ("keep_fp32_modules", keep) if keep is not None else ("cast_buffers", None)
+                )
+    master = side.master_torch_dtype
+    return WeightPlan(
+        param_dtypes=dtypes,
+        buffer_dtypes=buffers,
+        master_dtype=master,
+        maps=maps,
+        param_sources=sources,
+        buffer_sources=buffer_sources,
+    )
+
+
+def _unique_named(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    seen: set[int] = set()
+    for name, t in items:
+        if id(t) not in seen:
+            seen.add(id(t))
+            yield name, t
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor slot a side fills: a parameter, or a buffer of a module."""
+
+    owner: Any
+    """The parameter (whose .data is set), or the module holding the buffer."""
+    buffer: str | None
+    """The buffer's name in `owner._buffers`; None for a parameter."""
+    master: torch.Tensor
+    dtype: torch.dtype | None
+
+    @property
+    def slot(self) -> tuple[int, str | None]:
+        """Identity of the slot (the same for both sides' entries of one tensor)."""
+        return (id(self.owner), self.buffer)
+
+    def get(self) -> torch.Tensor:
+        """The tensor the slot holds now."""
+        return self.owner.data if self.buffer is None else self.owner._buffers[self.buffer]
+
+    def put(self, tensor: torch.Tensor) -> None:
+        """Make the slot hold `tensor`."""
+        if self.buffer is None:
+            self.owner.data = tensor
+        else:
+            self.owner._buffers[self.buffer] = tensor
+
+
+class WeightView:
+    """The tensors one side runs with, cast lazily from the master and cached if asked.
+
+    With `stream_classes`, the blocks of those classes are not cast when the view is applied:
+    each block's tensors are cast by a forward pre-hook right before it runs and dropped by a
+    forward hook right after, so the side never holds a second full copy of the weights, only
+    the master plus one block (what FSDP2's per-block all-gather holds).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        side: Side,
+        *,
+        cache: bool = False,
+        stream_classes: tuple[str, ...] = (),
+    ) -> None:
+        """Plan the side's dtypes for `model` (validating its rules) without casting yet."""
+        self.model = model
+        self.side = side
+        self.plan = plan_weights(model, side)
+        self.cache = cache
+        self._cached: dict[int, torch.Tensor] = {}
+        named = list(_unique_named(model.named_parameters(remove_duplicate=False)))
+        self._param_names = {id(p): n for n, p in named}
+        # Masters are taken now, before any view is applied, so a view nested inside another
+        # side's view still casts from the fp32 master rather than from the outer side's copy.
+        self._slots = [(p, p.data) for _, p in named]
+        self._masters = {id(p): master for p, master in self._slots}
+        modules = list(model.named_modules())
+        self._module_names = {id(m): n for n, m in modules}
+        self.module_classes = {(n or ROOT): type(m).__name__ for n, m in modules}
+        """Module path (ROOT for the model) -> class name, for result rows."""
+        self._buffer_slots = [
+            (module, b, t)
+            for _, module in modules
+            for b, t in module._buffers.items()
+            if t is not None
+        ]
+        self._buffer_masters = {
+            ".".join(x for x in (self._module_names[id(module)], b) if x): t
+            for module, b, t in self._buffer_slots
+        }
+        self.streamed_ids = outermost(model, stream_classes)
+        """Ids of the blocks whose weights are cast by hooks (outermost of stream_classes)."""
+
+    @classmethod
+    def shared(
+        cls, model: torch.nn.Module, side: Side, *, stream_classes: tuple[str, ...] = ()
+    ) -> WeightView:
+        """A view for (model, side) reused across calls while the model is unchanged.
+
+        Planning a side's dtypes walks every module and parameter (~0.5-1 ms on a tiny model,
+        as long as several of its modules). The view is kept per model and reused as long as
+        the model has the same modules, parameters (the same tensors: `param.data` not
+        replaced) and buffers; otherwise it is planned again. Views that cache casts are never
+        shared (their casts would outlive in-place updates of the master). Only CPU models
+        share: next to a GPU forward planning costs nothing, and a kept view would keep
+        replaced parameter tensors (GiBs at full size) alive until its next use.
+        """
+        first = next(model.parameters(), None)
+        if first is None or first.device.type != "cpu":
+            return cls(model, side, stream_classes=stream_classes)
+        views = _SHARED.setdefault(model, {})
+        key = (repr(side), stream_classes)
+        view = views.get(key)
+        if view is None or not view._unchanged():
+            view = views[key] = cls(model, side, stream_classes=stream_classes)
+        return view
+
+    def _unchanged(self) -> bool:
+        """The model still has this view's modules, parameter tensors and buffers."""
+        if sum(1 for _ in self.model.modules()) != len(self._module_names):
+            return False
+        for param, master in self._slots:
+            if param.data_ptr() != master.data_ptr() or param.shape != master.shape:
+                return False
+        return all(module._buffers.get(name) is t for module, name, t in self._buffer_slots)
+
+    def cast_key(self, master: torch.Tensor, dtype: torch.dtype | None) -> tuple[Any, ...]:
+        """What `cast` computes from `master`: equal keys give bit-identical tensors.
+
+        Two sides whose keys agree for a tensor can share one cast of it.
+        """
+        # Each view holds its own alias of a master; the memory it points at names it.
+        source = (master.data_ptr(), master.dtype, tuple(master.shape))
+        if dtype is None or (
+            master.dtype == dtype and self.plan.master_dtype in (dtype, master.dtype)
+        ):
+            return (source,)
+        return (source, self.plan.master_dtype, dtype)
+
+    def cast(self, master: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        """`master` as this side holds it: through the master dtype to `dtype` (None: as is)."""
+        if len(self.cast_key(master, dtype)) == 1:
+            return master
+        return master.to(self.plan.master_dtype).to(dtype)
+
+    def entries(self, root: torch.nn.Module, skip: set[int]) -> Iterator[Entry]:
+        """Every parameter and buffer slot in `root`, not inside modules in `skip`.
+
+        Each comes with the master it is cast from and the dtype this side wants (None: the
+        master as is).
+        """
+        prefix = self._module_names[id(root)]
+        seen: set[int] = set()
+        for mod_name, module in _named_modules_skipping(root, skip):
+            for param in module._parameters.values():
+                if param is None or id(param) in seen:
+                    continue
+                seen.add(id(param))
+                dtype = self.plan.param_dtypes[self._param_names[id(param)]]
+                yield Entry(param, None, self._masters[id(param)], dtype)
+            for buf_name, buf in list(module._buffers.items()):
+                full = ".".join(p for p in (prefix, mod_name, buf_name) if p)
+                if buf is None or full not in self._buffer_masters:
+                    continue
+                # A side that does not cast buffers still restores the master's, in case an
+                # outer view (another side) cast them.
+                dtype = self.plan.buffer_dtypes.get(full)
+                yield Entry(module, buf_name, self._buffer_masters[full], dtype)
+
+    def _swap_in(self, root: torch.nn.Module, skip: set[int], undo: list[tuple[Any, ...]]) -> None:
+        """Swap this side's tensors into `root`, except inside modules whose id is in `skip`."""
+        for entry in self.entries(root, skip):
+            tensor = self._cached.get(id(entry.master)) if entry.buffer is None else None
+            if tensor is None:
+                tensor = self.cast(entry.master, entry.dtype)
+                if self.cache and entry.buffer is None:
+                    self._cached[id(entry.master)] = tensor
+            if entry.buffer is None:
+                if tensor is not entry.owner.data:
+                    undo.append(("param", entry.owner, entry.owner.data))
+                    entry.owner.data = tensor
+            elif tensor is not entry.get():
+                undo.append(("buffer", entry.owner, entry.buffer, entry.get()))
+                entry.put(tensor)
+
+    @staticmethod
+    def _undo(undo: list[tuple[Any, ...]]) -> None:
+        for entry in reversed(undo):
+            if entry[0] == "param":
+                entry[1].data = entry[2]
+            else:
+                entry[1]._buffers[entry[2]] = entry[3]
+        undo.clear()
+
+    @contextlib.contextmanager
+    def applied(self, root: torch.nn.Module | None = None) -> Iterator[None]:
+        """Swap this side's tensors into `root` (default: the whole model), restore on exit.
+
+        Nesting is allowed: the outer view's tensors come back when an inner one exits.
+        """
+        root = self.model if root is None else root
+        if id(root) not in self._module_names:
+            raise ValueError(f"WeightView: {type(root).__name__} is not a submodule of the model.")
+        streamed = [m for m in root.modules() if id(m) in self.streamed_ids and m is not root]
+        undo: list[tuple[Any, ...]] = []
+        block_undo: list[list[tuple[Any, ...]]] = []
+        handles = []
+
+        def pre(module: torch.nn.Module, args: Any) -> None:
+            block_undo.append([])
+            self._swap_in(module, set(), block_undo[-1])
+
+        def post(module: torch.nn.Module, args: Any, output: Any) -> None:
+            self._undo(block_undo.pop())
+
+        try:
+            self._swap_in(root, {id(m) for m in streamed}, undo)
+            for module in streamed:
+                handles.append(module.register_forward_pre_hook(pre, prepend=True))
+                handles.append(module.register_forward_hook(post))
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            while block_undo:  # a block that raised never reached its post-hook
+                self._undo(block_undo.pop())
+            self._undo(undo)
+
+
+def outermost(model: torch.nn.Module, classes: tuple[str, ...]) -> set[int]:
+    """Ids of the modules of `classes` not nested inside another such module (the blocks)."""
+    if not classes:
+        return set()
+    found: set[int] = set()
+
+    def visit(module: torch.nn.Module) -> None:
+        if type(module).__name__ in classes:
+            found.add(id(module))
+            return
+        for child in module.children():
+            visit(child)
+
+    for child in model.children():
+        visit(child)
+    return found
+
+
+def _named_modules_skipping(
+    root: torch.nn.Module, skip: set[int], prefix: str = ""
+) -> Iterator[tuple[str, torch.nn.Module]]:
+    """named_modules() of `root`, not descending into modules whose id is in `skip`."""
+    yield prefix, root
+    for name, child in root.named_children():
+        if id(child) in skip:
+            continue
+        yield from _named_modules_skipping(child, skip, f"{prefix}.{name}" if prefix else name)
+
+
+_SHARED: weakref.WeakKeyDictionary[torch.nn.Module, dict[Any, WeightView]] = (
+    weakref.WeakKeyDictionary()
+)
+"""`WeightView.shared`'s views, per model (dropped with the model)."""
+
+
+class PairedWeights:
+    """Two sides' views filled into one model at once, for two forwards run in lockstep.
+
+    Each side's tensors are cast from the same masters; where both sides would compute the
+    same cast (same master, master dtype and dtype) they share one tensor, so e.g. two bf16
+    sides hold one bf16 copy. Outside the streamed blocks the casts are made once, up front.
+    A streamed block is cast when the first side enters it and dropped when the last side
+    leaves it. Before a side runs (and each time it resumes after the other side ran),
+    `activate` fills in its tensors wherever the two sides differ: outside the blocks and in
+    the block the side is in. The two forwards must never run at the same time.
+    """
+
+    def __init__(self, views: dict[str, WeightView], blocks: set[int], *, stream: bool) -> None:
+        """`views`: side key -> that side's WeightView (same model); `blocks`: ids of blocks.
+
+        With `stream`, a block's casts live only while a side runs it; without, each block
+        is cast once and kept for the run (the blocks still scope what a switch refills).
+
+        Raises:
+            ValueError: The views belong to different models.
+        """
+        models = {id(v.model) for v in views.values()}
+        if len(models) != 1:
+            raise ValueError("PairedWeights: the views were made for different models.")
+        self.views = views
+        self.model = next(iter(views.values())).model
+        self.stream = stream
+        self._outside: dict[str, list[tuple[Entry, torch.Tensor]]] = {}
+        self._inside: dict[str, dict[int, list[tuple[Entry, torch.Tensor]]]] = {
+            k: {} for k in views
+        }
+        self._block_cache: dict[int, dict[tuple[Any, ...], torch.Tensor]] = {}
+        self._current: dict[tuple[int, str | None], torch.Tensor] = {}
+        self._originals: dict[tuple[int, str | None], tuple[Entry, torch.Tensor]] = {}
+        self.block_modules = {
+            id(m): m for m in self.model.modules() if id(m) in blocks and m is not self.model
+        }
+
+    def _resolve(
+        self, key: str, entries: Iterator[Entry], cache: dict[tuple[Any, ...], torch.Tensor]
+    ) -> list[tuple[Entry, torch.Tensor]]:
+        view = self.views[key]
+        out = []
+        for entry in entries:
+            cast_key = view.cast_key(entry.master, entry.dtype)
+            tensor = cache.get(cast_key)
+            if tensor is None:
+                tensor = cache[cast_key] = view.cast(entry.master, entry.dtype)
+            out.append((entry, tensor))
+        return out
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        """Cast everything outside the blocks for every side; restore every slot on exit."""
+        cache: dict[tuple[Any, ...], torch.Tensor] = {}
+        skip = set(self.block_modules)
+        try:
+            for key, view in self.views.items():
+                self._outside[key] = self._resolve(key, view.entries(self.model, skip), cache)
+            yield
+        finally:
+            for entry, original in self._originals.values():
+                entry.put(original)
+            self._originals.clear()
+            self._current.clear()
+            self._outside.clear()
+            self._block_cache.clear()
+            for inside in self._inside.values():
+                inside.clear()
+
+    def _put(self, entry: Entry, tensor: torch.Tensor) -> None:
+        # A slot already holding this side's tensor (shared with the other side, or not
+        # touched since) is left alone, so a switch costs a dict lookup per slot.
+        slot = entry.slot
+        if self._current.get(slot) is tensor:
+            return
+        if slot not in self._originals:
+            self._originals[slot] = (entry, entry.get())
+        entry.put(tensor)
+        self._current[slot] = tensor
+
+    def enter_block(self, key: str, module: torch.nn.Module) -> None:
+        """Side `key` starts running block `module`: cast (or share) its tensors and fill them."""
+        cache = self._block_cache.setdefault(id(module), {})
+        entries = self._resolve(key, self.views[key].entries(module, set()), cache)
+        self._inside[key][id(module)] = entries
+        for entry, tensor in entries:
+            self._put(entry, tensor)
+
+    def exit_block(self, key: str, module: torch.nn.Module) -> None:
+        """Side `key` left block `module`; when streaming, the last side out drops its casts."""
+        entries = self._inside[key].pop(id(module), [])
+        if not self.stream or any(id(module) in inside for inside in self._inside.values()):
+            return
+        self._block_cache.pop(id(module), None)
+        for entry, _ in entries:  # the block's slots, as this side filled them on entry
+            saved = self._originals.pop(entry.slot, None)
+            if saved is not None:
+                entry.put(saved[1])
+                self._current.pop(entry.slot, None)
+
+    def activate(self, key: str) -> None:
+        """Fill side `key`'s tensors where the other side may have filled its own."""
+        put = self._put
+        for entry, tensor in self._outside.get(key, ()):
+            put(entry, tensor)
+        for entries in self._inside[key].values():
+            for entry, tensor in entries:
+                put(entry, tensor)

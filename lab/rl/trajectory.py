@@ -1,0 +1,633 @@
+"""trajectory(): a denoising rollout and the trainer's recompute of its log-probs, step by step.
+
+The rollout side samples N steps from seeded noise (Flow-GRPO SDE inside the window, the Euler
+ODE step outside it) and records x_t, x_prev, its guided velocity and log_prob_old; the trainer
+side recomputes its velocity on the same x_t and scores the same x_prev (log_prob_new). The
+PPO ratio exp(log_prob_new - log_prob_old) is what a velocity gap costs the policy update.
+
+Multi-output families (LTX-2 video + audio, MiniMax-H3 video + audio rows) are scored as one
+sample: every latent tensor is flattened per sample and concatenated, and the log-prob is the
+mean over that whole vector (what Flow-GRPO's mean over non-batch dims gives for one tensor).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lab.base.atomic import atomic_write_text
+from lab.families import Family, Inputs
+from lab.families import family as get_family
+from lab.pairing.result import Result
+from lab.pairing.run import forward_side, pair
+from lab.pairing.sides import Side
+from lab.pairing.weights import WeightView
+from lab.rl.flow_grpo import (
+    SDE_TYPES,
+    SdeType,
+    check_sigma_schedule,
+    combine_cfg,
+    euler_step,
+    predicted_log_ratio,
+    sampler_settings,
+    sde_step_with_logprob,
+    sigma_schedule,
+)
+from lab.rl.latents import (
+    flatten_samples,
+    latent_leaves,
+    output_leaves,
+    unflatten_samples,
+)
+
+QUANTILES: tuple[float, ...] = (0.01, 0.5, 0.99)
+
+
+# ---- records ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One denoising step's tensors, fp32 on CPU, latents flattened per sample: (P*B, N)."""
+
+    step: int
+    sigma: float
+    sigma_prev: float
+    in_window: bool
+    expert: str | None
+    x_t: torch.Tensor
+    x_prev: torch.Tensor
+    noise_pred_old: torch.Tensor
+    """The rollout's guided velocity (diffusers sign convention)."""
+    noise_pred_new: torch.Tensor
+    """The trainer's guided velocity on the same x_t."""
+    log_prob_old: torch.Tensor | None
+    """(P*B,) fp32; None outside the SDE window (a deterministic step has no density)."""
+    log_prob_new: torch.Tensor | None
+    std_dev_t: float | None
+
+
+@dataclass(frozen=True)
+class StepDrift:
+    """One row of `Trajectory.per_step()`: rollout (reference) vs trainer (candidate) at a step."""
+
+    step: int
+    sigma: float
+    sigma_prev: float
+    in_window: bool
+    expert: str | None
+    model_output_mean_abs_diff: float
+    model_output_max_abs_diff: float
+    model_output_rel_max: float
+    model_output_mean_abs_diff_per_cfg: float
+    """model_output_mean_abs_diff / cfg_scale: comparable across guidance scales."""
+    model_output_max_abs_diff_per_cfg: float
+    velocity_gap_rms: float
+    log_prob_mean_abs_diff: float
+    log_prob_mean_abs_diff_per_cfg: float
+    ratio_abs_minus_1: float
+    ratio_mean: float
+    ratio_p01: float
+    ratio_p50: float
+    ratio_p99: float
+    ratio_max_abs_minus_1: float
+    clip_frac: float
+    """Share of samples with |ratio - 1| > clip_range."""
+    measured_log_ratio: float
+    """mean(log_prob_new - log_prob_old) over samples."""
+    predicted_log_ratio: float
+    """-mean(dm^2) / (2 s^2) from the measured velocity gap (see flow_grpo.predicted_log_ratio)."""
+    std_dev_t: float
+
+
+@dataclass(frozen=True)
+class SampleDrift:
+    """One row of `Trajectory.per_sample()`: one sample at one in-window step."""
+
+    step: int
+    sample: int
+    prompt_seed: int
+    sigma: float
+    log_prob_old: float
+    log_prob_new: float
+    log_ratio: float
+    ratio: float
+    velocity_gap_rms: float
+    predicted_log_ratio: float
+
+
+@dataclass
+class Trajectory:
+    """What `trajectory()` returns: per-step and per-sample drift, the tensors, captures."""
+
+    meta: dict[str, Any]
+    sigmas: list[float]
+    step_drifts: list[StepDrift]
+    sample_drifts: list[SampleDrift]
+    steps: list[StepRecord] = field(default_factory=list)
+    """The recorded tensors (not written by to_json)."""
+    captures: dict[int, Result] = field(default_factory=dict)
+    """Per-module pair() Results at the chosen capture_steps (first prompt's inputs)."""
+
+    def per_step(self) -> Any:
+        """Pandas DataFrame, one row per step (NaN log-prob columns outside the window)."""
+        import pandas as pd
+
+        return pd.DataFrame([dataclasses.asdict(r) for r in self.step_drifts])
+
+    def per_sample(self) -> Any:
+        """Pandas DataFrame, one row per (in-window step, sample)."""
+        import pandas as pd
+
+        cols = [f.name for f in dataclasses.fields(SampleDrift)]
+        return pd.DataFrame([dataclasses.asdict(r) for r in self.sample_drifts], columns=cols)
+
+    def overall(self) -> dict[str, Any]:
+        """Summary over the in-window steps (means of per-step metrics, pooled sample stats)."""
+        rows = [r for r in self.step_drifts if r.in_window]
+        samples = self.sample_drifts
+        lr = torch.tensor([s.log_ratio for s in samples], dtype=torch.float64)
+        clip = float(self.meta["clip_range"])
+
+        def mean(attr: str, pool: Sequence[StepDrift] = rows) -> float:
+            vals = [getattr(r, attr) for r in pool]
+            return float(sum(vals) / len(vals)) if vals else math.nan
+
+        out = {
+            k: self.meta[k]
+            for k in ("family", "preset", "steps", "cfg_scale", "noise_level", "sde_type")
+        }
+        out.update(
+            sde_window=list(self.meta["sde_window"]),
+            samples=len(samples),
+            model_output_mean_abs_diff=mean("model_output_mean_abs_diff", self.step_drifts),
+            model_output_max_abs_diff=max(
+                (r.model_output_max_abs_diff for r in self.step_drifts), default=math.nan
+            ),
+            model_output_rel_max=max(
+                (r.model_output_rel_max for r in self.step_drifts), default=math.nan
+            ),
+            log_prob_mean_abs_diff=float(lr.abs().mean()) if lr.numel() else math.nan,
+            log_prob_abs_diff_p99=float(lr.abs().quantile(0.99)) if lr.numel() else math.nan,
+            ratio_abs_minus_1=float((lr.exp() - 1).abs().mean()) if lr.numel() else math.nan,
+            ratio_max_abs_minus_1=float((lr.exp() - 1).abs().max()) if lr.numel() else math.nan,
+            clip_frac=float(((lr.exp() - 1).abs() > clip).double().mean())
+            if lr.numel()
+            else math.nan,
+            measured_log_ratio=float(lr.mean()) if lr.numel() else math.nan,
+            predicted_log_ratio=mean("predicted_log_ratio"),
+        )
+        return out
+
+    def describe(self) -> str:
+        """A few lines: what ran and the headline drift numbers."""
+        o = self.overall()
+        return (
+            f"{o['family']} ({o['preset']}): {o['steps']} steps, SDE window {o['sde_window']}, "
+            f"eta {o['noise_level']} ({o['sde_type']}), CFG {o['cfg_scale']}, "
+            f"{o['samples']} sample-steps; rollout={self.meta['side_a']['name']!r} vs "
+            f"trainer={self.meta['side_b']['name']!r}\n"
+            f"  model_output rel_max {o['model_output_rel_max']:.3e}, mean_abs_diff "
+            f"{o['model_output_mean_abs_diff']:.3e}\n"
+            f"  |d log_prob| mean {o['log_prob_mean_abs_diff']:.3e} (p99 "
+            f"{o['log_prob_abs_diff_p99']:.3e}); |ratio-1| mean {o['ratio_abs_minus_1']:.3e}, "
+            f"max {o['ratio_max_abs_minus_1']:.3e}; clip_frac {o['clip_frac']:.3f} at "
+            f"{self.meta['clip_range']:g}\n"
+            f"  log-ratio measured {o['measured_log_ratio']:.3e} vs predicted "
+            f"{o['predicted_log_ratio']:.3e}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (NaN -> null); tensors are not included."""
+        return _clean(
+            dict(
+                meta=self.meta,
+                sigmas=self.sigmas,
+                overall=self.overall(),
+                per_step=[dataclasses.asdict(r) for r in self.step_drifts],
+                per_sample=[dataclasses.asdict(r) for r in self.sample_drifts],
+                captures={str(k): v.to_dict() for k, v in self.captures.items()},
+            )
+        )
+
+    def to_json(self, path: str | Path) -> Path:
+        """Write `to_dict()` to `path` (parent folders created)."""
+        return atomic_write_text(path, json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> Trajectory:
+        """Read what `to_json` wrote (without tensors)."""
+        data = json.loads(Path(path).read_text())
+
+        def rows(kind: type, items: list[dict]) -> list:
+            return [kind(**{k: math.nan if v is None else v for k, v in d.items()}) for d in items]
+
+        step_rows = []
+        for d in data["per_step"]:
+            d = dict(d)
+            expert = d.pop("expert")
+            step_rows.append(
+                StepDrift(expert=expert, **{k: math.nan if v is None else v for k, v in d.items()})
+            )
+        return cls(
+            meta=data["meta"],
+            sigmas=data["sigmas"],
+            step_drifts=step_rows,
+            sample_drifts=rows(SampleDrift, data["per_sample"]),
+            captures={int(k): Result.from_dict(v) for k, v in data.get("captures", {}).items()},
+        )
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+# ---- latents <-> one flat vector per sample -----------------------------------------------
+
+
+# ---- the run ------------------------------------------------------------------------------
+
+
+def _resolve_side(
+    value: Side | Mapping[str, Any] | None, fam: Family, preset_name: str, device: str
+) -> Side:
+    if isinstance(value, Side):
+        return value
+    maker = Side.rollout if preset_name == "rollout" else Side.trainer
+    return maker(fam, **{"device": device, **dict(value or {})})
+
+
+def _guided_velocity(
+    fam: Family,
+    model: torch.nn.Module,
+    view: WeightView,
+    side: Side,
+    inputs: Inputs,
+    cfg_scale: float,
+    like: Sequence[torch.Tensor],
+    batch: int,
+) -> torch.Tensor:
+    """One side's guided velocity, flattened (B, N) fp32, diffusers sign convention."""
+    out = forward_side(model, inputs, side, view=view)
+    use_cfg = cfg_scale > 1.0
+    if use_cfg and fam.cfg_layout == "batched":
+        leaves = output_leaves(out, like, 2 * batch, fam.name)
+        pairs = [(t[batch:], t[:batch]) for t in leaves]  # the batch is [negative, positive]
+    elif use_cfg:
+        if inputs.negative is None:
+            raise ValueError(
+                f"trajectory({fam.name!r}): cfg_layout 'separate' but make_inputs(cfg=True) "
+                "returned no negative branch."
+            )
+        neg_out = forward_side(model, inputs.negative, side, view=view)
+        pos_leaves = output_leaves(out, like, batch, fam.name)
+        neg_leaves = output_leaves(neg_out, like, batch, fam.name)
+        pairs = list(zip(pos_leaves, neg_leaves, strict=True))
+    else:
+        pairs = [(t, None) for t in output_leaves(out, like, batch, fam.name)]
+    # Combined per tensor in the model's layout: Qwen-Image's rescale is over the last dim.
+    guided = [combine_cfg(fam, pos, neg, cfg_scale) for pos, neg in pairs]
+    return flatten_samples(guided) * sampler_settings(fam).velocity_sign
+
+
+def trajectory(
+    family_name: str,
+    preset: str = "tiny",
+    *,
+    steps: int = 10,
+    sde_window: tuple[int, int] | None = None,
+    noise_level: float = 0.7,
+    cfg_scale: float = 1.0,
+    samples: int = 2,
+    prompts: int = 1,
+    seed: int = 0,
+    device: str = "cpu",
+    variant: str | None = None,
+    rollout: Side | Mapping[str, Any] | None = None,
+    trainer: Side | Mapping[str, Any] | None = None,
+    sde_type: SdeType = "sde",
+    sigmas: Sequence[float] | torch.Tensor | None = None,
+    shift: float | None = None,
+    capture_steps: Sequence[int] = (),
+    clip_range: float = 1e-4,
+    keep_tensors: bool = True,
+    progress: bool = True,
+    init: str | None = None,
+) -> Trajectory:
+    """Sample a Flow-GRPO rollout and recompute its log-probs as the trainer, step by step.
+
+    Each prompt p has seed `seed + p` (conditioning and initial noise from the family's
+    make_inputs; the SDE noise from its own generator), and `samples` samples per forward.
+    Wan2.2 builds both experts and switches at the family's boundary.
+
+    Args:
+        family_name: One of `lab.families()`.
+        preset: "tiny", "reduced" or "full".
+        steps: Denoising steps N (>= 2).
+        sde_window: [start, end) step indices that get SDE noise; None = every step. Outside
+            it the rollout takes the deterministic Euler step and no log-prob is scored.
+        noise_level: eta > 0.
+        cfg_scale: Guidance scale; > 1 runs the family's CFG layout (rejected for
+            guidance-distilled families).
+        samples: Samples per prompt: one forward's batch, or several forwards for a family
+            whose forward holds fewer (`Family.max_batch`: Cosmos3 takes one at a time).
+        prompts: Number of prompts (seeds).
+        seed: Weight seed and first prompt seed.
+        device: "cpu" or "cuda".
+        variant: A family variant.
+        rollout: The reference side: a Side, or field overrides for `Side.rollout(family)`.
+        trainer: The candidate side: a Side, or overrides for `Side.trainer(family)`.
+        sde_type: "sde" (Flow-SDE) or "cps".
+        sigmas: Use this grid (steps + 1 values, 1 -> 0) instead of the family's scheduler.
+        shift: Override the scheduler's static shift.
+        capture_steps: Steps at which to also run per-module `pair()` (first prompt).
+        clip_range: PPO clip range for clip_frac (Flow-GRPO's default 1e-4).
+        keep_tensors: Keep each step's tensors in `Trajectory.steps`.
+        progress: Show a tqdm bar over steps.
+        init: Seeded-weight regime for `Family.build` ("trained", "bf16_shipped", "plain");
+            None = the build default. Recorded as meta["init"].
+
+    Returns:
+        A Trajectory (per_step(), per_sample(), overall(), to_json()).
+
+    Raises:
+        ValueError: steps < 2, a schedule that is not decreasing, a window or capture step
+            outside the schedule, noise_level <= 0, cfg_scale > 1 on a guidance-distilled
+            family, or an unknown sde_type.
+    """
+    from tqdm.auto import tqdm
+
+    fam = get_family(family_name)
+    where = f"trajectory({family_name!r})"
+    if not isinstance(steps, int) or steps < 2:
+        raise ValueError(f"{where}: steps must be an int >= 2, got {steps!r}.")
+    if sigmas is not None:
+        grid = check_sigma_schedule(torch.as_tensor(sigmas), where=f"{where}: sigmas")
+        if grid.numel() != steps + 1:
+            raise ValueError(
+                f"{where}: sigmas has {grid.numel()} values; {steps} steps need {steps + 1}."
+            )
+    else:
+        grid = sigma_schedule(fam, steps, preset=preset, variant=variant, shift=shift)
+    window = (0, steps) if sde_window is None else tuple(int(w) for w in sde_window)
+    if len(window) != 2 or not 0 <= window[0] < window[1] <= steps:
+        raise ValueError(
+            f"{where}: sde_window {sde_window!r} is outside the schedule; it must be [start, "
+            f"end) with 0 <= start < end <= steps = {steps}."
+        )
+    if not float(noise_level) > 0.0:
+        raise ValueError(f"{where}: noise_level must be > 0, got {noise_level!r}.")
+    if sde_type not in SDE_TYPES:
+        raise ValueError(f"{where}: unknown sde_type {sde_type!r}. Known: {', '.join(SDE_TYPES)}.")
+    if not float(cfg_scale) >= 1.0:
+        raise ValueError(f"{where}: cfg_scale must be >= 1 (1 = no guidance), got {cfg_scale!r}.")
+    if cfg_scale > 1.0 and fam.cfg_layout == "none":
+        raise ValueError(
+            f"{where}: cfg_scale={cfg_scale!r}, but {fam.title} is guidance-distilled "
+            "(cfg_layout 'none'): each step is one forward with no negative branch. Use "
+            "cfg_scale=1.0."
+        )
+    if samples < 1 or prompts < 1:
+        raise ValueError(f"{where}: samples and prompts must be >= 1, got {samples}, {prompts}.")
+    bad_capture = [s for s in capture_steps if not 0 <= int(s) < steps]
+    if bad_capture:
+        raise ValueError(
+            f"{where}: capture_steps {bad_capture} are outside the schedule (0..{steps - 1})."
+        )
+    side_a = _resolve_side(rollout, fam, "rollout", device)
+    side_b = _resolve_side(trainer, fam, "trainer", device)
+    sigma_list = [float(s) for s in grid]
+    sigma_max = sigma_list[1]
+    use_cfg = cfg_scale > 1.0
+
+    # Per stream (a prompt's samples, in forwards of at most fam.max_batch samples): the fp32
+    # initial noise as make_inputs draws it, and its own SDE generator. Drawn before any model
+    # is built, so inputs the family refuses fail before the work starts.
+    prompt_seeds = [seed + p for p in range(prompts)]
+    per_forward = min(samples, fam.max_batch or samples)
+    streams: list[tuple[int, int]] = []  # (prompt seed, samples in its forwards)
+    states: list[torch.Tensor] = []
+    stream_shapes: list[list[tuple[int, ...]]] = []
+    gens: list[torch.Generator] = []
+    for ps in prompt_seeds:
+        for chunk, start in enumerate(range(0, samples, per_forward)):
+            n = min(per_forward, samples - start)
+            first = fam.make_inputs(preset, ps, n, False, variant=variant, dtype="fp32", sigma=1.0)
+            leaves = latent_leaves(first)
+            # Offset so the SDE noise is not the initial-noise stream of the same seed. A later
+            # chunk of the same prompt (a family whose forward holds fewer samples than asked)
+            # draws its own initial noise and SDE noise; the first chunk is what one forward
+            # of every sample would have drawn first.
+            sde_seed = ps + 1_000_003
+            if chunk:
+                noise_gen = torch.Generator("cpu").manual_seed((ps + 1_000_003) * 1_000 + chunk)
+                leaves = [torch.randn(t.shape, generator=noise_gen) for t in leaves]
+                sde_seed = (ps + 2_000_003) * 1_000 + chunk
+            streams.append((ps, n))
+            stream_shapes.append([tuple(t.shape) for t in leaves])
+            states.append(flatten_samples(leaves).to(device))
+            gens.append(torch.Generator("cpu").manual_seed(sde_seed))
+    shapes = stream_shapes[0]
+
+    experts = list(dict.fromkeys(fam.expert_for_sigma(s) for s in sigma_list[:-1]))
+    build_init = {} if init is None else {"init": init}
+    models = {
+        e: fam.build(preset, seed, variant=variant, expert=e, device=device, **build_init)
+        for e in experts
+    }
+    # One weight plan per (expert, side), reused every step.
+    views = {
+        (e, k): WeightView(m, side)
+        for e, m in models.items()
+        for k, side in enumerate((side_a, side_b))
+    }
+
+    records: list[StepRecord] = []
+    step_drifts: list[StepDrift] = []
+    sample_drifts: list[SampleDrift] = []
+    captures: dict[int, Result] = {}
+    for i in tqdm(range(steps), desc=f"{family_name} steps", disable=not progress):
+        sigma, sigma_prev = sigma_list[i], sigma_list[i + 1]
+        in_window = window[0] <= i < window[1]
+        expert = fam.expert_for_sigma(sigma)
+        model = models[expert]
+        per_prompt: list[tuple] = []
+        for p, (ps, n) in enumerate(streams):
+            x = states[p]
+            inputs = fam.make_inputs(
+                preset,
+                ps,
+                n,
+                use_cfg,
+                variant=variant,
+                sigma=sigma,
+                latents=unflatten_samples(x.cpu(), stream_shapes[p]),
+                device=device,
+            )
+            like = [torch.empty(s, device="meta") for s in stream_shapes[p]]
+            v_old = _guided_velocity(
+                fam, model, views[(expert, 0)], side_a, inputs, cfg_scale, like, n
+            )
+            v_new = _guided_velocity(
+                fam, model, views[(expert, 1)], side_b, inputs, cfg_scale, like, n
+            )
+            if in_window:
+                x_prev, lp_old, _, std = sde_step_with_logprob(
+                    v_old, x, sigma, sigma_prev, sigma_max, noise_level,
+                    generator=gens[p], sde_type=sde_type,
+                )  # fmt: skip
+                _, lp_new, _, _ = sde_step_with_logprob(
+                    v_new, x, sigma, sigma_prev, sigma_max, noise_level,
+                    prev_sample=x_prev, sde_type=sde_type,
+                )  # fmt: skip
+                std_f = float(std)
+            else:
+                x_prev, lp_old, lp_new = euler_step(v_old, x, sigma, sigma_prev), None, None
+                std_f = math.nan
+            per_prompt.append((x, x_prev, v_old, v_new, lp_old, lp_new))
+            states[p] = x_prev
+            if i in capture_steps and p == 0:
+                captures[i] = pair(
+                    model,
+                    inputs,
+                    side_a,
+                    side_b,
+                    meta=dict(family=family_name, preset=preset, step=i, sigma=sigma),
+                )
+        x_t, x_prev, v_old, v_new = (torch.cat([r[k] for r in per_prompt]).cpu() for k in range(4))
+        lp_old = torch.cat([r[4] for r in per_prompt]).cpu() if in_window else None
+        lp_new = torch.cat([r[5] for r in per_prompt]).cpu() if in_window else None
+        if keep_tensors:
+            records.append(
+                StepRecord(
+                    i, sigma, sigma_prev, in_window, expert, x_t, x_prev, v_old, v_new,
+                    lp_old, lp_new, None if not in_window else std_f,
+                )
+            )  # fmt: skip
+        drift, rows = _step_drift(
+            i, sigma, sigma_prev, in_window, expert, v_old, v_new, lp_old, lp_new, std_f,
+            cfg_scale, clip_range, sde_type, samples, prompt_seeds,
+        )  # fmt: skip
+        step_drifts.append(drift)
+        sample_drifts.extend(rows)
+
+    meta = dict(
+        family=family_name,
+        preset=preset,
+        variant=variant,
+        steps=steps,
+        sde_window=list(window),
+        noise_level=float(noise_level),
+        cfg_scale=float(cfg_scale),
+        cfg_layout=fam.cfg_layout,
+        samples=samples,
+        prompts=prompts,
+        seed=seed,
+        device=str(device),
+        sde_type=sde_type,
+        clip_range=float(clip_range),
+        latent_shapes=[list(s) for s in shapes],
+        experts=[e for e in experts if e is not None],
+        side_a=side_a.to_dict(),
+        side_b=side_b.to_dict(),
+        sampler_notes=sampler_settings(fam).notes,
+        init=getattr(next(iter(models.values())), "lab_init", None),
+    )
+    return Trajectory(meta, sigma_list, step_drifts, sample_drifts, records, captures)
+
+
+def _step_drift(
+    step: int,
+    sigma: float,
+    sigma_prev: float,
+    in_window: bool,
+    expert: str | None,
+    v_old: torch.Tensor,
+    v_new: torch.Tensor,
+    lp_old: torch.Tensor | None,
+    lp_new: torch.Tensor | None,
+    std: float,
+    cfg_scale: float,
+    clip_range: float,
+    sde_type: SdeType,
+    samples: int,
+    prompt_seeds: Sequence[int],
+) -> tuple[StepDrift, list[SampleDrift]]:
+    """The section-6 metrics of one step (fp32 differences, float64 reductions)."""
+    d = v_new - v_old
+    mean_abs = float(d.abs().double().mean())
+    max_abs = float(d.abs().max())
+    rel_max = max_abs / (float(v_old.abs().max()) + 1e-30)
+    gap_rms = (d.double() ** 2).mean(dim=1).sqrt()
+    nan = math.nan
+    rows: list[SampleDrift] = []
+    if in_window and lp_old is not None and lp_new is not None:
+        # The trainer's difference in fp32, as the PPO loss forms it; reduced in float64.
+        lr = (lp_new - lp_old).double()
+        ratio = lr.exp()
+        q = torch.quantile(ratio, torch.tensor(QUANTILES, dtype=torch.float64)).tolist()
+        pred = predicted_log_ratio(d, sigma, sigma_prev, std, sde_type).double()
+        lp_stats = dict(
+            log_prob_mean_abs_diff=float(lr.abs().mean()),
+            log_prob_mean_abs_diff_per_cfg=float(lr.abs().mean()) / cfg_scale,
+            ratio_abs_minus_1=float((ratio - 1).abs().mean()),
+            ratio_mean=float(ratio.mean()),
+            ratio_p01=q[0],
+            ratio_p50=q[1],
+            ratio_p99=q[2],
+            ratio_max_abs_minus_1=float((ratio - 1).abs().max()),
+            clip_frac=float(((ratio - 1).abs() > clip_range).double().mean()),
+            measured_log_ratio=float(lr.mean()),
+            predicted_log_ratio=float(pred.mean()),
+            std_dev_t=std,
+        )
+        for k in range(lr.numel()):
+            rows.append(
+                SampleDrift(
+                    step=step,
+                    sample=k,
+                    prompt_seed=int(prompt_seeds[k // samples]),
+                    sigma=sigma,
+                    log_prob_old=float(lp_old[k]),
+                    log_prob_new=float(lp_new[k]),
+                    log_ratio=float(lr[k]),
+                    ratio=float(ratio[k]),
+                    velocity_gap_rms=float(gap_rms[k]),
+                    predicted_log_ratio=float(pred[k]),
+                )
+            )
+    else:
+        lp_stats = dict(
+            log_prob_mean_abs_diff=nan, log_prob_mean_abs_diff_per_cfg=nan,
+            ratio_abs_minus_1=nan, ratio_mean=nan, ratio_p01=nan, ratio_p50=nan, ratio_p99=nan,
+            ratio_max_abs_minus_1=nan, clip_frac=nan, measured_log_ratio=nan,
+            predicted_log_ratio=nan, std_dev_t=nan,
+        )  # fmt: skip
+    drift = StepDrift(
+        step=step,
+        sigma=sigma,
+        sigma_prev=sigma_prev,
+        in_window=in_window,
+        expert=expert,
+        model_output_mean_abs_diff=mean_abs,
+        model_output_max_abs_diff=max_abs,
+        model_output_rel_max=rel_max,
+        model_output_mean_abs_diff_per_cfg=mean_abs / cfg_scale,
+        model_output_max_abs_diff_per_cfg=max_abs / cfg_scale,
+        velocity_gap_rms=float(gap_rms.mean()),
+        **lp_stats,
+    )
+    return drift, rows

@@ -1,0 +1,480 @@
+"""Command line: `precision-lab pair | drift | report | sweep | scenarios | compare`.
+
+`python -m lab` is the same. Every subcommand takes the notebooks' parameter names
+(`--family`, `--preset`, `--device`, `--seed`, `--out-dir`, `--rollout-overrides JSON`, ...)
+and exits with
+
+    0  the run finished (and met any threshold given)
+    1  the run found a failure: a pair that failed part-way (its partial result is saved), a
+       threshold exceeded, a comparison worse than its reference, a sweep run or a scenario
+       that failed
+    2  bad arguments: the message names the bad value and what would be right
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+_EXIT_CODES = (
+    "exit codes: 0 ok; 1 the run found a failure (see the subcommand); 2 bad arguments "
+    "(the message names the bad value and the fix)"
+)
+PRESETS: tuple[str, ...] = ("tiny", "reduced", "full")
+MODES: tuple[str, ...] = ("propagated", "local")
+
+
+class UsageError(ValueError):
+    """A command-line value the lab refused (exit code 2)."""
+
+
+# ---- the parser ---------------------------------------------------------------------------
+
+
+def _command(commands: Any, name: str, help_text: str, description: str) -> Any:
+    return commands.add_parser(
+        name,
+        help=help_text,
+        description=description,
+        epilog=_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def _model_options(parser: argparse.ArgumentParser, out_dir: str) -> None:
+    """The options pair and drift share, named as in notebooks 01 and 02."""
+    from lab.families import FAMILY_NAMES
+
+    parser.add_argument(
+        "--family", default="flux", choices=FAMILY_NAMES, help="the DiT family (default flux)"
+    )
+    parser.add_argument(
+        "--preset", default="tiny", choices=PRESETS, help="model size (default tiny: CPU, ms)"
+    )
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    parser.add_argument("--seed", type=int, default=0, help="weight and input seed (default 0)")
+    parser.add_argument(
+        "--rollout-overrides",
+        default="{}",
+        metavar="JSON",
+        help='Side field overrides of the rollout, e.g. \'{"attention_backend": "math"}\'',
+    )
+    parser.add_argument(
+        "--trainer-overrides",
+        default="{}",
+        metavar="JSON",
+        help="Side field overrides of the trainer, e.g. '{\"autocast\": false}'",
+    )
+    parser.add_argument(
+        "--out-dir", default=out_dir, help=f"where the files go (default {out_dir})"
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="precision-lab",
+        description="Paired rollout-vs-trainer forwards of diffusers DiTs, from a shell.",
+        epilog=_EXIT_CODES,
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    pair = _command(
+        commands,
+        "pair",
+        "one paired forward: results.json and the divergence figure (notebook 01)",
+        "Pair the rollout side against the trainer side on one forward of a family's model; "
+        "write OUT_DIR/results.json and OUT_DIR/divergence_by_layer.png (with --report, also "
+        "OUT_DIR/report.html). Exit 1 when the pair fails part-way (the pairs compared so far "
+        "are saved), when model_output_rel_max exceeds --max-rel-max, or when a module output "
+        "got worse than in --baseline.",
+    )
+    _model_options(pair, "runs/pair")
+    pair.add_argument("--mode", default="propagated", choices=MODES, help="default propagated")
+    pair.add_argument("--sigma", type=float, default=0.75, help="flow-matching sigma (0.75)")
+    pair.add_argument("--metric", default="rel_max", help="metric of the figure (rel_max)")
+    pair.add_argument(
+        "--max-rel-max",
+        type=float,
+        default=None,
+        metavar="X",
+        help="exit 1 when model_output_rel_max > X",
+    )
+    pair.add_argument(
+        "--baseline",
+        default=None,
+        metavar="NAME_OR_PATH",
+        help="exit 1 when a module output is worse than in this baseline (data/baselines/ name "
+        "or a results.json)",
+    )
+    pair.add_argument("--report", action="store_true", help="also write OUT_DIR/report.html")
+
+    drift = _command(
+        commands,
+        "drift",
+        "PPO ratio drift over a Flow-GRPO rollout (notebook 02)",
+        "Sample a Flow-GRPO rollout on the rollout side and recompute each step's log-prob on "
+        "the trainer side; write OUT_DIR/results.json (the trajectory) and the figures "
+        "ratio_drift.png, ratio_hist.png, logprob_vs_velocity_gap.png. Exit 1 when the share "
+        "of ratios outside the clip range exceeds --max-clip-frac.",
+    )
+    _model_options(drift, "runs/ratio_drift")
+    drift.add_argument("--steps", type=int, default=10, help="denoising steps (10)")
+    drift.add_argument("--cfg-scale", type=float, default=1.0, help="guidance scale (1.0: none)")
+    drift.add_argument("--noise-level", type=float, default=0.7, help="eta of the SDE (0.7)")
+    drift.add_argument("--sde-type", default="sde", choices=("sde", "cps"), help="default sde")
+    drift.add_argument(
+        "--sde-window",
+        default="[]",
+        metavar="JSON",
+        help="[start, end) steps with SDE noise, e.g. '[0, 4]'; [] every step",
+    )
+    drift.add_argument("--samples", type=int, default=2, help="samples per prompt (2)")
+    drift.add_argument("--prompts", type=int, default=1, help="prompts (1)")
+    drift.add_argument("--clip-range", type=float, default=1e-4, help="PPO clip range (1e-4)")
+    drift.add_argument(
+        "--max-clip-frac",
+        type=float,
+        default=None,
+        metavar="F",
+        help="exit 1 when the share of |ratio - 1| > clip range exceeds F",
+    )
+
+    report = _command(
+        commands,
+        "report",
+        "one self-contained HTML report from saved runs",
+        "Write one HTML file (figures embedded, no network) from one or more saved runs: "
+        "results.json paths, their folders, or names `precision-lab compare` lists. "
+        "Ratio-drift trajectories get their own sections.",
+    )
+    report.add_argument("runs", nargs="+", metavar="RUN", help="saved runs to include")
+    report.add_argument("--out", default="runs/report.html", help="default runs/report.html")
+    report.add_argument("--title", default=None, help="page title")
+    report.add_argument("--metric", default="rel_max", help="metric of the plots (rel_max)")
+    report.add_argument("--root", default=".", help="where run names are looked up (.)")
+
+    sweep = _command(
+        commands,
+        "sweep",
+        "run a notebook with papermill over a parameter grid (notebook 05)",
+        "Run NOTEBOOK once per grid point (papermill, parallel processes); write "
+        "OUT/sweep.csv (one row per run) and OUT/sweep.png. Exit 1 if any run failed.",
+    )
+    sweep.add_argument("notebook", help="a notebook path or a name under notebooks/")
+    sweep.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="a parameter and its values (JSON where it parses, else strings); repeatable",
+    )
+    sweep.add_argument(
+        "-p",
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a parameter every run gets (JSON where it parses); repeatable",
+    )
+    sweep.add_argument("--out", default="runs/sweep", help="sweep folder (default runs/sweep)")
+    sweep.add_argument("--jobs", type=int, default=2, help="runs in parallel (default 2)")
+    sweep.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sweep.add_argument(
+        "--resume",
+        action="store_true",
+        help="skip points that already finished ok in OUT with the same notebook and parameters "
+        "(failed, interrupted and changed points run again)",
+    )
+
+    scen = _command(
+        commands,
+        "scenarios",
+        "the known rollout/trainer mismatches, each found by the lab (notebook 06)",
+        "Run each known-mismatch scenario (its buggy and its fixed pair of sides) and find "
+        "its culprit in local mode; write OUT_DIR/scenarios.json, each run's Results and "
+        "OUT_DIR/bug_vs_fixed.png. Exit 1 when a scenario's culprit is not the expected one.",
+    )
+    scen.add_argument("--device", default="cpu", help="cpu or cuda (cuda adds GPU-only ones)")
+    scen.add_argument("--preset", default="tiny", choices=PRESETS, help="default tiny")
+    scen.add_argument("--only", nargs="+", default=None, metavar="NAME", help="scenario names")
+    scen.add_argument("--list", action="store_true", help="list the scenario names and exit")
+    scen.add_argument("--out-dir", default="runs/scenarios", help="default runs/scenarios")
+
+    compare = _command(
+        commands,
+        "compare",
+        "compare saved runs: settings diff, per-layer overlay, verdict (notebook 09)",
+        "Without RUN: list the saved runs (runs/**/results.json, sweeps, data/baselines). With "
+        "two or more: print what differs in their settings and how each later run compares to "
+        "the first, module output by module output; with --out-dir also write overlay.png, "
+        "settings_diff.csv and report.html. A RUN is a listed name, a path to a results.json "
+        "or its folder, 'baseline:NAME', or a unique part of a name. Exit 1 when a later run "
+        "has a module output worse than the first.",
+    )
+    compare.add_argument("runs", nargs="*", metavar="RUN", help="two or more saved runs")
+    compare.add_argument("--root", default=".", help="where runs are listed and looked up (.)")
+    compare.add_argument("--metric", default="rel_max", help="per-module metric (rel_max)")
+    compare.add_argument("--out-dir", default=None, help="write the overlay, diff and report")
+    return parser
+
+
+# ---- subcommands --------------------------------------------------------------------------
+
+
+def _json_option(name: str, value: str, kind: type) -> Any:
+    from lab.views.parameters import json_parameter
+
+    try:
+        return json_parameter(name, value, kind)
+    except ValueError as err:
+        flag = f"--{name.replace('_', '-')}"
+        text = str(err).replace(f"parameter {name!r}", flag).replace(f"-p {name} ", f"{flag} ")
+        raise UsageError(text) from None
+
+
+def _save_partial(err: Any, out_dir: Path) -> None:
+    """A failed pair's err.result (the pairs compared before the failure) to results.json."""
+    partial = getattr(err, "result", None)
+    if partial is not None:
+        path = partial.to_json(out_dir / "results.json")
+        print(f"saved the {len(partial.rows)} pair(s) compared before the failure to {path}")
+
+
+def _pair(args: argparse.Namespace) -> int:
+    import lab
+    from lab.base.errors import PairError
+    from lab.views import plots
+
+    rollout = _json_option("rollout_overrides", args.rollout_overrides, dict)
+    trainer = _json_option("trainer_overrides", args.trainer_overrides, dict)
+    out = Path(args.out_dir)
+    try:
+        result = lab.pair_family(
+            args.family,
+            args.preset,
+            seed=args.seed,
+            device=args.device,
+            mode=args.mode,
+            sigma=args.sigma,
+            rollout=rollout,
+            trainer=trainer,
+        )
+    except PairError as err:
+        print(f"pair failed: {err}", file=sys.stderr)
+        _save_partial(err, out)
+        return EXIT_FAILED
+    print(result.describe())
+    figure = plots.save_figure(
+        plots.plot_divergence_by_layer(result, args.metric), out / "divergence_by_layer.png"
+    )
+    print(f"wrote {result.to_json(out / 'results.json')} and {figure}")
+    if args.report:
+        from lab.views.report import write_html
+
+        write_html(result, out / "report.html", metric=args.metric)
+    code = EXIT_OK
+    rel_max = result.output_metrics().get("model_output_rel_max")
+    if args.max_rel_max is not None and rel_max is not None and rel_max > args.max_rel_max:
+        print(f"FAILED: model_output_rel_max {rel_max:.3e} > --max-rel-max {args.max_rel_max:g}")
+        code = EXIT_FAILED
+    if args.baseline:
+        from lab.views.baselines import compare_to_baseline
+
+        cmp = compare_to_baseline(result, args.baseline, metric=args.metric)
+        print(cmp.describe())
+        code = code if cmp.ok else EXIT_FAILED
+    return code
+
+
+def _drift(args: argparse.Namespace) -> int:
+    from lab.base.errors import PairError
+    from lab.rl.trajectory import trajectory
+    from lab.views import plots
+
+    rollout = _json_option("rollout_overrides", args.rollout_overrides, dict)
+    trainer = _json_option("trainer_overrides", args.trainer_overrides, dict)
+    window = _json_option("sde_window", args.sde_window, list)
+    out = Path(args.out_dir)
+    try:
+        traj = trajectory(
+            args.family,
+            args.preset,
+            steps=args.steps,
+            sde_window=window or None,
+            noise_level=args.noise_level,
+            sde_type=args.sde_type,
+            cfg_scale=args.cfg_scale,
+            samples=args.samples,
+            prompts=args.prompts,
+            seed=args.seed,
+            device=args.device,
+            clip_range=args.clip_range,
+            rollout=rollout,
+            trainer=trainer,
+            progress=False,
+        )
+    except PairError as err:
+        print(f"drift failed: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    print(traj.describe())
+    written = [traj.to_json(out / "results.json")]
+    for name, plot in (
+        ("ratio_drift.png", plots.plot_ratio_drift),
+        ("ratio_hist.png", plots.plot_ratio_histogram),
+        ("logprob_vs_velocity_gap.png", plots.plot_logprob_vs_velocity_gap),
+    ):
+        written.append(plots.save_figure(plot(traj, backend="matplotlib"), out / name))
+    print("wrote " + ", ".join(str(p) for p in written))
+    clip_frac = traj.overall()["clip_frac"]
+    if args.max_clip_frac is not None and clip_frac > args.max_clip_frac:
+        print(f"FAILED: clip_frac {clip_frac:.3g} > --max-clip-frac {args.max_clip_frac:g}")
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _report(args: argparse.Namespace) -> int:
+    from lab.rl.trajectory import Trajectory
+    from lab.views import runs
+    from lab.views.report import write_html
+
+    saved = runs.list_runs(args.root)
+    named = [runs.find_run(ref, saved, root=args.root) for ref in args.runs]
+    results = {r.name: r.load() for r in named if r.kind != "trajectory"}
+    trajectories = {r.name: Trajectory.from_json(r.path) for r in named if r.kind == "trajectory"}
+    if not results:
+        raise UsageError(
+            f"report: {', '.join(args.runs)} are ratio-drift trajectories only; a report needs "
+            "at least one Result (a results.json from pair or a notebook)."
+        )
+    write_html(results, args.out, title=args.title, metric=args.metric, trajectories=trajectories)
+    return EXIT_OK
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from lab.views.sweep import SweepInterrupted, parse_grid, parse_value, run_sweep
+
+    grid = parse_grid(args.grid)
+    params = {}
+    for spec in args.param:
+        key, eq, value = spec.partition("=")
+        if not eq or not key.strip():
+            raise UsageError(f"--param {spec!r}: expected KEY=VALUE.")
+        params[key.strip()] = parse_value(value)
+    try:
+        result = run_sweep(
+            args.notebook,
+            grid,
+            args.out,
+            parameters=params,
+            jobs=args.jobs,
+            progress=not args.no_progress,
+            resume=args.resume,
+        )
+    except SweepInterrupted as stopped:
+        print(stopped.sweep.describe())
+        print(f"interrupted: {stopped}", file=sys.stderr)
+        return 143 if stopped.signal_name == "SIGTERM" else 130
+    print(result.describe())
+    return EXIT_FAILED if result.failed else EXIT_OK
+
+
+def _scenarios(args: argparse.Namespace) -> int:
+    from lab.engine import scenarios
+    from lab.views import plots
+
+    if args.list:
+        for name in scenarios.names():
+            s = scenarios.get(name)
+            gpu = " (GPU only)" if s.needs_gpu else ""
+            print(f"{name}{gpu}")
+        return EXIT_OK
+    runs = scenarios.run_all(args.preset, args.device, args.only)
+    table = scenarios.scenarios_table(runs)
+    print(table.to_string(index=False))
+    out = Path(args.out_dir)
+    summary = scenarios.save_runs(runs, str(out))
+    figure = plots.save_figure(
+        plots.plot_bug_vs_fixed(runs, backend="matplotlib"), out / "bug_vs_fixed.png"
+    )
+    print(f"wrote {summary} and {figure}")
+    missed = [r.name for r in runs if not r.culprit_matches]
+    if missed:
+        print(f"FAILED: the lab did not find the expected culprit of {', '.join(missed)}")
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from lab.base.atomic import atomic_write_text
+    from lab.views import runs
+
+    if not args.runs:
+        saved = runs.list_runs(args.root)
+        if not saved:
+            print(f"no saved runs under {args.root!r} or in data/baselines/")
+            return EXIT_OK
+        table = runs.runs_table(saved)
+        columns = ["name", "kind", "family", "preset", "mode", "modified", "model_output_rel_max"]
+        print(table[columns].to_string(index=False))
+        return EXIT_OK
+    if len(args.runs) < 2:
+        raise UsageError(
+            f"compare: got one run ({args.runs[0]!r}); give two or more, or none to list them."
+        )
+    cmp = runs.compare_runs(args.runs, root=args.root, metric=args.metric)
+    print(cmp.describe())
+    diff = cmp.settings_diff()
+    if len(diff):
+        print("\nsettings that differ:")
+        print(diff.to_string())
+    worse = cmp.worse  # raises for runs of different models
+    if args.out_dir:
+        from lab.views import plots
+        from lab.views.report import write_html
+
+        out = Path(args.out_dir)
+        figure = plots.save_figure(
+            cmp.plot_overlay(args.metric, backend="matplotlib"), out / "overlay.png"
+        )
+        atomic_write_text(out / "settings_diff.csv", diff.to_csv())
+        print(f"wrote {figure} and {out / 'settings_diff.csv'}")
+        write_html(cmp.runs, out / "report.html", metric=args.metric)
+    if worse:
+        print(f"WORSE than {next(iter(cmp.runs))!r}: {', '.join(worse)}")
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+_COMMANDS = {
+    "pair": _pair,
+    "drift": _drift,
+    "report": _report,
+    "sweep": _sweep,
+    "scenarios": _scenarios,
+    "compare": _compare,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 1 a failure found, 2 bad arguments)."""
+    args = _parser().parse_args(argv)
+    from lab.base.errors import PairError
+
+    try:
+        return _COMMANDS[args.command](args)
+    except PairError as err:  # NaN/Inf or all-zero outputs too: a finding, not an argument
+        print(f"failed: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    except (ValueError, FileNotFoundError) as err:
+        # The lab's own refusals (unknown family, bad dtype, a rule matching nothing, an unknown
+        # saved run, ...) name the bad value and the fix: they are bad arguments.
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Run a notebook headless through papermill with the kernel's transport encrypted.
+
+jupyter_client (8.10) starts kernels over TCP without CurveZMQ keys unless its kernel manager's
+`transport_encryption` asks for them, and ipykernel then logs "Kernel is running over TCP
+without encryption" on every start: noise nobody running a notebook can act on. ipykernel's
+python3 kernelspec declares `supported_encryption: ["curve"]`, so `"auto"` provisions the
+keys and the kernel has nothing to warn about. Every headless run of the lab (tests, sweeps,
+the command line, scripts/quickstart.sh) goes through here:
+
+    execute_notebook("notebooks/01_quickstart.ipynb", "out.ipynb", {"family": "flux"})
+    python -m lab.views.notebooks notebooks/01_quickstart.ipynb out.ipynb -p family flux
+
+The second line is papermill's own command line (every option, `--help-notebook` included)
+with the same kernel settings.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def kernel_config() -> Any:
+    """The traitlets Config papermill hands its kernel manager: CurveZMQ keys where possible.
+
+    Without CurveZMQ in the installed pyzmq the manager would refuse "auto", so the transport
+    then stays as jupyter_client's default (and the kernel logs its warning).
+    """
+    import zmq
+    from traitlets.config import Config
+
+    policy = "auto" if zmq.has("curve") else "disabled"
+    return Config({"KernelManager": {"transport_encryption": policy}})
+
+
+def execute_notebook(
+    notebook: str | Path,
+    output: str | Path,
+    parameters: Mapping[str, Any] | None = None,
+    *,
+    cwd: str | Path | None = None,
+    progress: bool = False,
+    **papermill_kwargs: Any,
+) -> Any:
+    """Execute `notebook` with papermill into `output`; returns the executed NotebookNode.
+
+    Args:
+        notebook: The .ipynb to run.
+        output: Where the executed notebook goes (written even when a cell fails).
+        parameters: Values for the notebook's parameters cell.
+        cwd: Working directory of the kernel; None keeps the caller's.
+        progress: Show papermill's progress bar over cells.
+        **papermill_kwargs: Passed on to `papermill.execute_notebook` (e.g. `log_output`).
+
+    Raises:
+        papermill.PapermillExecutionError: A cell raised; `output` holds the traceback.
+    """
+    import papermill as pm
+
+    return pm.execute_notebook(
+        str(notebook),
+        str(output),
+        parameters=dict(parameters or {}),
+        kernel_name=papermill_kwargs.pop("kernel_name", "python3"),
+        progress_bar=progress,
+        cwd=None if cwd is None else str(cwd),
+        config=kernel_config(),
+        **papermill_kwargs,
+    )
+
+
+def papermill_main(argv: Sequence[str] | None = None) -> int:
+    """Run papermill's command line, its kernels started with `kernel_config()`; the exit code."""
+    from papermill.cli import papermill as papermill_cli
+    from papermill.engines import NBClientEngine, papermill_engines
+
+    class EncryptedTransportEngine(NBClientEngine):
+        """papermill's default engine, handing its kernel manager `kernel_config()`."""
+
+        @classmethod
+        def execute_managed_notebook(cls, nb_man: Any, kernel_name: str, **kwargs: Any) -> Any:
+            kwargs.setdefault("config", kernel_config())
+            return super().execute_managed_notebook(nb_man, kernel_name, **kwargs)
+
+    # The default engine of this process only: a command-line `--engine` still wins.
+    papermill_engines.register(None, EncryptedTransportEngine)
+    try:
+        papermill_cli.main(args=list(argv) if argv is not None else None, prog_name="papermill")
+    except SystemExit as done:
+        return int(done.code or 0) if not isinstance(done.code, str) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(papermill_main())

@@ -1,0 +1,554 @@
+"""Saved runs: list every results.json on disk, load any few, overlay them, diff their settings.
+
+Like TensorBoard's or W&B's "compare runs", over the files the lab already writes:
+
+    runs/**/results.json        ad-hoc runs (notebooks, `precision-lab pair`, the panel)
+    <sweep>/<run>/results.json  sweep runs (a folder holding sweep.csv)
+    data/baselines/<name>.json  known-good baselines (lab.views.baselines)
+
+    saved = list_runs(".")                       # newest first
+    runs_table(saved)                            # one row per run: kind, family, metrics
+    cmp = compare_runs(["runs/a", "baseline:flux_tiny"], root=".")
+    cmp.settings_diff()                          # side fields and meta that differ
+    cmp.plot_overlay("rel_max", backend="plotly")
+    cmp.verdicts()                               # each later run against the first
+    save_examples(".")                           # two example runs, when fewer are saved
+
+A run is named by its folder relative to `root` ("runs/quickstart",
+"runs/sweep/001_mode=local"), by its file when that is not results.json
+("runs/param_overrides/without_rules.json"), or "baseline:<name>". Any of these, a path to
+the JSON or its folder, or a unique part of a name finds it. A ratio-drift Trajectory's
+results.json is listed (kind "trajectory") but has no layers to overlay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from lab.pairing.result import Result
+from lab.views.baselines import BASELINE_DIR, BaselineComparison, compare_to_baseline
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+Kind = Literal["run", "sweep", "baseline", "trajectory"]
+BASELINE_PREFIX = "baseline:"
+# Settings that say nothing about what was compared: when the run happened and how long it took.
+_VOLATILE_META: frozenset[str] = frozenset({"timings_s", "timestamp", "created"})
+_SUMMARY_COLUMNS: tuple[str, ...] = (
+    "pairs", "bitexact_pairs", "max_ulp", "first_divergent_module",
+    "model_output_rel_max", "model_output_max_abs_diff",
+)  # fmt: skip
+# Folders never searched: environments and caches hold other projects' JSON.
+_SKIP_DIRS: frozenset[str] = frozenset(
+    {".venv", ".git", "node_modules", "__pycache__", ".ipynb_checkpoints", ".pytest_cache"}
+)
+
+
+@dataclass(frozen=True)
+class SavedRun:
+    """One results file on disk and the few facts `list_runs` read from it."""
+
+    name: str
+    """How the run is named in tables and found again ("runs/quickstart", "baseline:x")."""
+    path: Path
+    kind: Kind
+    family: str | None
+    preset: str | None
+    mode: str | None
+    """"propagated" / "local" for a Result; None for a trajectory."""
+    sides: str
+    """"rollout vs trainer": the reference side, then the candidate."""
+    modified: float
+    """The file's modification time (seconds since the epoch)."""
+    summary: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def load(self) -> Result:
+        """The Result in the file.
+
+        Raises:
+            ValueError: For a trajectory (it has steps, not layers) or an unreadable file.
+        """
+        if self.kind == "trajectory":
+            raise ValueError(
+                f"saved run {self.name!r} is a ratio-drift Trajectory ({self.path}): it has "
+                "steps, not layers, so it cannot be loaded as a Result or overlaid per layer. "
+                "Open it with lab.Trajectory.from_json."
+            )
+        return Result.from_json(self.path)
+
+    def row(self) -> dict[str, Any]:
+        """One row of `runs_table`."""
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "family": self.family,
+            "preset": self.preset,
+            "mode": self.mode,
+            "sides": self.sides,
+            "modified": datetime.fromtimestamp(self.modified).strftime("%Y-%m-%d %H:%M:%S"),
+            **{k: self.summary.get(k) for k in _SUMMARY_COLUMNS},
+            "path": str(self.path),
+        }
+
+
+# ---- listing ----------------------------------------------------------------------------
+
+
+def list_runs(
+    root: str | Path = ".",
+    *,
+    baselines: str | Path | None = BASELINE_DIR,
+    include_trajectories: bool = True,
+) -> list[SavedRun]:
+    """Every saved result under `root` plus the baselines, newest first.
+
+    Args:
+        root: Folder searched recursively for `*.json` files holding a Result (schema
+            precision-lab/result/...) or a Trajectory (`.venv`, `.git` and caches skipped).
+        baselines: The baselines folder (data/baselines/ by default); None leaves them out.
+        include_trajectories: Also list ratio-drift trajectories (kind "trajectory").
+
+    Returns:
+        SavedRun records; files that are not lab results are ignored.
+
+    Raises:
+        ValueError: `root` is not a folder.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise ValueError(
+            f"list_runs: root {str(root)!r} is not a folder. Pass the folder your runs were "
+            "written under (e.g. '.' or 'runs')."
+        )
+    base_dir = Path(baselines).resolve() if baselines is not None else None
+    found: dict[Path, SavedRun] = {}
+    for path in _json_files(root):
+        if base_dir is not None and path.resolve().parent == base_dir:
+            continue  # listed below, under its baseline name
+        run = _read_run(path, _name_in(root, path), _kind_of(path))
+        if run is not None and (include_trajectories or run.kind != "trajectory"):
+            found[path.resolve()] = run
+    if base_dir is not None and base_dir.is_dir():
+        for path in sorted(base_dir.glob("*.json")):
+            run = _read_run(path, BASELINE_PREFIX + path.stem, "baseline")
+            if run is not None:
+                found[path.resolve()] = run
+    return sorted(found.values(), key=lambda r: (-r.modified, r.name))
+
+
+def runs_table(runs: Sequence[SavedRun]) -> pd.DataFrame:
+    """One row per saved run: name, kind, family, preset, mode, sides, when, headline metrics."""
+    import pandas as pd
+
+    names = [
+        "name", "kind", "family", "preset", "mode", "sides", "modified",
+        *_SUMMARY_COLUMNS, "path",
+    ]  # fmt: skip
+    return pd.DataFrame([r.row() for r in runs], columns=names)
+
+
+def find_run(ref: str | Path | SavedRun, runs: Sequence[SavedRun] | None = None, *,
+             root: str | Path = ".") -> SavedRun:  # fmt: skip
+    """The saved run `ref` names: a listed name, "baseline:<name>", a path, or a unique part.
+
+    Args:
+        ref: A run name from `list_runs`, a path to a results JSON or to its folder, a baseline
+            name, or a part of exactly one run's name.
+        runs: The runs to look in; None lists `root`.
+        root: Where to list runs when `runs` is None.
+
+    Raises:
+        ValueError: Nothing matches (the nearest names are listed), several runs match a
+            part of a name (they are listed), or the file is not a lab result.
+    """
+    if isinstance(ref, SavedRun):
+        return ref
+    text = str(ref)
+    path = Path(text)
+    if not path.is_absolute():
+        # A relative path names a run under `root` (the working directory only when root is ".").
+        path = Path(root) / path
+    if path.is_dir() and (path / "results.json").is_file():
+        path = path / "results.json"
+    if path.is_file():
+        run = _read_run(path, _name_in(Path(root), path), _kind_of(path))
+        if run is None:
+            raise ValueError(
+                f"find_run: {text!r} is not a lab result (no precision-lab/result schema and "
+                "no Trajectory fields). Pass a results.json written by Result.to_json."
+            )
+        return run
+    runs = list_runs(root) if runs is None else list(runs)
+    by_name = {r.name: r for r in runs}
+    for key in (text, text.rstrip("/"), BASELINE_PREFIX + text):
+        if key in by_name:
+            return by_name[key]
+    partial = [r for r in runs if text in r.name]
+    if len(partial) == 1:
+        return partial[0]
+    if partial:
+        listed = ", ".join(repr(r.name) for r in partial[:8])
+        raise ValueError(
+            f"find_run: {text!r} matches {len(partial)} saved runs: {listed}. Give more of "
+            "the name."
+        )
+    close = difflib.get_close_matches(text, list(by_name), n=3, cutoff=0.3)
+    hint = f" Nearest: {', '.join(repr(c) for c in close)}." if close else ""
+    raise ValueError(
+        f"find_run: no saved run {text!r} under {str(Path(root))!r} or in the baselines "
+        f"({len(runs)} listed).{hint} `precision-lab compare` with no runs lists them; a path "
+        "to a results.json works too."
+    )
+
+
+def load_runs(
+    refs: Sequence[str | Path | SavedRun], *, root: str | Path = "."
+) -> dict[str, Result]:
+    """Load each reference (see `find_run`): name -> Result, in the order given.
+
+    Raises:
+        ValueError: An unknown reference, a trajectory, or the same run given twice.
+    """
+    runs = list_runs(root) if any(not isinstance(r, SavedRun) for r in refs) else []
+    out: dict[str, Result] = {}
+    for ref in refs:
+        run = find_run(ref, runs, root=root)
+        if run.name in out:
+            raise ValueError(f"load_runs: run {run.name!r} is given twice.")
+        out[run.name] = run.load()
+    return out
+
+
+# ---- comparing --------------------------------------------------------------------------
+
+
+def settings_diff(results: Mapping[str, Result]) -> pd.DataFrame:
+    """The settings that differ between runs: one row per setting, one column per run.
+
+    Settings are the mode, every field of both sides (`side_a.autocast`,
+    `side_b.param_dtype_rules`, ...) and the meta (`meta.family`, `meta.seed`,
+    `meta.param_dtypes_b`, ...), timings left out. A setting a run lacks shows as None.
+
+    Raises:
+        ValueError: Fewer than two runs.
+    """
+    import pandas as pd
+
+    if len(results) < 2:
+        raise ValueError(f"settings_diff: need two or more runs, got {len(results)}.")
+    flat = {name: _settings(r) for name, r in results.items()}
+    keys = list(dict.fromkeys(k for f in flat.values() for k in f))
+    rows = {}
+    for key in keys:
+        values = [flat[name].get(key) for name in flat]
+        if any(_json(v) != _json(values[0]) for v in values[1:]):
+            rows[key] = [_cell(v) for v in values]
+    return pd.DataFrame.from_dict(rows, orient="index", columns=list(flat)).rename_axis("setting")
+
+
+@dataclass(frozen=True, eq=False)
+class RunComparison:
+    """Two or more saved Results side by side; the first is the one the others are held to."""
+
+    runs: dict[str, Result]
+    metric: str = "rel_max"
+
+    def settings_diff(self) -> pd.DataFrame:
+        """See `settings_diff`: what differs between the runs' sides and meta."""
+        return settings_diff(self.runs)
+
+    def summary(self) -> pd.DataFrame:
+        """One row per run: family, preset, mode, sides and the headline numbers."""
+        import pandas as pd
+
+        rows = []
+        for name, r in self.runs.items():
+            s = r.summary()
+            rows.append(
+                {
+                    "run": name,
+                    "family": s.get("family"),
+                    "preset": s.get("preset"),
+                    "mode": r.mode,
+                    "sides": f"{r.side_a.get('name')} vs {r.side_b.get('name')}",
+                    **{k: s.get(k) for k in _SUMMARY_COLUMNS},
+                }
+            )
+        return pd.DataFrame(rows).set_index("run")
+
+    def comparisons(self) -> dict[str, BaselineComparison]:
+        """Each later run against the first, module output by module output (lab.views.baselines).
+
+        Raises:
+            ValueError: Runs of different models (no module output in common, or another
+                model class): they cannot be compared row by row.
+        """
+        (first_name, first), *rest = self.runs.items()
+        out = {}
+        for name, result in rest:
+            try:
+                cmp = compare_to_baseline(result, first, metric=self.metric)
+            except ValueError as err:
+                raise ValueError(
+                    f"compare: {name!r} cannot be held against {first_name!r}: {err}"
+                ) from None
+            out[name] = dataclasses.replace(cmp, baseline_name=first_name)
+        return out
+
+    def verdicts(self) -> pd.DataFrame:
+        """One row per later run: how many module outputs got worse / better than the first.
+
+        A run of another model gets the verdict "not comparable" and the reason.
+        """
+        import pandas as pd
+
+        (first_name, first), *rest = self.runs.items()
+        rows = []
+        for name, result in rest:
+            try:
+                s = compare_to_baseline(result, first, metric=self.metric).summary()
+            except ValueError as err:
+                rows.append({"run": name, "vs": first_name, "verdict": "not comparable",
+                             "reason": str(err)})  # fmt: skip
+                continue
+            rows.append(
+                {
+                    "run": name,
+                    "vs": first_name,
+                    "verdict": "ok" if s["ok"] else "worse",
+                    **{k: s[k] for k in ("worse", "improved", "unchanged", "new", "missing")},
+                    "worst_module": s["worst_module"],
+                    "worst_ratio": s["worst_ratio"],
+                }
+            )
+        return pd.DataFrame(rows).set_index("run")
+
+    @property
+    def worse(self) -> list[str]:
+        """Names of the later runs with a module output worse than in the first run."""
+        return [name for name, cmp in self.comparisons().items() if not cmp.ok]
+
+    def plot_overlay(self, metric: str | None = None, *, backend: str = "plotly") -> Any:
+        """`lab.views.plots.plot_overlay` of the runs (the first is the baseline line)."""
+        from lab.views import plots
+
+        return plots.plot_overlay(self.runs, metric or self.metric, backend=backend)
+
+    def describe(self) -> str:
+        """A few lines: the runs, the settings that differ, and each later run's verdict."""
+        first = next(iter(self.runs))
+        lines = [f"{len(self.runs)} runs, held against {first!r} on {self.metric}:"]
+        for name, r in self.runs.items():
+            s = r.summary()
+            lines.append(
+                f"  {name}: {s.get('family')} [{s.get('preset')}] {r.mode}, "
+                f"{r.side_a.get('name')} vs {r.side_b.get('name')}; model_output_rel_max "
+                f"{_fmt(s.get('model_output_rel_max'))}, first divergence "
+                f"{s.get('first_divergent_module') or 'none (bit-exact)'}"
+            )
+        diff = self.settings_diff()
+        shown = ", ".join(diff.index[:8]) + (", ..." if len(diff) > 8 else "")
+        lines.append(f"  settings that differ ({len(diff)}): {shown or 'none'}")
+        for name, row in self.verdicts().iterrows():
+            if row["verdict"] == "not comparable":
+                lines.append(f"  {name} vs {row['vs']}: not comparable per module: {row['reason']}")
+                continue
+            worst = (
+                f"; worst {row['worst_module']} x{row['worst_ratio']:.3g}"
+                if row["worst_module"]
+                else ""
+            )
+            lines.append(
+                f"  {name} vs {row['vs']}: {row['verdict'].upper()} ({row['worse']} worse, "
+                f"{row['improved']} improved, {row['unchanged']} unchanged, {row['new']} new, "
+                f"{row['missing']} missing{worst})"
+            )
+        return "\n".join(lines)
+
+
+def compare_runs(
+    refs: Sequence[str | Path | SavedRun] | Mapping[str, Result],
+    *,
+    root: str | Path = ".",
+    metric: str = "rel_max",
+) -> RunComparison:
+    """Load two or more saved runs (see `find_run`) and compare them; the first is the reference.
+
+    Args:
+        refs: Run names, paths or SavedRun records; or a mapping name -> Result already loaded.
+        root: Where run names are looked up.
+        metric: The per-module metric of the overlay and the verdicts (a PairMetrics field).
+
+    Raises:
+        ValueError: Fewer than two runs, or an unknown run (see `find_run`).
+    """
+    runs = dict(refs) if isinstance(refs, Mapping) else load_runs(refs, root=root)
+    if len(runs) < 2:
+        raise ValueError(
+            f"compare_runs: need two or more runs, got {len(runs)}. List the saved ones with "
+            "list_runs(root) (or `precision-lab compare` without arguments)."
+        )
+    return RunComparison(runs, metric)
+
+
+def newest(runs: Sequence[SavedRun], count: int = 2) -> list[SavedRun]:
+    """The `count` newest Results among `runs`, oldest of them first (the reference).
+
+    Raises:
+        ValueError: Fewer than `count` Results are saved.
+    """
+    results = [r for r in sorted(runs, key=lambda r: -r.modified) if r.kind != "trajectory"]
+    if len(results) < count:
+        raise ValueError(
+            f"newest: {len(results)} saved Result(s), {count} needed. Save runs first "
+            "(notebook 01, `precision-lab pair --out-dir runs/NAME`), or name them."
+        )
+    return list(reversed(results[:count]))
+
+
+def save_examples(
+    root: str | Path = ".",
+    *,
+    if_fewer_than: int = 2,
+    family: str = "flux",
+    preset: str = "tiny",
+) -> list[Path]:
+    """Save two small runs to compare when fewer than `if_fewer_than` Results are saved.
+
+    The runs are the trainer with autocast on, then off, against the same rollout: on tiny
+    flux the trainer without autocast matches the engine-like rollout bit for bit, so the
+    overlay shows every divergence of the first run gone in the second. They go to
+    `<root>/runs/examples/trainer_autocast_on/results.json` and `.../trainer_autocast_off/`.
+
+    Args:
+        root: The folder `list_runs` searches.
+        if_fewer_than: Save only when fewer Results than this are listed (0: always).
+        family: The family of the two runs.
+        preset: Their preset.
+
+    Returns:
+        The paths written; [] when enough runs were saved already.
+    """
+    from lab.pairing.run import pair_family
+
+    saved = [r for r in list_runs(root) if r.kind != "trajectory"]
+    if len(saved) >= if_fewer_than > 0:
+        return []
+    out = Path(root) / "runs" / "examples"
+    paths = []
+    for name, autocast in (("trainer_autocast_on", True), ("trainer_autocast_off", False)):
+        result = pair_family(family, preset, trainer={"autocast": autocast})
+        paths.append(result.to_json(out / name / "results.json"))
+    return paths
+
+
+# ---- reading files ----------------------------------------------------------------------
+
+
+def _json_files(root: Path) -> list[Path]:
+    out = []
+    stack = [root]
+    while stack:
+        folder = stack.pop()
+        try:
+            entries = sorted(folder.iterdir())
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.is_dir():
+                if entry.name not in _SKIP_DIRS and not entry.name.startswith("."):
+                    stack.append(entry)
+            elif entry.suffix == ".json":
+                out.append(entry)
+    return out
+
+
+def _name_in(root: Path, path: Path) -> str:
+    try:
+        rel = path.resolve().relative_to(root.resolve())
+    except ValueError:
+        rel = path
+    rel_text = rel.as_posix()
+    if rel.name == "results.json":
+        return rel.parent.as_posix() if rel.parent.as_posix() != "." else rel_text
+    return rel_text
+
+
+def _kind_of(path: Path) -> Kind:
+    """A run folder next to a sweep.csv is a sweep run; any other file an ad-hoc run."""
+    return "sweep" if (path.parent.parent / "sweep.csv").is_file() else "run"
+
+
+def _read_run(path: Path, name: str, kind: Kind) -> SavedRun | None:
+    """The SavedRun of a Result or Trajectory JSON; None for any other (or unreadable) file."""
+    try:
+        data = json.loads(path.read_text())
+        modified = path.stat().st_mtime
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    if str(data.get("schema", "")).startswith("precision-lab/result/"):
+        summary = data.get("summary") or {}
+        meta = data.get("meta") or {}
+        side_a, side_b = data.get("side_a") or {}, data.get("side_b") or {}
+        return SavedRun(
+            name=name,
+            path=path,
+            kind=kind,
+            family=meta.get("family", summary.get("family")),
+            preset=meta.get("preset", summary.get("preset")),
+            mode=data.get("mode"),
+            sides=f"{side_a.get('name')} vs {side_b.get('name')}",
+            modified=modified,
+            summary=summary,
+        )
+    if {"meta", "overall", "per_step"} <= set(data):
+        meta, overall = data.get("meta") or {}, data.get("overall") or {}
+        side_a, side_b = meta.get("side_a") or {}, meta.get("side_b") or {}
+        return SavedRun(
+            name=name,
+            path=path,
+            kind="trajectory",
+            family=meta.get("family"),
+            preset=meta.get("preset"),
+            mode=None,
+            sides=f"{side_a.get('name')} vs {side_b.get('name')}",
+            modified=modified,
+            summary={k: overall.get(k) for k in _SUMMARY_COLUMNS if k in overall},
+        )
+    return None
+
+
+def _settings(result: Result) -> dict[str, Any]:
+    out: dict[str, Any] = {"mode": result.mode}
+    out.update({f"side_a.{k}": v for k, v in result.side_a.items()})
+    out.update({f"side_b.{k}": v for k, v in result.side_b.items()})
+    out.update({f"meta.{k}": v for k, v in result.meta.items() if k not in _VOLATILE_META})
+    return out
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _cell(value: Any) -> Any:
+    """Scalars as they are; containers as compact JSON (a table cell holds one string)."""
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return json.dumps(value, default=str)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value):
+        return f"{value:.3e}"
+    return str(value)

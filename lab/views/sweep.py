@@ -1,0 +1,601 @@
+r"""Sweeps: run one notebook with papermill over a parameter grid, collect one table and a plot.
+
+    python -m lab sweep notebooks/01_quickstart.ipynb --grid family=flux,sd3 \\
+        --grid mode=propagated,local --out runs/sweep --jobs 2
+
+Each grid point gets its own folder `<out>/<run name>/` holding the executed notebook and
+whatever the notebook writes there (its `out_dir` parameter is pointed at the folder). Every
+run's `results.json` summary (a Result's `summary`, a Trajectory's `overall`) becomes one row
+of `<out>/sweep.csv`, written as the run finishes; `<out>/sweep.png` plots the headline metric
+per run. A failed run keeps its executed notebook, is reported with the cell error, and the
+other runs still finish.
+
+Each run is one papermill process that dies with the sweep, even on `kill -9`; Ctrl-C or SIGTERM
+ends the running ones and keeps the finished rows; `--resume` runs only the points that have
+not finished ok with the same notebook and parameters (each run's folder records them in
+`run.json`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lab.base.atomic import atomic_path, atomic_write_text
+
+NOTEBOOK_DIR = Path(__file__).resolve().parents[2] / "notebooks"
+"""Where bare notebook names ("01_quickstart") are looked up."""
+HEADLINE_METRICS: tuple[str, ...] = (
+    "model_output_rel_max",
+    "ratio_abs_minus_1",
+    "model_output_max_abs_diff",
+    "max_ulp",
+)
+"""The first of these a table has is the one `plot_sweep` draws by default."""
+
+
+# ---- grid ---------------------------------------------------------------------------------
+
+
+def parse_value(text: str) -> Any:
+    """One grid value: JSON where it parses (ints, floats, bools, null, lists, dicts), else str."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas outside brackets, braces and quotes (so a dict value stays whole)."""
+    parts, depth, quote, start = [], 0, None, 0
+    for i, ch in enumerate(text):
+        if quote:
+            if ch == quote and text[i - 1] != "\\":
+                quote = None
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts]
+
+
+def parse_grid(specs: Sequence[str]) -> dict[str, list[Any]]:
+    """`["key=v1,v2", "key2=a,b"]` -> {"key": [v1, v2], "key2": ["a", "b"]}.
+
+    Values parse as JSON where possible (`steps=2,4`, `cfg=true`, `trainer_overrides=
+    {"autocast": false},{}`), else stay strings.
+
+    Raises:
+        ValueError: A spec without `=`, an empty key or value, or a key given twice.
+    """
+    grid: dict[str, list[Any]] = {}
+    for spec in specs:
+        key, eq, values = spec.partition("=")
+        key = key.strip()
+        if not eq or not key or not values.strip():
+            raise ValueError(
+                f"--grid {spec!r}: expected KEY=V1,V2,... (e.g. family=flux,sd3 or steps=2,4)."
+            )
+        if key in grid:
+            raise ValueError(f"--grid: key {key!r} given twice; list all its values in one --grid.")
+        grid[key] = [parse_value(v) for v in _split_top_level(values)]
+    return grid
+
+
+def grid_points(grid: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
+    """Every combination of the grid, in row-major order of the keys as given."""
+    keys = list(grid)
+    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*grid.values())]
+
+
+def run_name(index: int, point: Mapping[str, Any]) -> str:
+    """A folder-safe name for one grid point: `003_family=sd3_mode=local`."""
+    words = "_".join(
+        f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in point.items()
+    )
+    return f"{index:03d}_" + re.sub(r"[^A-Za-z0-9_=.,+-]+", "-", words)[:120].strip("-")
+
+
+def resolve_notebook(notebook: str | Path) -> Path:
+    """A path, or a bare name under notebooks/ ("01_quickstart" or "01_quickstart.ipynb").
+
+    Raises:
+        ValueError: Nothing found, listing the notebooks there are.
+    """
+    path = Path(notebook)
+    if path.is_file():
+        return path.resolve()
+    for candidate in (NOTEBOOK_DIR / path.name, NOTEBOOK_DIR / f"{path.name}.ipynb"):
+        if candidate.is_file():
+            return candidate
+    known = ", ".join(p.name for p in sorted(NOTEBOOK_DIR.glob("*.ipynb")))
+    raise ValueError(f"sweep: notebook {str(notebook)!r} not found. Known in notebooks/: {known}.")
+
+
+# ---- one run --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """What one grid point gave: its summary row, or the error and the kept notebook."""
+
+    name: str
+    point: dict[str, Any]
+    folder: str
+    notebook: str
+    """The executed notebook (kept for a failed run, to open and read the traceback)."""
+    ok: bool
+    error: str = ""
+    seconds: float = 0.0
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def summarize_results_json(path: Path) -> dict[str, Any]:
+    """Flat scalar summary of a results.json: a Result's `summary`, a Trajectory's `overall`."""
+    data = json.loads(path.read_text())
+    block = data.get("summary") or data.get("overall") or data
+    return {k: v for k, v in block.items() if v is None or isinstance(v, str | int | float | bool)}
+
+
+def _outcome(
+    folder: str, name: str, point: dict[str, Any], error: BaseException | None
+) -> RunOutcome:
+    """One grid point's row, read from what its run left in `folder`."""
+    out_dir = Path(folder)
+    executed = out_dir / "executed.ipynb"
+    seconds = _duration(executed)
+    if error is not None:
+        return RunOutcome(
+            name, point, folder, str(executed), False, _error_line(executed, error), seconds
+        )
+    results = out_dir / "results.json"
+    if not results.is_file():
+        return RunOutcome(
+            name,
+            point,
+            folder,
+            str(executed),
+            False,
+            f"the notebook wrote no results.json in {out_dir}",
+            seconds,
+        )
+    return RunOutcome(
+        name, point, folder, str(executed), True, "", seconds, summarize_results_json(results)
+    )
+
+
+def _duration(executed: Path) -> float:
+    try:
+        meta = json.loads(executed.read_text()).get("metadata", {}).get("papermill", {})
+        return float(meta.get("duration") or 0.0)
+    except (OSError, ValueError):
+        return 0.0
+
+
+def _error_line(executed: Path, err: BaseException) -> str:
+    """`ename: evalue` of the failing cell (papermill records it in the executed notebook)."""
+    try:
+        cells = json.loads(executed.read_text())["cells"]
+        for cell in cells:
+            for output in cell.get("outputs", []):
+                if output.get("output_type") == "error":
+                    return f"{output['ename']}: {output['evalue']}"
+    except (OSError, ValueError, KeyError):
+        pass
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[-1] if text else ''}"
+
+
+# ---- the sweep ------------------------------------------------------------------------------
+
+
+@dataclass
+class Sweep:
+    """A finished sweep: one outcome per grid point, the table and where things went."""
+
+    notebook: Path
+    out_dir: Path
+    outcomes: list[RunOutcome]
+    table_path: Path
+    plot_path: Path | None
+
+    @property
+    def failed(self) -> list[RunOutcome]:
+        """The runs that failed, in grid order."""
+        return [o for o in self.outcomes if not o.ok]
+
+    def table(self) -> Any:
+        """One row per grid point (pandas DataFrame): run, status, the grid keys, the summary."""
+        return sweep_table(self.outcomes)
+
+    def describe(self) -> str:
+        """A few lines: how many runs passed, and each failure with its kept notebook."""
+        lines = [
+            f"sweep of {self.notebook.name}: {len(self.outcomes) - len(self.failed)}/"
+            f"{len(self.outcomes)} runs ok; table {self.table_path}"
+            + (f", plot {self.plot_path}" if self.plot_path else "")
+        ]
+        lines += [f"  FAILED {o.name}: {o.error}\n    notebook: {o.notebook}" for o in self.failed]
+        return "\n".join(lines)
+
+
+def sweep_table(outcomes: Sequence[RunOutcome]) -> Any:
+    """The sweep's table: run, status, seconds, one column per grid key, then the summaries."""
+    import pandas as pd
+
+    rows = [
+        {
+            "run": o.name,
+            "status": "ok" if o.ok else "failed",
+            "seconds": round(o.seconds, 2),
+            **{
+                k: v if isinstance(v, str | int | float | bool) else json.dumps(v)
+                for k, v in o.point.items()
+            },
+            **{k: v for k, v in o.summary.items() if k not in o.point},
+            "error": o.error,
+            "notebook": o.notebook,
+        }
+        for o in outcomes
+    ]
+    return pd.DataFrame(rows)
+
+
+def plot_sweep(table: Any, metric: str | None = None, *, title: str | None = None) -> Any:
+    """Bar chart of one metric per run (log scale), failed runs marked; a matplotlib Figure.
+
+    Args:
+        table: `Sweep.table()` or the CSV read back.
+        metric: A numeric column; defaults to the first of HEADLINE_METRICS present.
+        title: Figure title.
+
+    Raises:
+        ValueError: No numeric metric column to plot.
+    """
+    # A bare Figure (no pyplot): nothing global changes and nothing pops up in a notebook.
+    from matplotlib.figure import Figure
+
+    if metric is None:
+        metric = next((m for m in HEADLINE_METRICS if m in table.columns), None)
+    if metric is None or metric not in table.columns:
+        raise ValueError(
+            f"plot_sweep: no metric column {metric!r} in the table; columns: "
+            f"{', '.join(table.columns)}. Pass metric= one of the numeric columns."
+        )
+    values = [float(v) if v == v and v is not None else math.nan for v in table[metric]]
+    fig = Figure(figsize=(max(6.0, 0.9 * len(table) + 2), 4.2), layout="constrained")
+    ax = fig.add_subplot()
+    labels = [str(r)[4:] or str(r) for r in table["run"]]
+    ok = (table["status"] == "ok").tolist()
+    # A bit-exact run (0) sits on a floor bar instead of vanishing from the log axis.
+    floor = 1e-12
+    heights = [max(v, floor) if ok[i] and v == v else 0.0 for i, v in enumerate(values)]
+    bars = ax.bar(range(len(values)), heights, color=["#1f77b4" if k else "#d62728" for k in ok])
+    for i, bar in enumerate(bars):
+        text = f"{values[i]:.2e}" if ok[i] else "FAILED"
+        ax.annotate(
+            text,
+            (bar.get_x() + bar.get_width() / 2, max(heights[i], floor)),
+            ha="center",
+            va="bottom",
+            fontsize=7,
+        )
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(values)), labels, rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel(metric)
+    ax.set_title(title or f"{metric} per sweep run (red: failed)", fontsize=9)
+    ax.grid(alpha=0.3, axis="y", which="both")
+    return fig
+
+
+_WORKER = """
+import json, sys
+import papermill as pm
+import zmq
+from traitlets.config import Config
+task = json.loads(open(sys.argv[1], encoding="utf-8").read())
+# lab.views.notebooks.kernel_config(), without importing lab (torch): CurveZMQ keys for the kernel.
+config = Config({"KernelManager": {"transport_encryption": "auto" if zmq.has("curve") else
+                                   "disabled"}})
+pm.execute_notebook(task["notebook"], task["output"], parameters=task["parameters"],
+                    kernel_name="python3", progress_bar=False, cwd=task["cwd"], config=config)
+"""
+"""One grid point's process: papermill itself, importable without torch, so it starts fast; the
+notebook's kernel is its child and exits when it does (ipykernel polls its parent)."""
+
+RUN_RECORD = "run.json"
+"""Written into a run's folder when it finishes: what ran (notebook hash, parameters), how it
+ended. `--resume` skips a point whose folder holds an ok record with identical parameters."""
+
+
+class SweepInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped a sweep; its children were ended and the finished rows written.
+
+    `sweep` holds the finished runs (its table is on disk), `signal_name` "SIGINT" or "SIGTERM".
+    """
+
+    def __init__(self, message: str, sweep: Sweep, signal_name: str) -> None:
+        """Keep the partial sweep next to the message."""
+        super().__init__(message)
+        self.sweep = sweep
+        self.signal_name = signal_name
+
+
+@dataclass
+class _Task:
+    index: int
+    name: str
+    folder: Path
+    point: dict[str, Any]
+    requested: dict[str, Any]
+    """The parameters as asked for (before out_dir/interactive are filled in): resume's key."""
+    params: dict[str, Any]
+
+
+def run_sweep(
+    notebook: str | Path,
+    grid: Mapping[str, Sequence[Any]],
+    out_dir: str | Path,
+    *,
+    parameters: Mapping[str, Any] | None = None,
+    jobs: int = 2,
+    metric: str | None = None,
+    progress: bool = True,
+    resume: bool = False,
+) -> Sweep:
+    """Execute `notebook` once per grid point with papermill, `jobs` at a time; collect results.
+
+    Each run is its own process (papermill, which starts the notebook's kernel), killed by the
+    kernel if this process dies, even by `kill -9`. Each finished run's row is written to
+    `<out>/sweep.csv` at once (atomically: the table on disk is always whole). Ctrl-C or SIGTERM
+    ends the running runs (their processes and kernels), writes the rows finished so far and
+    raises `SweepInterrupted`; no queued run starts. Works from a script without an
+    `if __name__ == "__main__":` guard (nothing re-imports the caller).
+
+    Args:
+        notebook: A notebook path, or a name under notebooks/ ("01_quickstart").
+        grid: key -> values; every combination runs (keys must be notebook parameters).
+        out_dir: Sweep folder: one sub-folder per run, plus sweep.csv and sweep.png.
+        parameters: Parameters every run gets (the grid wins on a clash).
+        jobs: Runs in parallel (processes, each starting its own kernel).
+        metric: The column sweep.png plots; None = the first of HEADLINE_METRICS present.
+        progress: Show a tqdm bar over finished runs.
+        resume: Skip every point whose run already finished ok in `out_dir` with the same
+            notebook (by content) and identical parameters; failed, interrupted and changed
+            points run again.
+
+    Returns:
+        The Sweep (outcomes, table path, plot path); failed runs are in `Sweep.failed`.
+
+    Raises:
+        ValueError: An unknown notebook, an empty grid, a grid key the notebook does not
+            declare as a parameter, jobs not an int >= 1, parameters that are not JSON, or an
+            out_dir that cannot be written.
+        SweepInterrupted: Ctrl-C or SIGTERM (a KeyboardInterrupt; `.sweep` has what finished).
+    """
+    import papermill as pm
+    from tqdm.auto import tqdm
+
+    from lab.base.processes import Terminated, sigterm_raises
+
+    path = resolve_notebook(notebook)
+    if not grid or any(not list(v) for v in grid.values()):
+        raise ValueError("run_sweep: the grid is empty; give each key at least one value.")
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"run_sweep: jobs must be an int >= 1, got {jobs!r}.")
+    declared = pm.inspect_notebook(str(path))
+    unknown = sorted((set(grid) | set(parameters or {})) - set(declared))
+    if unknown:
+        raise ValueError(
+            f"run_sweep: {unknown} are not parameters of {path.name}. Its parameters: "
+            f"{', '.join(declared)}."
+        )
+    out = _writable_folder(Path(out_dir).resolve())
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    tasks = []
+    for i, point in enumerate(grid_points(grid)):
+        name = run_name(i, point)
+        folder = out / name
+        requested = {**dict(parameters or {}), **point}
+        params = dict(requested)
+        if "out_dir" in declared and "out_dir" not in params:
+            params["out_dir"] = str(folder)
+        if "interactive" in declared and "interactive" not in params:
+            params["interactive"] = False
+        _check_json(params)
+        tasks.append(_Task(i, name, folder, point, requested, params))
+
+    done = _finished_runs(out, digest) if resume else {}
+    outcomes: dict[int, RunOutcome] = {}
+    todo = []
+    for task in tasks:
+        kept = done.get(_record_key(digest, task.requested))
+        if kept is not None:
+            outcomes[task.index] = _outcome(str(kept), kept.name, task.point, None)
+        else:
+            todo.append(task)
+    table_path = out / "sweep.csv"
+
+    def finished() -> list[RunOutcome]:
+        return [outcomes[t.index] for t in tasks if t.index in outcomes]
+
+    def write_table() -> None:
+        with atomic_path(table_path) as tmp:
+            sweep_table(finished()).to_csv(tmp, index=False)
+
+    if outcomes:
+        write_table()
+    running: dict[int, tuple[_Task, Any]] = {}
+    pending = list(reversed(todo))
+    bar = tqdm(
+        total=len(tasks), initial=len(outcomes), desc=f"sweep {path.stem}", disable=not progress
+    )
+    try:
+        with sigterm_raises():
+            try:
+                while pending or running:
+                    while pending and len(running) < jobs:
+                        task = pending.pop()
+                        proc = _start_run(path, task)
+                        running[proc.pid] = (task, proc)
+                    ended = [pid for pid, (_, proc) in running.items() if proc.poll() is not None]
+                    if not ended:
+                        time.sleep(0.1)
+                        continue
+                    for pid in ended:
+                        task, proc = running.pop(pid)
+                        outcome = _finish_run(task, proc.returncode, digest)
+                        outcomes[task.index] = outcome
+                        write_table()
+                        bar.update(1)
+                        bar.set_postfix(failed=sum(1 for o in outcomes.values() if not o.ok))
+            except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM as Terminated
+                from lab.base.processes import end_child
+
+                for _, proc in running.values():
+                    end_child(proc)
+                write_table()
+                signal_name = "SIGTERM" if isinstance(err, Terminated) else "SIGINT"
+                partial = Sweep(path, out, finished(), table_path, None)
+                raise SweepInterrupted(
+                    f"run_sweep: stopped by {signal_name}; {len(partial.outcomes)} of "
+                    f"{len(tasks)} runs finished ({len(running)} ended, {len(pending)} never "
+                    f"started); their rows are in {table_path}. Run again with resume=True "
+                    "(--resume) to run only the rest.",
+                    partial,
+                    signal_name,
+                ) from err
+    finally:
+        bar.close()
+
+    ordered = finished()
+    write_table()
+    plot_path: Path | None = out / "sweep.png"
+    try:
+        fig = plot_sweep(sweep_table(ordered), metric, title=f"{path.stem}: {', '.join(grid)}")
+        with atomic_path(plot_path) as tmp:
+            fig.savefig(tmp, dpi=110)
+    except ValueError:
+        # Every run failed (or wrote no metric): there is nothing to plot, the table says why.
+        plot_path = None
+    return Sweep(path, out, ordered, table_path, plot_path)
+
+
+def _writable_folder(out: Path) -> Path:
+    """Create `out` and check a file can be written there, or say what is wrong."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise ValueError(
+            f"run_sweep: cannot write the sweep folder {str(out)!r} ({reason}). Choose a folder "
+            "you can write with --out (out_dir=)."
+        ) from err
+    return out
+
+
+def _check_json(params: Mapping[str, Any]) -> None:
+    for key, value in params.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as err:
+            raise ValueError(
+                f"run_sweep: parameter {key}={value!r} is not JSON ({err}); sweep parameters "
+                "travel to each run as JSON: use numbers, strings, booleans, lists and dicts."
+            ) from err
+
+
+def _start_run(notebook: Path, task: _Task) -> Any:
+    """Start one grid point's papermill process (it dies with this one)."""
+    from lab.base.processes import start_child
+
+    task.folder.mkdir(parents=True, exist_ok=True)
+    # A rerun must not read what an earlier run of this folder left.
+    for stale in ("results.json", "executed.ipynb", RUN_RECORD):
+        (task.folder / stale).unlink(missing_ok=True)
+    spec = task.folder / "task.json"
+    atomic_write_text(
+        spec,
+        json.dumps(
+            {
+                "notebook": str(notebook),
+                "output": str(task.folder / "executed.ipynb"),
+                "parameters": task.params,
+                "cwd": str(task.folder),
+            }
+        ),
+    )
+    # The child writes its own copy of the descriptor; ours is closed once it has started.
+    with open(task.folder / "papermill.log", "wb") as log:
+        return start_child(
+            [sys.executable, "-c", _WORKER, str(spec)],
+            cwd=task.folder,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def _finish_run(task: _Task, returncode: int, digest: str) -> RunOutcome:
+    """Read a finished run's folder into its row and record it for `resume`."""
+    error = None
+    if returncode != 0:
+        error = RuntimeError(_log_tail(task.folder / "papermill.log", returncode))
+    outcome = _outcome(str(task.folder), task.name, task.point, error)
+    record = {
+        "notebook_sha256": digest,
+        "parameters": task.requested,
+        "status": "ok" if outcome.ok else "failed",
+        "error": outcome.error,
+        "seconds": outcome.seconds,
+    }
+    atomic_write_text(task.folder / RUN_RECORD, json.dumps(record, indent=1))
+    return outcome
+
+
+def _log_tail(log: Path, returncode: int) -> str:
+    try:
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        lines = []
+    how = f"signal {-returncode}" if returncode < 0 else f"exit code {returncode}"
+    return f"the papermill process ended with {how}" + (f": {lines[-1]}" if lines else "")
+
+
+def _record_key(digest: str, requested: Mapping[str, Any]) -> str:
+    return json.dumps({"notebook_sha256": digest, "parameters": requested}, sort_keys=True)
+
+
+def _finished_runs(out: Path, digest: str) -> dict[str, Path]:
+    """Run folders under `out` whose record says ok and whose results.json is there."""
+    found: dict[str, Path] = {}
+    for record_path in sorted(out.glob(f"*/{RUN_RECORD}")):
+        try:
+            record = json.loads(record_path.read_text())
+            if record.get("status") != "ok" or record.get("notebook_sha256") != digest:
+                continue
+            key = _record_key(digest, record["parameters"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a damaged record: the point simply runs again
+        if (record_path.parent / "results.json").is_file():
+            found.setdefault(key, record_path.parent)
+    return found
