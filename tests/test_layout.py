@@ -159,3 +159,10 @@ def test_side_parses_dtype_names_once() -> None:
             if f"parse_dtype(side.{field}" in source or f"parse_dtype(self.side.{field}" in source:
                 offenders.append(f"{module}: parse_dtype(side.{field})")
     assert offenders == [], offenders
+
+
+def test_every_room_is_a_regular_package() -> None:
+    """A folder without __init__.py is a namespace package, which a non-editable wheel drops."""
+    folders = {p.parent for p in ROOT.rglob("*.py")} - {ROOT}
+    missing = sorted(str(f.relative_to(ROOT)) for f in folders if not (f / "__init__.py").is_file())
+    assert missing == [], missing

@@ -1,0 +1,1 @@
+"""Ground floor: dtype names, atomic files, devices, child processes, the exception classes."""

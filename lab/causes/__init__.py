@@ -1,0 +1,1 @@
+"""Experiments that say why two sides diverge: rule effect."""

@@ -1,0 +1,1 @@
+"""Flow-GRPO SDE step and log-prob, trajectories, gradients, latent layout."""
