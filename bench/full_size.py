@@ -1,0 +1,128 @@
+"""Every family at full size on one H200: paired forwards against two plain forwards (issue 16).
+
+    python bench/full_size.py OUT_DIR [--families flux,sd3,...] [--repeat 3]
+
+For each family's `full` preset (seeded weights, the lab's own inputs), measured side by side in
+one process, warm (one untimed run of each case first, so one-off kernel compilation and
+autotuning are never timed):
+- `plain`: each side's `lab.forward_side` over the resident fp32 master with a streamed view,
+  the limit pairing is measured against; peak memory of each;
+- `every_module`: `lab.pair` with every module output compared (streamed, lockstep);
+- `blocks_only`: the same, comparing only the outputs of the family's blocks;
+- the first (cold) `every_module` run separately, as `every_module_cold_s`.
+Writes OUT_DIR/full_size.json after every family (a run cut short keeps its figures), with the
+ratios (`every_module_vs_plain`, `blocks_only_vs_plain`, `peak_vs_plain`), the pair counts and
+`meta["timings_s"]` of the paired runs. An out-of-memory or other failure is recorded in the row
+(`error`) and the next family runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import lab
+from lab.pairing.weights import WeightView
+
+
+def _timed(fn: Any, repeat: int) -> tuple[float, float, Any]:
+    """Median seconds over `repeat` runs, the peak GiB over them, and the last return value."""
+    times, peak, value = [], 0.0, None
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        value = fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        peak = max(peak, torch.cuda.max_memory_allocated() / 2**30)
+    return statistics.median(times), peak, value
+
+
+def measure(name: str, repeat: int) -> dict[str, Any]:
+    fam = lab.family(name)
+    row: dict[str, Any] = {"family": name, "preset": "full"}
+    start = time.perf_counter()
+    model = fam.build("full", 0, device="cuda", expert=fam.expert_for_sigma(0.75))
+    row["build_s"] = time.perf_counter() - start
+    row["params_b"] = sum(p.numel() for p in model.parameters()) / 1e9
+    row["resident_gib"] = torch.cuda.memory_allocated() / 2**30
+    inputs = fam.make_inputs("full", 0, device="cuda")
+    a, b = lab.Side.rollout(fam, device="cuda"), lab.Side.trainer(fam, device="cuda")
+    blocks = fam.block_classes
+    views = {s.name: WeightView(model, s, stream_classes=blocks) for s in (a, b)}
+    block_names = {
+        n for n, m in model.named_modules() if type(m).__name__ in blocks and n.count(".") <= 1
+    }
+
+    def plain(side: lab.Side) -> Any:
+        return lab.forward_side(model, inputs, side, view=views[side.name])
+
+    def paired(names_filter: Any = None) -> Any:
+        return lab.pair(model, inputs, a, b, stream=True, names_filter=names_filter)
+
+    for side in (a, b):
+        plain(side)  # warm-up
+        key = "plain_a" if side is a else "plain_b"
+        row[f"{key}_s"], row[f"{key}_peak_gib"], _ = _timed(lambda s=side: plain(s), repeat)
+    plain_s = row["plain_a_s"] + row["plain_b_s"]
+    plain_peak = max(row["plain_a_peak_gib"], row["plain_b_peak_gib"])
+    cold_s, _, _ = _timed(paired, 1)
+    row["every_module_cold_s"] = cold_s
+    for case, names_filter in (("every_module", None), ("blocks_only", block_names.__contains__)):
+        if case == "blocks_only":
+            paired(names_filter)  # warm-up
+        seconds, peak, result = _timed(lambda f=names_filter: paired(f), repeat)
+        row[f"{case}_s"] = seconds
+        row[f"{case}_vs_plain"] = seconds / plain_s
+        row[f"{case}_peak_gib"] = peak
+        row[f"{case}_peak_vs_plain"] = peak / plain_peak
+        row[f"{case}_pairs"] = len(result.rows)
+        row[f"{case}_timings_s"] = result.meta.get("timings_s")
+        row[f"{case}_lockstep"] = result.meta.get("lockstep")
+        if case == "every_module":
+            row["model_output_rel_max"] = result.output_metrics()["model_output_rel_max"]
+        del result
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("out_dir")
+    parser.add_argument("--families", default=",".join(lab.families()))
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/full_size.py measures on CUDA; this machine has no GPU.")
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(),
+        "gpu_total_gib": torch.cuda.get_device_properties(0).total_memory / 2**30,
+        "repeat": args.repeat,
+    }
+    rows: list[dict[str, Any]] = []
+    for name in args.families.split(","):
+        try:
+            row = measure(name, args.repeat)
+        except Exception as err:  # keep the other families' figures
+            row = {"family": name, "preset": "full", "error": repr(err)[:400]}
+            traceback.print_exc()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        (out / "full_size.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
