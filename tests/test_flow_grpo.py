@@ -1,4 +1,5 @@
-"""The Flow-GRPO SDE step against an independent float64 evaluation; schedules; CFG; bad input."""
+"""The Flow-GRPO SDE step against an independent float64 evaluation; the exact log-ratio terms;
+schedules; CFG; bad input."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ import pytest
 import torch
 
 from lab.families import FAMILY_NAMES
-from lab.rl.flow_grpo import combine_cfg, sde_step_with_logprob, sigma_schedule
+from lab.rl.flow_grpo import (
+    combine_cfg,
+    log_ratio_terms,
+    sde_step_with_logprob,
+    sigma_schedule,
+    transition_scale,
+)
 
 
 def _float64_log_prob(v, x, x_prev, sigma, sigma_prev, sigma_max, eta, sde_type):
@@ -63,6 +70,53 @@ def test_log_prob_matches_float64_formula(sde_type: str, step: int) -> None:
         v, x, sigma, sigma_prev, sigma_max, 0.7, prev_sample=x_prev, sde_type=sde_type
     )
     assert torch.equal(again, lp)
+
+
+@pytest.mark.parametrize("sde_type", ["sde", "cps"])
+@pytest.mark.parametrize("step", [0, 4, 8])
+def test_log_ratio_terms_rebuild_the_float64_log_ratio(sde_type: str, step: int) -> None:
+    sigmas = sigma_schedule("sd3", 10)
+    sigma, sigma_prev, sigma_max = (float(sigmas[i]) for i in (step, step + 1, 1))
+    gen = torch.Generator().manual_seed(100 + step)
+    x, v_old = torch.randn(3, 4, 8, 8, generator=gen), torch.randn(3, 4, 8, 8, generator=gen)
+    # A trainer velocity 1e-3 relative off the rollout's, as a precision gap would put it.
+    v_new = v_old + 1e-3 * torch.randn(3, 4, 8, 8, generator=gen)
+    x_prev, _, _, std = sde_step_with_logprob(
+        v_old, x, sigma, sigma_prev, sigma_max, 0.7, generator=gen, sde_type=sde_type
+    )
+    old, _ = _float64_log_prob(v_old, x, x_prev, sigma, sigma_prev, sigma_max, 0.7, sde_type)
+    new, _ = _float64_log_prob(v_new, x, x_prev, sigma, sigma_prev, sigma_max, 0.7, sde_type)
+    terms = log_ratio_terms(v_old, v_new, x, x_prev, sigma, sigma_prev, float(std), sde_type)
+    exact = new - old
+    assert terms.linear.dtype == torch.float64 and terms.linear.shape == (3,)
+    assert (exact != 0).all()
+    # Both sides float64 from the same fp32 inputs; the only difference is the fp32 std the
+    # terms take (the float64 reference recomputes it), ~1e-7 relative.
+    torch.testing.assert_close(terms.predicted, exact, rtol=1e-5, atol=1e-12)
+    assert (terms.quadratic < 0).all()
+    n, s = 4 * 8 * 8, transition_scale(sigma, sigma_prev, float(std), sde_type)
+    dm = terms.quadratic * (-2 * s**2 if sde_type == "sde" else -1.0) * n  # sum(dm^2)
+    torch.testing.assert_close(terms.transition_kl, dm / (2 * s**2), rtol=1e-12, atol=0)
+    torch.testing.assert_close(terms.chi_square, torch.expm1(dm / s**2), rtol=1e-12, atol=0)
+    sd = dm.sqrt() / (s * n) if sde_type == "sde" else 2 * s * dm.sqrt() / n
+    torch.testing.assert_close(terms.sd, sd, rtol=1e-12, atol=0)
+    # Identical velocities: every term is exactly 0.
+    same = log_ratio_terms(v_old, v_old, x, x_prev, sigma, sigma_prev, float(std), sde_type)
+    for t in (same.linear, same.quadratic, same.sd, same.transition_kl, same.chi_square):
+        assert (t == 0).all()
+
+
+def test_transition_scale_and_the_deterministic_cps_step() -> None:
+    assert transition_scale(0.5, 0.3, 0.8, "sde") == pytest.approx(0.8 * math.sqrt(0.2))
+    assert transition_scale(0.5, 0.3, 0.8, "cps") == 0.8
+    x = torch.randn(2, 16)
+    terms = log_ratio_terms(x, x + 1e-3, x, x, 0.2, 0.0, 0.0, "cps")
+    assert terms.transition_kl.isnan().all() and terms.chi_square.isnan().all()
+    assert torch.isfinite(terms.predicted).all()
+    with pytest.raises(ValueError, match="must share one shape"):
+        log_ratio_terms(x, x, x, x[:1], 0.5, 0.3, 0.8)
+    with pytest.raises(ValueError, match="unknown sde_type 'ode'"):
+        log_ratio_terms(x, x, x, x, 0.5, 0.3, 0.8, "ode")
 
 
 def test_first_step_uses_sigma_max() -> None:

@@ -1,4 +1,5 @@
-"""trajectory(): identical sides give ratio exactly 1; drift grows with CFG and lower eta."""
+"""trajectory(): identical sides give ratio exactly 1; drift grows with CFG and lower eta; the
+policy-level metrics (transition KL, exact log-ratio, noise floor); streamed weights."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 import lab
 from lab.families import FAMILY_NAMES
-from lab.rl.trajectory import Trajectory, trajectory
+from lab.rl.trajectory import STEP_LOG_METRICS, Trajectory, trajectory
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
@@ -47,7 +48,10 @@ def test_identical_sides_give_ratio_exactly_one(family_name: str) -> None:
     assert (df["ratio_mean"] == 1.0).all() and (df["ratio_p01"] == 1.0).all()
     assert (df["ratio_p99"] == 1.0).all() and (df["clip_frac"] == 0.0).all()
     assert (df["log_prob_mean_abs_diff"] == 0.0).all()
+    for column in ("transition_kl", "chi_square", "predicted_log_ratio", "expected_log_ratio"):
+        assert (df[column] == 0.0).all(), column
     assert (traj.per_sample()["ratio"] == 1.0).all() and len(traj.per_sample()) == 4
+    assert "every ratio is exactly 1.0" in traj.noise_floor(1e-12).verdict
 
 
 def test_wan_switches_experts_at_its_boundary() -> None:
@@ -72,6 +76,8 @@ def test_columns_window_capture_and_json(tmp_path: Path) -> None:
         "model_output_max_abs_diff", "model_output_rel_max", "log_prob_mean_abs_diff",
         "ratio_abs_minus_1", "ratio_mean", "ratio_p01", "ratio_p50", "ratio_p99", "clip_frac",
         "model_output_mean_abs_diff_per_cfg", "predicted_log_ratio", "measured_log_ratio",
+        "expected_log_ratio", "log_ratio_sd", "transition_kl", "transition_kl_max", "chi_square",
+        "chi_square_max",
     }  # fmt: skip
     assert want <= set(df.columns)
     assert df["in_window"].tolist() == [False, True, True, False]
@@ -79,11 +85,25 @@ def test_columns_window_capture_and_json(tmp_path: Path) -> None:
     assert (df["model_output_rel_max"] > 0).all(), (
         "rollout and trainer should differ (fp16 vs autocast)"
     )
-    assert (df.loc[df.in_window, "predicted_log_ratio"] < 0).all()
+    assert (df.loc[df.in_window, "expected_log_ratio"] < 0).all()
+    assert (df.loc[df.in_window, "transition_kl"] > 0).all()
     assert list(traj.captures) == [2] and traj.captures[2].rows
     path = traj.to_json(tmp_path / "t.json")
     back = Trajectory.from_json(path)
     assert back.per_step()["ratio_p50"].tolist()[1:3] == df["ratio_p50"].tolist()[1:3]
+    assert back.per_step()["transition_kl"].tolist()[1:3] == df["transition_kl"].tolist()[1:3]
+    assert back.noise_floor().verdict == traj.noise_floor().verdict
+    # A file saved before the linear term existed: its predicted_log_ratio was the
+    # noise-averaged part alone, which reads back as expected_log_ratio.
+    old = json.loads(path.read_text())
+    for row in old["per_step"] + old["per_sample"]:
+        for key in ("expected_log_ratio", "log_ratio_sd", "transition_kl", "chi_square"):
+            row.pop(key, None)
+        row["predicted_log_ratio"] = -1.5
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    legacy = Trajectory.from_json(tmp_path / "old.json").per_step()
+    assert legacy["expected_log_ratio"].tolist()[1:3] == [-1.5, -1.5]
+    assert legacy["predicted_log_ratio"].isna().all()
     assert json.loads(path.read_text())["overall"]["family"] == "sd3"
 
 
@@ -96,7 +116,7 @@ def test_drift_grows_with_cfg_scale_and_lower_noise_level() -> None:
     # The expected log-ratio is -mean(dm^2)/(2 s^2), dm ~ s_cfg (pos - neg gap): quadratic in
     # the scale. Measured on tiny sd3: x5.9 for (4.5/2)^2 = 5.06; the factor 2 either way allows
     # for the positive branch's own gap, which does not scale with s.
-    growth = high["predicted_log_ratio"] / low["predicted_log_ratio"]
+    growth = high["expected_log_ratio"] / low["expected_log_ratio"]
     assert (4.5 / 2.0) ** 2 / 2 < growth < (4.5 / 2.0) ** 2 * 2, growth
     # The measured |d log_prob| is dominated by its zero-mean term z dm / s, linear in dm, so
     # it only has to grow (tiny sd3: x1.6).
@@ -105,7 +125,7 @@ def test_drift_grows_with_cfg_scale_and_lower_noise_level() -> None:
     quiet = _drift(cfg_scale=4.5, noise_level=0.3)
     # Same velocity gap, smaller noise scale s: |d log_prob| ~ 1/s, E[log ratio] ~ 1/s^2.
     assert quiet["log_prob_mean_abs_diff"] > 1.3 * high["log_prob_mean_abs_diff"]
-    assert quiet["predicted_log_ratio"] < 2 * high["predicted_log_ratio"] < 0
+    assert quiet["expected_log_ratio"] < 2 * high["expected_log_ratio"] < 0
 
 
 def test_bad_inputs_give_clear_errors() -> None:
@@ -121,6 +141,226 @@ def test_bad_inputs_give_clear_errors() -> None:
         trajectory("flux", steps=4, cfg_scale=3.5)
     with pytest.raises(ValueError, match="capture_steps"):
         trajectory("sd3", steps=4, capture_steps=(4,))
+
+
+# ---- policy-level metrics (issue 15): sd3 tiny at CFG 4.5, the issue's setting ---------------
+
+
+@pytest.fixture(scope="module")
+def sd3_cfg45() -> Trajectory:
+    return trajectory("sd3", steps=10, cfg_scale=4.5, samples=4, progress=False)
+
+
+def _ulp_fp32(value: torch.Tensor) -> torch.Tensor:
+    """The fp32 spacing at |value| (value a float64 tensor of normal fp32 magnitudes)."""
+    return torch.finfo(torch.float32).eps * 2.0 ** torch.floor(torch.log2(value.abs()))
+
+
+def test_transition_kl_and_chi_square_match_a_float64_closed_form(sd3_cfg45: Trajectory) -> None:
+    traj, eta = sd3_cfg45, sd3_cfg45.meta["noise_level"]
+    per_sample = traj.per_sample()
+    per_step = traj.per_step().set_index("step")
+    sigma_max = traj.sigmas[1]
+    for rec in traj.steps:
+        sigma, prev = rec.sigma, rec.sigma_prev
+        # Flow-SDE, written out again: std from the schedule, s = std sqrt(sigma - sigma_prev),
+        # mean_new - mean_old = (v_new - v_old) (1 + std^2 (1 - sigma) / (2 sigma)) dt.
+        std = math.sqrt(sigma / (1 - (sigma_max if sigma == 1 else sigma))) * eta
+        assert rec.std_dev_t == pytest.approx(std, rel=1e-6)
+        std = rec.std_dev_t  # the fp32 value both log-probs used
+        scale = std * math.sqrt(sigma - prev)
+        factor = (1 + std**2 * (1 - sigma) / (2 * sigma)) * (prev - sigma)
+        dm = (rec.noise_pred_new.double() - rec.noise_pred_old.double()) * factor
+        kl = (dm**2).sum(dim=1) / (2 * scale**2)
+        chi2 = torch.expm1((dm**2).sum(dim=1) / scale**2)
+        rows = per_sample[per_sample["step"] == rec.step]
+        got_kl = torch.tensor(rows["transition_kl"].to_numpy())
+        got_chi2 = torch.tensor(rows["chi_square"].to_numpy())
+        assert (kl > 0).all(), "rollout and trainer should differ (fp16 vs autocast)"
+        torch.testing.assert_close(got_kl, kl, rtol=1e-12, atol=0)
+        torch.testing.assert_close(got_chi2, chi2, rtol=1e-12, atol=0)
+        row = per_step.loc[rec.step]
+        assert row["transition_kl"] == pytest.approx(float(kl.mean()), rel=1e-12)
+        assert row["transition_kl_max"] == pytest.approx(float(kl.max()), rel=1e-12)
+        assert row["chi_square_max"] == pytest.approx(float(chi2.max()), rel=1e-12)
+        # "sde": the noise-averaged log-ratio is exactly -KL / N.
+        n = rec.x_t.shape[1]
+        expected = torch.tensor(rows["expected_log_ratio"].to_numpy())
+        torch.testing.assert_close(expected, -kl / n, rtol=1e-12, atol=0)
+    # The KL grows towards the data end of the schedule (s shrinks faster than the gap).
+    kls = per_step["transition_kl"].to_numpy()
+    assert kls[-1] > 100 * kls[0]
+
+
+def test_predicted_log_ratio_matches_the_measured_one_per_sample(sd3_cfg45: Trajectory) -> None:
+    traj = sd3_cfg45
+    per_sample = traj.per_sample()
+    far = 0
+    for rec in traj.steps:
+        measured = (rec.log_prob_new - rec.log_prob_old).double()
+        rows = per_sample[per_sample["step"] == rec.step]
+        pred = torch.tensor(rows["predicted_log_ratio"].to_numpy())
+        expected = torch.tensor(rows["expected_log_ratio"].to_numpy())
+        assert (measured != 0).sum() >= 3, "no drift to predict: the check would be vacuous"
+        # The prediction is exact in float64; what is left is the fp32 rounding of each
+        # log-prob, a mean of N Gaussian terms (measured: at most ~3 ulp of max |log_prob|).
+        bound = 4 * _ulp_fp32(rec.log_prob_old.double().abs().max()) + 1e-3 * measured.abs()
+        assert ((pred - measured).abs() <= bound).all(), (rec.step, pred, measured)
+        # The noise-averaged part alone is what was once called the prediction: it misses
+        # the zero-mean linear term and sits far below at most steps.
+        big = measured.abs() > 1e-6
+        far += int((expected[big].abs() < 0.2 * measured[big].abs()).sum())
+    assert far >= 10, f"only {far} sample-steps where the linear term dominates"
+    df = traj.per_step()
+    gap = (df["predicted_log_ratio"] - df["measured_log_ratio"]).abs()
+    assert (gap <= 1e-6 + 1e-3 * df["measured_log_ratio"].abs()).all()
+
+
+def test_cps_last_step_has_no_kl_and_says_why() -> None:
+    traj = trajectory("sd3", steps=3, cfg_scale=2.0, samples=2, sde_type="cps", progress=False)
+    df = traj.per_step()
+    assert df["transition_kl"].iloc[:-1].gt(0).all()
+    assert math.isnan(df["transition_kl"].iloc[-1]) and math.isnan(df["chi_square"].iloc[-1])
+    assert traj.meta["metric_notes"] and traj.meta["metric_notes"][0].startswith("step 2:")
+    assert "noise scale 0" in traj.describe()
+    for rec in traj.steps:
+        measured = (rec.log_prob_new - rec.log_prob_old).double()
+        rows = traj.per_sample()[traj.per_sample()["step"] == rec.step]
+        pred = torch.tensor(rows["predicted_log_ratio"].to_numpy())
+        bound = 4 * _ulp_fp32(rec.log_prob_old.double().abs().max()) + 1e-3 * measured.abs()
+        assert ((pred - measured).abs() <= bound).all(), (rec.step, pred, measured)
+
+
+def test_metrics_by_step_are_flat_per_timestep_keys(sd3_cfg45: Trajectory) -> None:
+    logged = sd3_cfg45.metrics_by_step(prefix="rollout_parity")
+    assert len(logged) == 10 * len(STEP_LOG_METRICS)
+    row = sd3_cfg45.per_step().iloc[3]
+    assert logged["rollout_parity/step_3/transition_kl"] == row["transition_kl"]
+    assert logged["rollout_parity/step_3/clip_frac"] == row["clip_frac"]
+
+
+def _independent_floor(traj: Trajectory, clip: float) -> dict[int, tuple[int, float, float]]:
+    """Step -> (clipped count, p50 |log ratio|, p99 |log ratio|) from the recorded log-probs."""
+    import numpy as np
+
+    out = {}
+    for rec in traj.steps:
+        lr = (rec.log_prob_new - rec.log_prob_old).double().numpy()
+        clipped = int((np.abs(np.exp(lr) - 1) > clip).sum())
+        out[rec.step] = (clipped, *np.percentile(np.abs(lr), [50, 99]).tolist())
+    return out
+
+
+def test_noise_floor_verdict_on_sd3_tiny_at_cfg_4_5(sd3_cfg45: Trajectory) -> None:
+    traj = sd3_cfg45
+    worst = max(
+        float(((r.log_prob_new - r.log_prob_old).double().exp() - 1).abs().max())
+        for r in traj.steps
+    )
+    assert worst > 0, "identical log-probs: the floor would be vacuous"
+    for clip in (1e-4, worst / 3, worst * 2):
+        floor = traj.noise_floor(clip)
+        want = _independent_floor(traj, clip)
+        table = floor.table().set_index("step")
+        assert table.index.tolist() == sorted(want)
+        for step, (clipped, p50, p99) in want.items():
+            assert table.loc[step, "clipped"] == clipped
+            assert table.loc[step, "clip_frac"] == clipped / 4
+            assert table.loc[step, "log_ratio_abs_p50"] == pytest.approx(p50, rel=1e-12)
+            assert table.loc[step, "log_ratio_abs_p99"] == pytest.approx(p99, rel=1e-12)
+        below = [s for s, (c, _, _) in want.items() if c]
+        assert floor.below_steps == below
+        if below:
+            cut = sum(want[s][0] for s in below)
+            pct = 100 * cut / (4 * len(below))
+            assert floor.verdict.startswith(f"clip_range {clip:g} is below the numeric noise floor")
+            assert f"({cut} of {4 * len(below)} there;" in floor.verdict
+            assert (f"{pct:.0f} %" if pct >= 1 else f"{pct:.2g} %") in floor.verdict
+        else:
+            assert "above the numeric noise floor at every step" in floor.verdict
+            assert f"{clip / worst:.3g}x below it" in floor.verdict
+    # Below the floor at the default clip range somewhere, at every step for a tiny one.
+    assert traj.noise_floor(worst / 3).below_steps
+    assert traj.noise_floor(1e-9).below_steps == list(range(10))
+    assert "steps 0-9" in traj.noise_floor(1e-9).verdict
+    assert str(traj.noise_floor()) == traj.noise_floor(traj.meta["clip_range"]).verdict
+    with pytest.raises(ValueError, match=r"clip_range must be a finite number > 0.*got -0\.1"):
+        traj.noise_floor(-0.1)
+
+
+def test_noise_floor_plot_in_both_backends(sd3_cfg45: Trajectory) -> None:
+    import matplotlib.pyplot as plt
+
+    floor = sd3_cfg45.noise_floor(1e-5)
+    fig = lab.plots.plot_noise_floor(sd3_cfg45, 1e-5)
+    bars, p50, p99, top = fig.data
+    assert p50.name.startswith("p50") and top.name.startswith("max")
+    assert list(bars.y) == pytest.approx((100 * floor.table()["clip_frac"]).tolist())
+    assert list(p99.y) == floor.table()["log_ratio_abs_p99"].tolist()
+    assert floor.verdict in fig.layout.title.text
+    assert [s.y0 for s in fig.layout.shapes] == [1e-5]
+    colors = list(bars.marker.color)
+    assert [c == "#d62728" for c in colors] == [s in floor.below_steps for s in bars.x]
+    assert lab.plots.figure_png(fig)[:8] == b"\x89PNG\r\n\x1a\n"
+    mpl = lab.plots.plot_noise_floor(floor, backend="matplotlib")
+    assert mpl.axes[0].get_yscale() == "log"
+    assert floor.verdict[:40] in mpl._suptitle.get_text()
+    plt.close(mpl)
+    with pytest.raises(ValueError, match="this NoiseFloor was made for 1e-05"):
+        lab.plots.plot_noise_floor(floor, 1e-4)
+
+
+# ---- streamed weights (issue 16) -----------------------------------------------------------
+
+
+def _assert_same_trajectory(a: Trajectory, b: Trajectory) -> None:
+    assert a.per_step().equals(b.per_step())
+    assert a.per_sample().equals(b.per_sample())
+    for ra, rb in zip(a.steps, b.steps, strict=True):
+        for name in ("x_prev", "noise_pred_old", "noise_pred_new", "log_prob_old", "log_prob_new"):
+            assert torch.equal(getattr(ra, name), getattr(rb, name)), (ra.step, name)
+
+
+@pytest.mark.parametrize(
+    ("family_name", "kwargs"),
+    [
+        ("flux", dict(steps=3, capture_steps=(1,))),
+        # Both experts: high_noise at step 0, low_noise after the boundary. Wan's default
+        # sides agree bit for bit, so the rollout runs without its engine group `wan`.
+        ("wan2_2", dict(steps=3, shift=1.0, cfg_scale=2.0, rollout={"engine_ops": ()})),
+    ],
+)
+def test_streamed_trajectory_is_bit_identical(
+    family_name: str, kwargs: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lab.rl.trajectory as module
+
+    streamed_blocks: list[int] = []
+
+    class CountingView(module.WeightView):
+        def __init__(self, *args, **kw) -> None:
+            super().__init__(*args, **kw)
+            streamed_blocks.append(len(self.streamed_ids))
+
+    monkeypatch.setattr(module, "WeightView", CountingView)
+    plain = trajectory(family_name, samples=2, progress=False, stream=False, **kwargs)
+    assert streamed_blocks and not any(streamed_blocks)
+    streamed_blocks.clear()
+    streamed = trajectory(family_name, samples=2, progress=False, stream=True, **kwargs)
+    # One view per side and expert, each casting its blocks one at a time.
+    experts = 2 if family_name == "wan2_2" else 1
+    assert len(streamed_blocks) == 2 * experts and min(streamed_blocks) >= 2, streamed_blocks
+    assert plain.meta["stream"] is False and streamed.meta["stream"] is True
+    assert (plain.per_step()["transition_kl"] > 0).all(), "the sides agree: vacuous check"
+    _assert_same_trajectory(plain, streamed)
+    if family_name == "wan2_2":
+        assert [r.expert for r in streamed.steps] == ["high_noise", "low_noise", "low_noise"]
+    for step, result in plain.captures.items():
+        assert streamed.captures[step].meta["stream"] is True
+        key = ["module", "call", "output"]
+        t1 = result.table().set_index(key).sort_index()
+        t2 = streamed.captures[step].table().set_index(key).sort_index()
+        assert t1["max_ulp"].equals(t2["max_ulp"]) and len(t1)
 
 
 # Each papermill run starts a kernel and imports torch + diffusers (~8-12 s on 2 cores), so only

@@ -9,6 +9,7 @@ except `sigma_schedule`, which asks each family's own diffusers scheduler for it
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -278,37 +279,134 @@ def mean_velocity_factor(
     )
 
 
-def predicted_log_ratio(
-    velocity_gap: torch.Tensor,
+def transition_scale(
+    sigma: float, sigma_prev: float, std_dev_t: float, sde_type: SdeType = "sde"
+) -> float:
+    """The noise scale s of one step's Gaussian transition x_prev ~ N(mean, s^2 I).
+
+    "sde": std_dev_t sqrt(sigma - sigma_prev) (not std_dev_t itself); "cps": std_dev_t, which
+    is 0 at the last step (sigma_prev = 0): that step is deterministic.
+    """
+    if sde_type == "sde":
+        return std_dev_t * math.sqrt(sigma - sigma_prev)
+    return std_dev_t
+
+
+@dataclass(frozen=True)
+class LogRatioTerms:
+    """log_prob_new - log_prob_old of one step split exactly into its two terms, per sample.
+
+    Both sides score the rollout's own x_t and x_prev = mean_old + s z, so with the gap of the
+    two transition means dm = (v_new - v_old) * mean_velocity_factor (the x_t part cancels):
+
+        "sde": log_ratio = mean(z dm) / s - mean(dm^2) / (2 s^2)
+        "cps": log_ratio = 2 mean((x_prev - mean_old) dm) - mean(dm^2)
+
+    (means over the N elements of a sample). Every field is (B,) float64.
+    """
+
+    linear: torch.Tensor
+    """The first-order noise term: zero mean over the step's noise z, spread `sd`. It
+    dominates whenever rms(dm) / s < ~1.6 / sqrt(N) (every tiny and reduced run)."""
+    quadratic: torch.Tensor
+    """-mean(dm^2) / (2 s^2) ("cps": -mean(dm^2)): the expectation over z, <= 0. For "sde" it
+    is exactly -transition_kl / N."""
+    sd: torch.Tensor
+    """Standard deviation of `linear` over z: ||dm|| / (s N) ("cps": 2 s ||dm|| / N)."""
+    transition_kl: torch.Tensor
+    """KL(rollout || trainer) of the two Gaussian transitions (same s): sum(dm^2) / (2 s^2).
+    NaN where s = 0 (the last "cps" step: two point masses, infinite KL)."""
+    chi_square: torch.Tensor
+    """Chi-square divergence of the same two Gaussians: expm1(sum(dm^2) / s^2). This is the
+    divergence of the joint density over all N elements, not of the PPO ratio of the
+    mean-reduced log-prob (about N^2 times smaller). NaN where s = 0."""
+
+    @property
+    def predicted(self) -> torch.Tensor:
+        """The log-ratio itself (linear + quadratic), up to the fp32 rounding of the log-probs."""
+        return self.linear + self.quadratic
+
+
+def _step_mean_float64(
+    v: torch.Tensor, x: torch.Tensor, sigma: float, sigma_prev: float, std: float, sde_type: str
+) -> torch.Tensor:
+    """`sde_step_with_logprob`'s transition mean, written again in float64."""
+    if sde_type == "sde":
+        dt = sigma_prev - sigma
+        return x * (1 + std**2 / (2 * sigma) * dt) + v * mean_velocity_factor(
+            sigma, sigma_prev, std, "sde"
+        )
+    x0, x1 = x - sigma * v, x + (1 - sigma) * v
+    return x0 * (1 - sigma_prev) + x1 * math.sqrt(max(sigma_prev**2 - std**2, 0.0))
+
+
+def log_ratio_terms(
+    v_old: torch.Tensor,
+    v_new: torch.Tensor,
+    x_t: torch.Tensor,
+    x_prev: torch.Tensor,
     sigma: float,
     sigma_prev: float,
     std_dev_t: float,
     sde_type: SdeType = "sde",
-) -> torch.Tensor:
-    """Expected log_prob_new - log_prob_old per sample, from the velocity gap alone.
+) -> LogRatioTerms:
+    """The exact log-ratio of one step from both velocities and the rollout's x_t, x_prev.
 
-    With dm = (v_new - v_old) * mean_velocity_factor, the measured log-ratio is
-    mean(z dm) / s - mean(dm^2) / (2 s^2) for the "sde" (s = std sqrt(-dt), z the step's noise),
-    whose expectation over z is -mean(dm^2) / (2 s^2); for "cps" it is -mean(dm^2).
+    Computed in float64 from the fp32 tensors; dm comes from the float64 difference of the
+    velocities, never from the difference of the two fp32 means (which cancels to ~1e-3
+    relative). `predicted` then matches the measured fp32 log_prob_new - log_prob_old to the
+    fp32 rounding of the log-probs (a few ulp of |log_prob|).
 
     Args:
-        velocity_gap: v_new - v_old, (B, ...), any float dtype (computed in fp32).
+        v_old: The rollout's velocity (B, ...), diffusers convention.
+        v_new: The trainer's velocity on the same x_t (B, ...).
+        x_t: The step's input sample (B, ...).
+        x_prev: The rollout's drawn next sample (B, ...).
         sigma: sigmas[i].
         sigma_prev: sigmas[i + 1].
         std_dev_t: The step's std_dev_t from `sde_step_with_logprob`.
         sde_type: "sde" or "cps".
 
     Returns:
-        (B,) fp32, <= 0.
+        LogRatioTerms, each (B,) float64.
+
+    Raises:
+        ValueError: Unknown sde_type, or tensors of different shapes.
     """
-    dm = velocity_gap.to(torch.float32) * mean_velocity_factor(
+    if sde_type not in SDE_TYPES:
+        raise ValueError(f"log_ratio_terms: unknown sde_type {sde_type!r}. Known: sde, cps.")
+    shapes = {tuple(t.shape) for t in (v_old, v_new, x_t, x_prev)}
+    if len(shapes) != 1:
+        raise ValueError(
+            f"log_ratio_terms: v_old, v_new, x_t and x_prev must share one shape, got "
+            f"{[tuple(t.shape) for t in (v_old, v_new, x_t, x_prev)]}."
+        )
+    dims = tuple(range(1, x_t.ndim))
+    n = x_t[0].numel()
+    dm = (v_new.double() - v_old.double()) * mean_velocity_factor(
         sigma, sigma_prev, std_dev_t, sde_type
     )
-    dims = tuple(range(1, dm.ndim))
+    mean_old = _step_mean_float64(
+        v_old.double(), x_t.double(), sigma, sigma_prev, std_dev_t, sde_type
+    )
+    residual_dm = ((x_prev.double() - mean_old) * dm).mean(dim=dims)
+    dm2 = (dm**2).sum(dim=dims)
+    norm = dm2.sqrt()
+    s = transition_scale(sigma, sigma_prev, std_dev_t, sde_type)
     if sde_type == "sde":
-        scale2 = std_dev_t**2 * (sigma - sigma_prev)
-        return -(dm**2).mean(dim=dims) / (2 * scale2)
-    return -(dm**2).mean(dim=dims)
+        linear = residual_dm / s**2
+        quadratic = -dm2 / n / (2 * s**2)
+        sd = norm / (s * n)
+    else:
+        linear = 2 * residual_dm
+        quadratic = -dm2 / n
+        sd = 2 * s * norm / n
+    if s > 0:
+        kl = dm2 / (2 * s**2)
+        chi2 = torch.expm1(dm2 / s**2)
+    else:
+        kl = chi2 = torch.full_like(dm2, math.nan)
+    return LogRatioTerms(linear, quadratic, sd, kl, chi2)
 
 
 # ---- CFG ----------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from lab.base.atomic import atomic_write_text
 from lab.families import Family, Inputs
 from lab.families import family as get_family
 from lab.pairing.result import Result
-from lab.pairing.run import forward_side, pair
+from lab.pairing.run import _block_classes, forward_side, pair
 from lab.pairing.sides import Side
 from lab.pairing.weights import WeightView
 from lab.rl.flow_grpo import (
@@ -35,7 +35,7 @@ from lab.rl.flow_grpo import (
     check_sigma_schedule,
     combine_cfg,
     euler_step,
-    predicted_log_ratio,
+    log_ratio_terms,
     sampler_settings,
     sde_step_with_logprob,
     sigma_schedule,
@@ -46,6 +46,7 @@ from lab.rl.latents import (
     output_leaves,
     unflatten_samples,
 )
+from lab.rl.noise_floor import NoiseFloor, noise_floor
 
 QUANTILES: tuple[float, ...] = (0.01, 0.5, 0.99)
 
@@ -103,8 +104,24 @@ class StepDrift:
     measured_log_ratio: float
     """mean(log_prob_new - log_prob_old) over samples."""
     predicted_log_ratio: float
-    """-mean(dm^2) / (2 s^2) from the measured velocity gap (see flow_grpo.predicted_log_ratio)."""
+    """Mean over samples of the exact log-ratio rebuilt in float64 from both velocities and the
+    rollout's x_t, x_prev (`flow_grpo.log_ratio_terms`: linear + quadratic term). It matches
+    measured_log_ratio to the fp32 rounding of the log-probs."""
     std_dev_t: float
+    expected_log_ratio: float = math.nan
+    """Mean over samples of the noise-averaged part alone, -mean(dm^2) / (2 s^2) ("sde":
+    -transition_kl / N): what the drift costs on average over the SDE noise, <= 0."""
+    log_ratio_sd: float = math.nan
+    """Mean over samples of the spread of the zero-mean linear term, ||dm|| / (s N)."""
+    transition_kl: float = math.nan
+    """Mean over samples of KL(rollout || trainer) between the two Gaussian SDE transitions
+    (same noise scale s, means dm apart): sum(dm^2) / (2 s^2), float64. NaN at a step with
+    s = 0 (the last "cps" step; see meta["metric_notes"])."""
+    transition_kl_max: float = math.nan
+    chi_square: float = math.nan
+    """Mean over samples of the chi-square divergence of the same transitions,
+    expm1(sum(dm^2) / s^2) (of the joint density, not of the mean-reduced PPO ratio)."""
+    chi_square_max: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -121,6 +138,18 @@ class SampleDrift:
     ratio: float
     velocity_gap_rms: float
     predicted_log_ratio: float
+    """The exact log-ratio rebuilt in float64 (see StepDrift.predicted_log_ratio)."""
+    expected_log_ratio: float = math.nan
+    log_ratio_sd: float = math.nan
+    transition_kl: float = math.nan
+    chi_square: float = math.nan
+
+
+# The per-step columns `Trajectory.metrics_by_step` flattens for a trainer's logger.
+STEP_LOG_METRICS: tuple[str, ...] = (
+    "transition_kl", "chi_square", "log_prob_mean_abs_diff", "ratio_abs_minus_1", "clip_frac",
+    "measured_log_ratio", "predicted_log_ratio", "expected_log_ratio", "model_output_rel_max",
+)  # fmt: skip
 
 
 @dataclass
@@ -183,8 +212,48 @@ class Trajectory:
             else math.nan,
             measured_log_ratio=float(lr.mean()) if lr.numel() else math.nan,
             predicted_log_ratio=mean("predicted_log_ratio"),
+            expected_log_ratio=mean("expected_log_ratio"),
+            transition_kl=mean("transition_kl"),
+            transition_kl_max=max((r.transition_kl_max for r in rows), default=math.nan),
+            chi_square=mean("chi_square"),
         )
         return out
+
+    def metrics_by_step(self, prefix: str = "precision") -> dict[str, float]:
+        """The in-window per-step metrics as one flat dict, keyed for a trainer's logger.
+
+        Keys are `{prefix}/step_{i}/{metric}` for each metric of `STEP_LOG_METRICS`
+        (transition_kl, chi_square, log_prob_mean_abs_diff, clip_frac, ...), so they sit beside
+        a trainer's per-timestep metrics (e.g. `wandb.log(traj.metrics_by_step())`).
+        """
+        return {
+            f"{prefix}/step_{r.step}/{name}": float(getattr(r, name))
+            for r in self.step_drifts
+            if r.in_window
+            for name in STEP_LOG_METRICS
+        }
+
+    def noise_floor(self, clip_range: float | None = None) -> NoiseFloor:
+        """Where `clip_range` sits against this trajectory's numeric noise floor, per step.
+
+        Both sides run the same master weights (learning rate 0), so every ratio that is not
+        1.0 is numeric noise: the share a PPO clip range cuts here is clipped with no update.
+
+        Args:
+            clip_range: The PPO clip range; None = the one this trajectory ran with.
+
+        Returns:
+            A NoiseFloor: `table()` per step (clip_frac, p50/p99 |log ratio|, margin) and
+            `verdict`.
+
+        Raises:
+            ValueError: clip_range not a finite number > 0.
+        """
+        clip = self.meta["clip_range"] if clip_range is None else clip_range
+        by_step: dict[int, tuple[float, list[float]]] = {}
+        for r in self.sample_drifts:
+            by_step.setdefault(r.step, (r.sigma, []))[1].append(r.log_ratio)
+        return noise_floor(by_step, clip)
 
     def describe(self) -> str:
         """A few lines: what ran and the headline drift numbers."""
@@ -201,7 +270,9 @@ class Trajectory:
             f"max {o['ratio_max_abs_minus_1']:.3e}; clip_frac {o['clip_frac']:.3f} at "
             f"{self.meta['clip_range']:g}\n"
             f"  log-ratio measured {o['measured_log_ratio']:.3e} vs predicted "
-            f"{o['predicted_log_ratio']:.3e}"
+            f"{o['predicted_log_ratio']:.3e} (noise-averaged part {o['expected_log_ratio']:.3e})"
+            f"; transition KL mean {o['transition_kl']:.3e}, max {o['transition_kl_max']:.3e}"
+            + "".join(f"\n  note: {n}" for n in self.meta.get("metric_notes", ()))
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -229,9 +300,17 @@ class Trajectory:
         def rows(kind: type, items: list[dict]) -> list:
             return [kind(**{k: math.nan if v is None else v for k, v in d.items()}) for d in items]
 
+        def upgrade(d: dict) -> dict:
+            # Saved before the linear term was added: its predicted_log_ratio was the
+            # noise-averaged part alone, which is expected_log_ratio now.
+            d = dict(d)
+            if "predicted_log_ratio" in d and "expected_log_ratio" not in d:
+                d["expected_log_ratio"], d["predicted_log_ratio"] = d["predicted_log_ratio"], None
+            return d
+
         step_rows = []
         for d in data["per_step"]:
-            d = dict(d)
+            d = upgrade(d)
             expert = d.pop("expert")
             step_rows.append(
                 StepDrift(expert=expert, **{k: math.nan if v is None else v for k, v in d.items()})
@@ -240,7 +319,7 @@ class Trajectory:
             meta=data["meta"],
             sigmas=data["sigmas"],
             step_drifts=step_rows,
-            sample_drifts=rows(SampleDrift, data["per_sample"]),
+            sample_drifts=rows(SampleDrift, [upgrade(d) for d in data["per_sample"]]),
             captures={int(k): Result.from_dict(v) for k, v in data.get("captures", {}).items()},
         )
 
@@ -326,6 +405,7 @@ def trajectory(
     keep_tensors: bool = True,
     progress: bool = True,
     init: str | None = None,
+    stream: bool | None = None,
 ) -> Trajectory:
     """Sample a Flow-GRPO rollout and recompute its log-probs as the trainer, step by step.
 
@@ -359,6 +439,11 @@ def trajectory(
         progress: Show a tqdm bar over steps.
         init: Seeded-weight regime for `Family.build` ("trained", "bf16_shipped", "plain");
             None = the build default. Recorded as meta["init"].
+        stream: Cast each side's weights block by block from the fp32 master, right before a
+            block runs, as `pair(stream=True)` does, instead of the whole model per forward:
+            memory holds the master plus one block's casts. Bit-identical to not streaming.
+            None (default): stream for the "full" preset. Wan2.2's experts are built when
+            the schedule first reaches them and dropped after their last step either way.
 
     Returns:
         A Trajectory (per_step(), per_sample(), overall(), to_json()).
@@ -366,7 +451,7 @@ def trajectory(
     Raises:
         ValueError: steps < 2, a schedule that is not decreasing, a window or capture step
             outside the schedule, noise_level <= 0, cfg_scale > 1 on a guidance-distilled
-            family, or an unknown sde_type.
+            family, an unknown sde_type, or stream=True on a model without block classes.
     """
     from tqdm.auto import tqdm
 
@@ -442,28 +527,45 @@ def trajectory(
             gens.append(torch.Generator("cpu").manual_seed(sde_seed))
     shapes = stream_shapes[0]
 
-    experts = list(dict.fromkeys(fam.expert_for_sigma(s) for s in sigma_list[:-1]))
+    step_experts = [fam.expert_for_sigma(s) for s in sigma_list[:-1]]
+    experts = list(dict.fromkeys(step_experts))
+    last_step = {e: i for i, e in enumerate(step_experts)}
+    stream = preset == "full" if stream is None else bool(stream)
     build_init = {} if init is None else {"init": init}
-    models = {
-        e: fam.build(preset, seed, variant=variant, expert=e, device=device, **build_init)
-        for e in experts
-    }
-    # One weight plan per (expert, side), reused every step.
-    views = {
-        (e, k): WeightView(m, side)
-        for e, m in models.items()
-        for k, side in enumerate((side_a, side_b))
-    }
+    # Each expert (Wan2.2: high_noise, then low_noise) is built when the schedule first needs
+    # it and dropped after its last step, so at most one expert's master is held at a time,
+    # with one weight plan per side reused at every step.
+    models: dict[str | None, torch.nn.Module] = {}
+    views: dict[tuple[str | None, int], WeightView] = {}
+    model_init: list[str | None] = []
+
+    def expert_model(e: str | None) -> torch.nn.Module:
+        if e not in models:
+            m = models[e] = fam.build(
+                preset, seed, variant=variant, expert=e, device=device, **build_init
+            )
+            model_init.append(getattr(m, "lab_init", None))
+            blocks = _block_classes(m, side_a, side_b) if stream else ()
+            if stream and not blocks:
+                raise ValueError(
+                    f"{where}: stream=True needs block classes; neither side names "
+                    f"fsdp_wrap_classes and {type(m).__name__} declares no _no_split_modules. "
+                    "Pass stream=False, or a side with fsdp_wrap_classes=(...)."
+                )
+            for k, side in enumerate((side_a, side_b)):
+                views[(e, k)] = WeightView(m, side, stream_classes=blocks)
+        return models[e]
 
     records: list[StepRecord] = []
     step_drifts: list[StepDrift] = []
     sample_drifts: list[SampleDrift] = []
     captures: dict[int, Result] = {}
+    notes: list[str] = []
     for i in tqdm(range(steps), desc=f"{family_name} steps", disable=not progress):
         sigma, sigma_prev = sigma_list[i], sigma_list[i + 1]
         in_window = window[0] <= i < window[1]
-        expert = fam.expert_for_sigma(sigma)
-        model = models[expert]
+        expert = step_experts[i]
+        model = expert_model(expert)
         per_prompt: list[tuple] = []
         for p, (ps, n) in enumerate(streams):
             x = states[p]
@@ -506,6 +608,7 @@ def trajectory(
                     side_a,
                     side_b,
                     meta=dict(family=family_name, preset=preset, step=i, sigma=sigma),
+                    stream=stream,
                 )
         x_t, x_prev, v_old, v_new = (torch.cat([r[k] for r in per_prompt]).cpu() for k in range(4))
         lp_old = torch.cat([r[4] for r in per_prompt]).cpu() if in_window else None
@@ -518,11 +621,21 @@ def trajectory(
                 )
             )  # fmt: skip
         drift, rows = _step_drift(
-            i, sigma, sigma_prev, in_window, expert, v_old, v_new, lp_old, lp_new, std_f,
-            cfg_scale, clip_range, sde_type, samples, prompt_seeds,
+            i, sigma, sigma_prev, in_window, expert, x_t, x_prev, v_old, v_new, lp_old, lp_new,
+            std_f, cfg_scale, clip_range, sde_type, samples, prompt_seeds,
         )  # fmt: skip
         step_drifts.append(drift)
         sample_drifts.extend(rows)
+        if sde_type == "cps" and in_window and std_f == 0.0:
+            notes.append(
+                f"step {i}: transition_kl and chi_square are NaN: the cps step to sigma_prev "
+                f"{sigma_prev:g} has noise scale 0, so both transitions are point masses "
+                "(infinite KL when they differ); the log-ratio columns are still exact."
+            )
+        if last_step[expert] == i:
+            for k in (0, 1):
+                del views[(expert, k)]
+            del models[expert]
 
     meta = dict(
         family=family_name,
@@ -544,7 +657,9 @@ def trajectory(
         side_a=side_a.to_dict(),
         side_b=side_b.to_dict(),
         sampler_notes=sampler_settings(fam).notes,
-        init=getattr(next(iter(models.values())), "lab_init", None),
+        init=model_init[0] if model_init else None,
+        stream=stream,
+        metric_notes=notes,
     )
     return Trajectory(meta, sigma_list, step_drifts, sample_drifts, records, captures)
 
@@ -555,6 +670,8 @@ def _step_drift(
     sigma_prev: float,
     in_window: bool,
     expert: str | None,
+    x_t: torch.Tensor,
+    x_prev: torch.Tensor,
     v_old: torch.Tensor,
     v_new: torch.Tensor,
     lp_old: torch.Tensor | None,
@@ -579,7 +696,8 @@ def _step_drift(
         lr = (lp_new - lp_old).double()
         ratio = lr.exp()
         q = torch.quantile(ratio, torch.tensor(QUANTILES, dtype=torch.float64)).tolist()
-        pred = predicted_log_ratio(d, sigma, sigma_prev, std, sde_type).double()
+        terms = log_ratio_terms(v_old, v_new, x_t, x_prev, sigma, sigma_prev, std, sde_type)
+        pred = terms.predicted
         lp_stats = dict(
             log_prob_mean_abs_diff=float(lr.abs().mean()),
             log_prob_mean_abs_diff_per_cfg=float(lr.abs().mean()) / cfg_scale,
@@ -593,6 +711,12 @@ def _step_drift(
             measured_log_ratio=float(lr.mean()),
             predicted_log_ratio=float(pred.mean()),
             std_dev_t=std,
+            expected_log_ratio=float(terms.quadratic.mean()),
+            log_ratio_sd=float(terms.sd.mean()),
+            transition_kl=float(terms.transition_kl.mean()),
+            transition_kl_max=float(terms.transition_kl.max()),
+            chi_square=float(terms.chi_square.mean()),
+            chi_square_max=float(terms.chi_square.max()),
         )
         for k in range(lr.numel()):
             rows.append(
@@ -607,6 +731,10 @@ def _step_drift(
                     ratio=float(ratio[k]),
                     velocity_gap_rms=float(gap_rms[k]),
                     predicted_log_ratio=float(pred[k]),
+                    expected_log_ratio=float(terms.quadratic[k]),
+                    log_ratio_sd=float(terms.sd[k]),
+                    transition_kl=float(terms.transition_kl[k]),
+                    chi_square=float(terms.chi_square[k]),
                 )
             )
     else:

@@ -7,9 +7,11 @@ and the row's `why`) or `backend="matplotlib"` (a static Figure for reviews).
     divergence   plot_divergence_by_layer, plot_steps_by_layers, plot_ulp_histogram,
                  plot_overlay                           (a Result, or several)
     drift        plot_ratio_drift, plot_ratio_histogram,
-                 plot_logprob_vs_velocity_gap           (a Trajectory)
+                 plot_logprob_vs_velocity_gap,
+                 plot_noise_floor                       (a Trajectory)
     scenarios    plot_bug_vs_fixed                      (scenario runs)
     gradients    plot_gradient_divergence               (gradient results)
+    attribution  plot_attribution                       (an Attribution)
     _show        show(fig, save_as=None), save_figure, figure_png, figure_mimebundle
 
 `show` displays inline (interactive in JupyterLab, a PNG in nbconvert and other static
@@ -30,6 +32,7 @@ from lab.views.plots._show import (
     save_figure,
     show,
 )
+from lab.views.plots.attribution import plot_attribution
 from lab.views.plots.divergence import (
     hover_texts,
     module_kind,
@@ -41,6 +44,7 @@ from lab.views.plots.divergence import (
 )
 from lab.views.plots.drift import (
     plot_logprob_vs_velocity_gap,
+    plot_noise_floor,
     plot_ratio_drift,
     plot_ratio_histogram,
 )
@@ -58,11 +62,13 @@ __all__ = [
     "figure_png",
     "hover_texts",
     "module_kind",
+    "plot_attribution",
     "plot_bug_vs_fixed",
     "plot_divergence_by_layer",
     "plot_divergence_by_layer_plotly",
     "plot_gradient_divergence",
     "plot_logprob_vs_velocity_gap",
+    "plot_noise_floor",
     "plot_overlay",
     "plot_ratio_drift",
     "plot_ratio_histogram",

@@ -6,14 +6,19 @@ matplotlib twin beside it for static viewers) or `backend="matplotlib"`.
 
     plot_ratio_drift(traj)                  ratio - 1 per step: median, mean, p01..p99, clip
     plot_ratio_histogram(traj)              ratio - 1 over every (in-window step, sample)
-    plot_logprob_vs_velocity_gap(traj)      |d log_prob| against the velocity gap per sample
+    plot_logprob_vs_velocity_gap(traj)      |d log_prob| against the velocity gap per sample,
+                                            predicted and noise-averaged beside it
+    plot_noise_floor(traj, clip_range)      per step: the share of identical-weight ratios a
+                                            PPO clip range cuts, p50/p99 |log ratio|
 
 A trajectory is read duck-typed: `per_step()` (and `per_sample()` for the last two) returning
-DataFrames, and an optional `meta` mapping (family, preset, clip_range, sides, ...).
+DataFrames, and an optional `meta` mapping (family, preset, clip_range, sides, ...);
+`plot_noise_floor` takes a `NoiseFloor` or anything with `noise_floor(clip_range)`.
 """
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +27,7 @@ from lab.views.plots._show import Backend, attach_static_twin, check_backend
 if TYPE_CHECKING:
     import pandas as pd
 
+    from lab.rl.noise_floor import NoiseFloor
     from lab.rl.trajectory import Trajectory
 
 # Per-step columns the ratio-drift hover shows after the ratio quantiles, when present.
@@ -207,8 +213,26 @@ def plot_ratio_histogram(traj: Trajectory, *, bins: int = 40, backend: Backend =
     return fig
 
 
+def _series(df: pd.DataFrame) -> list[tuple[str, str, str, bool]]:
+    """(legend name, per-sample column, plotly symbol, colour scale shown) of each marker set."""
+    series = [
+        ("measured", "log_ratio", "circle", True),
+        ("predicted (linear + quadratic)", "predicted_log_ratio", "x", False),
+    ]
+    # A saved run from before the linear term was added holds only the noise-averaged part.
+    if "expected_log_ratio" in df.columns and df["expected_log_ratio"].notna().any():
+        series.append(("noise-averaged |E[log ratio]|", "expected_log_ratio", "triangle-up", False))
+    return series
+
+
 def plot_logprob_vs_velocity_gap(traj: Trajectory, *, backend: Backend = "plotly") -> Any:
     """|d log_prob| against the rms velocity gap per sample, coloured by step; predicted beside.
+
+    Three markers per sample: the measured |log_prob_new - log_prob_old| (circle), the
+    prediction rebuilt from both velocities and the rollout's x_t, x_prev (x: linear +
+    quadratic term, on top of the circle up to the fp32 rounding of the log-probs), and the
+    noise-averaged part alone |E[log ratio]| = mean(dm^2) / (2 s^2) (triangle), which sits
+    10-100x below on tiny and reduced models: there the zero-mean linear term dominates.
 
     Args:
         traj: A Trajectory (or anything with `per_sample()` and `meta`).
@@ -245,13 +269,15 @@ def plot_logprob_vs_velocity_gap(traj: Trajectory, *, backend: Backend = "plotly
                         f"|log_ratio|: {abs(r['log_ratio']):.4g}",
                         f"|predicted|: {abs(r['predicted_log_ratio']):.4g}",
                     ]
+                    + [
+                        f"{c}: {_g(r[c])}"
+                        for c in ("expected_log_ratio", "log_ratio_sd", "transition_kl")
+                        if c in r
+                    ]
                 )
                 for r in df.to_dict("records")
             ]
-            for name, column, symbol, scale in (
-                ("measured", "log_ratio", "circle", True),
-                ("predicted |E[log ratio]|", "predicted_log_ratio", "x", False),
-            ):
+            for name, column, symbol, scale in _series(df):
                 fig.add_scatter(
                     x=df["velocity_gap_rms"].tolist(), y=df[column].abs().tolist(),
                     mode="markers", name=name, text=hover,
@@ -279,17 +305,14 @@ def plot_logprob_vs_velocity_gap(traj: Trajectory, *, backend: Backend = "plotly
 
     fig, ax = _figure()
     if len(df):
-        sc = ax.scatter(
-            df["velocity_gap_rms"], df["log_ratio"].abs(), c=df["step"], s=14, label="measured"
-        )
-        ax.scatter(
-            df["velocity_gap_rms"],
-            df["predicted_log_ratio"].abs(),
-            c=df["step"],
-            s=14,
-            marker="x",
-            label="predicted |E[log ratio]|",
-        )
+        markers = {"circle": "o", "x": "x", "triangle-up": "^"}
+        sc = None
+        for name, column, symbol, _ in _series(df):
+            points = ax.scatter(
+                df["velocity_gap_rms"], df[column].abs(), c=df["step"], s=14,
+                marker=markers[symbol], label=name,
+            )  # fmt: skip
+            sc = sc or points
         fig.colorbar(sc, ax=ax, label="step")
         if positive:
             ax.set_xscale("log")
@@ -300,4 +323,120 @@ def plot_logprob_vs_velocity_gap(traj: Trajectory, *, backend: Backend = "plotly
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
+    return fig
+
+
+def plot_noise_floor(
+    source: NoiseFloor | Trajectory,
+    clip_range: float | None = None,
+    *,
+    backend: Backend = "plotly",
+) -> Any:
+    """Per step: the share of identical-weight ratios a PPO clip range cuts, and |log ratio|.
+
+    Bars (right axis) give the clipped share at each in-window step, red where the clip range
+    is below the numeric noise floor; lines (left axis, log) give the p50, p99 and max
+    |log ratio| against the clip range (a ratio is clipped once |log ratio| passes about
+    clip_range). The title carries the verdict.
+
+    Args:
+        source: A NoiseFloor, or a Trajectory (anything with `noise_floor(clip_range)`).
+        clip_range: For a Trajectory: the clip range to test (None: the one it ran with).
+            Must be None for a NoiseFloor, which has its own.
+        backend: "plotly" (hover: the step's sigma, samples, clipped count, quantiles,
+            margin) or "matplotlib".
+
+    Raises:
+        ValueError: For an unknown backend, or a clip_range given with a NoiseFloor.
+    """
+    check_backend(backend, "plot_noise_floor")
+    if hasattr(source, "verdict") and hasattr(source, "table"):
+        if clip_range is not None and clip_range != source.clip_range:
+            raise ValueError(
+                f"plot_noise_floor: clip_range={clip_range!r}, but this NoiseFloor was made for "
+                f"{source.clip_range!r}. Pass the Trajectory to test another clip range."
+            )
+        floor = source
+    else:
+        floor = source.noise_floor(clip_range)
+    df = floor.table()
+    clip = floor.clip_range
+    title = _title(source, f"Noise floor at clip range {clip:g}")
+    colors = ["#d62728" if c else "#7f7f7f" for c in df["clipped"].tolist()]
+    lines = (
+        ("p50 |log ratio|", "log_ratio_abs_p50", "circle"),
+        ("p99 |log ratio|", "log_ratio_abs_p99", "diamond"),
+        ("max |log ratio|", "log_ratio_abs_max", "x"),
+    )
+    positive = len(df) > 0 and bool((df["log_ratio_abs_max"] > 0).any())
+    if backend == "plotly":
+        from plotly.subplots import make_subplots
+
+        fig = make_subplots(specs=[[{"secondary_y": True}]])
+        steps = df["step"].tolist()
+        hover = [
+            "<br>".join(
+                [
+                    f"<b>step {r['step']}</b> (sigma {r['sigma']:.4g})",
+                    f"clipped: {r['clipped']} of {r['samples']} ({100 * r['clip_frac']:.3g} %)",
+                    f"p50 |log ratio|: {r['log_ratio_abs_p50']:.4g}",
+                    f"p99 |log ratio|: {r['log_ratio_abs_p99']:.4g}",
+                    f"max |ratio - 1|: {r['ratio_max_abs_minus_1']:.4g}",
+                    f"margin clip / max: {_g(r['margin'])}",
+                ]
+            )
+            for r in df.to_dict("records")
+        ]
+        fig.add_bar(
+            x=steps, y=(100 * df["clip_frac"]).tolist(), name="clipped with no update (%)",
+            marker={"color": colors}, opacity=0.45, text=hover, textposition="none",
+            hovertemplate="%{text}<extra></extra>", secondary_y=True,
+        )  # fmt: skip
+        for name, column, symbol in lines:
+            fig.add_scatter(
+                x=steps, y=df[column].tolist(), mode="lines+markers", name=name,
+                marker={"symbol": symbol}, text=hover, hovertemplate="%{text}<extra></extra>",
+                secondary_y=False,
+            )  # fmt: skip
+        fig.add_hline(
+            y=clip, line={"color": "red", "dash": "dot", "width": 1}, secondary_y=False,
+            annotation_text=f"clip range {clip:g}", annotation_position="top left",
+        )  # fmt: skip
+        fig.update_xaxes(title="denoising step (sigma 1 -> 0)", dtick=1)
+        fig.update_yaxes(
+            title="|log_prob_new - log_prob_old|", exponentformat="e", secondary_y=False,
+            type="log" if positive else "linear",
+        )  # fmt: skip
+        fig.update_yaxes(title="ratios clipped (%)", range=[0, 100], secondary_y=True)
+        fig.update_layout(
+            title={"text": f"{title}<br><sup>{floor.verdict}</sup>"}, template="plotly_white",
+            height=420, legend={"x": 0, "y": -0.25, "orientation": "h"}, hovermode="closest",
+        )  # fmt: skip
+        return attach_static_twin(fig, lambda: _noise_floor_matplotlib(floor, title, lines))
+    return _noise_floor_matplotlib(floor, title, lines)
+
+
+def _noise_floor_matplotlib(
+    floor: NoiseFloor, title: str, lines: tuple[tuple[str, str, str], ...]
+) -> Any:
+    df = floor.table()
+    clip = floor.clip_range
+    fig, ax = _figure((7.0, 4.4))
+    bars = ax.twinx()
+    colors = ["#d62728" if c else "#7f7f7f" for c in df["clipped"].tolist()]
+    bars.bar(df["step"], 100 * df["clip_frac"], color=colors, alpha=0.35, label="clipped (%)")
+    bars.set_ylim(0, 100)
+    bars.set_ylabel("ratios clipped with no update (%)")
+    markers = {"circle": "o", "diamond": "D", "x": "x"}
+    for name, column, symbol in lines:
+        ax.plot(df["step"], df[column], marker=markers[symbol], label=name)
+    ax.axhline(clip, color="red", linewidth=0.8, linestyle=":", label=f"clip range {clip:g}")
+    if len(df) and bool((df["log_ratio_abs_max"] > 0).any()):
+        ax.set_yscale("log")
+    ax.set_zorder(bars.get_zorder() + 1)
+    ax.patch.set_visible(False)
+    ax.set_xlabel("denoising step (sigma 1 -> 0)")
+    ax.set_ylabel("|log_prob_new - log_prob_old|")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.suptitle(f"{title}\n{textwrap.fill(floor.verdict, 110)}", fontsize=8)
     return fig
