@@ -1,1 +1,1 @@
-"""Experiments that say why two sides diverge: rule effect."""
+"""Experiments that say why two sides diverge: rule effect, attribution by grafting (`attribute`)."""
