@@ -12,6 +12,7 @@ and the row's `why`) or `backend="matplotlib"` (a static Figure for reviews).
     scenarios    plot_bug_vs_fixed                      (scenario runs)
     gradients    plot_gradient_divergence               (gradient results)
     attribution  plot_attribution                       (an Attribution)
+    checks       plot_check                             (a lab.checks CheckResult)
     _show        show(fig, save_as=None), save_figure, figure_png, figure_mimebundle
 
 `show` displays inline (interactive in JupyterLab, a PNG in nbconvert and other static
@@ -33,6 +34,7 @@ from lab.views.plots._show import (
     show,
 )
 from lab.views.plots.attribution import plot_attribution
+from lab.views.plots.checks import plot_check
 from lab.views.plots.divergence import (
     hover_texts,
     module_kind,
@@ -64,6 +66,7 @@ __all__ = [
     "module_kind",
     "plot_attribution",
     "plot_bug_vs_fixed",
+    "plot_check",
     "plot_divergence_by_layer",
     "plot_divergence_by_layer_plotly",
     "plot_gradient_divergence",
