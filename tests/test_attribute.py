@@ -168,7 +168,14 @@ def test_identical_sides_give_zero_shares_and_say_so(flux) -> None:
 
 def test_two_runs_are_bit_identical(flux) -> None:
     fam, model, inputs = flux
-    a = attribute(model, inputs, lab.Side.rollout(fam), lab.Side.trainer(fam))
+    was_training = model.training
+    model.train()
+    try:
+        a = attribute(model, inputs, lab.Side.rollout(fam), lab.Side.trainer(fam))
+        # Grafted in eval mode, the train flags given back.
+        assert all(m.training for m in model.modules())
+    finally:
+        model.train(was_training)
     b = attribute(model, inputs, lab.Side.rollout(fam), lab.Side.trainer(fam))
 
     assert a.r0.rel_l2 > 0

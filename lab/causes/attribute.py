@@ -28,6 +28,7 @@ differed. `Attribution.meta` counts the unit evaluations this took.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import fnmatch
@@ -597,7 +598,7 @@ class Attribution:
 
         def remaining(units: frozenset[str]) -> float:
             if units not in measured:
-                with model_in_use(grafter.model, "smallest_set"):
+                with _held(grafter.model, "smallest_set"):
                     measured[units] = grafter.run(stubs=units).divergence.get(metric)
             return measured[units]
 
@@ -647,7 +648,7 @@ class Attribution:
                 "removed_by: this Attribution was read from JSON and holds no model. Run "
                 "lab.attribute(model, inputs, side_a, side_b, ...) again to graft new sets."
             )
-        with model_in_use(self._grafter.model, "removed_by"):
+        with _held(self._grafter.model, "removed_by"):
             left = self._grafter.run(stubs=frozenset(modules)).divergence.get(self.metric)
         return 1.0 - left / self.r0.get(self.metric)
 
@@ -750,16 +751,9 @@ def attribute(
     check_fp32_master(model, "attribute")
     check_inputs(model, inputs, "attribute")
     source, target = (side_b, side_a) if reverse else (side_a, side_b)
-    training = [m for m in model.modules() if m.training]
-    for m in training:
-        m.training = False
-    try:
-        with model_in_use(model, "attribute"):
-            grafter = _Grafter(model, inputs, source, target, units)
-            rows, residual = _walk(grafter, metric)
-    finally:
-        for m in training:
-            m.training = True
+    with _held(model, "attribute"):
+        grafter = _Grafter(model, inputs, source, target, units)
+        rows, residual = _walk(grafter, metric)
     classes = {n: type(m).__name__ for n, m in units}
     for row in rows:
         row["module_class"] = classes[row["module"]]
@@ -793,6 +787,20 @@ def attribute(
     if inputs.origin is not None:
         meta["family"], meta["preset"], meta["variant"] = inputs.origin
     return Attribution(rows, meta, grafter=grafter)
+
+
+@contextlib.contextmanager
+def _held(model: torch.nn.Module, where: str) -> Iterator[None]:
+    """`model_in_use`, in eval mode (only the modules that were training go back)."""
+    with model_in_use(model, where):
+        training = [m for m in model.modules() if m.training]
+        for m in training:
+            m.training = False
+        try:
+            yield
+        finally:
+            for m in training:
+                m.training = True
 
 
 def _walk(grafter: _Grafter, metric: str) -> tuple[list[dict[str, Any]], float]:
@@ -1039,7 +1047,7 @@ def attribute_scenario(
 def _bug_is_narrower(model: torch.nn.Module, inputs: Inputs, fixed: Side, bug: Side) -> bool:
     """Over every unit call's floating inputs and outputs, the bug holds more narrower dtypes."""
     narrower = wider = 0
-    with model_in_use(model, "attribute_scenario"):
+    with _held(model, "attribute_scenario"):
         grafter = _Grafter(model, inputs, fixed, bug, attribution_units(model, "block"))
     for key, (args, kwargs) in grafter.a_in.items():
         pairs = [
