@@ -122,9 +122,10 @@ def noise_floor(
     return NoiseFloor(clip, rows, _verdict(clip, rows))
 
 
-def _verdict(clip: float, rows: Sequence[NoiseFloorStep]) -> str:
+def _verdict(clip_range: float, rows: Sequence[NoiseFloorStep]) -> str:
+    clip = _short(clip_range)
     if not rows:
-        return f"clip_range {clip:g}: no SDE step was scored, so there is no noise floor to test."
+        return f"clip_range {clip}: no SDE step was scored, so there is no noise floor to test."
     below = [r for r in rows if r.clipped]
     total = sum(r.samples for r in rows)
     if below:
@@ -132,7 +133,7 @@ def _verdict(clip: float, rows: Sequence[NoiseFloorStep]) -> str:
         seen = sum(r.samples for r in below)
         overall = sum(r.clipped for r in rows) / total
         return (
-            f"clip_range {clip:g} is below the numeric noise floor at "
+            f"clip_range {clip} is below the numeric noise floor at "
             f"{_step_ranges([r.step for r in below])}: {_percent(cut / seen)} of ratios clipped "
             f"with no update ({cut} of {seen} there; {_percent(overall)} of all {total} "
             f"in-window ratios)."
@@ -140,11 +141,11 @@ def _verdict(clip: float, rows: Sequence[NoiseFloorStep]) -> str:
     worst = max(rows, key=lambda r: r.ratio_max_abs_minus_1)
     if worst.ratio_max_abs_minus_1 == 0.0:
         return (
-            f"clip_range {clip:g} is above the numeric noise floor at every step: every ratio "
+            f"clip_range {clip} is above the numeric noise floor at every step: every ratio "
             f"is exactly 1.0 (the two sides agree bit for bit)."
         )
     return (
-        f"clip_range {clip:g} is above the numeric noise floor at every step: the largest "
+        f"clip_range {clip} is above the numeric noise floor at every step: the largest "
         f"|ratio - 1| is {worst.ratio_max_abs_minus_1:.3g} (step {worst.step}), "
         f"{worst.margin:.3g}x below it."
     )
@@ -163,6 +164,14 @@ def _step_ranges(steps: Sequence[int]) -> str:
             start = prev = s
     word = "step" if len(steps) == 1 else "steps"
     return f"{word} {', '.join(parts)}"
+
+
+def _short(value: float) -> str:
+    """1e-4 -> "1e-4", 2.5e-05 -> "2.5e-5", 0.02 -> "0.02" (as a clip range is written)."""
+    if value == 0 or 1e-3 <= abs(value) < 1e4:
+        return f"{value:g}"
+    mantissa, exponent = f"{value:.3e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
 
 
 def _percent(frac: float) -> str:

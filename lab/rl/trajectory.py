@@ -633,9 +633,12 @@ def trajectory(
                 "(infinite KL when they differ); the log-ratio columns are still exact."
             )
         if last_step[expert] == i:
+            # The last reference too: the next expert is built before `model` is rebound, and
+            # two Wan2.2-A14B masters (2 x 57 GB) do not fit one H200 next to a forward.
             for k in (0, 1):
                 del views[(expert, k)]
             del models[expert]
+            model = inputs = None
 
     meta = dict(
         family=family_name,
