@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from lab.base.dtypes import dtype_name, parse_dtype
+from lab.families.master import held_parameters
 from lab.pairing.result import Result
 from lab.pairing.sides import Side
 from lab.precision.param_rules import RuleMatch, explain_rules
@@ -381,13 +382,14 @@ def _param_table(model: torch.nn.Module, rollout: Any, without: Any, with_: Any,
 
     gather_dtype = parse_dtype(gather, where="rule_effect")
     params = dict(model.named_parameters())
+    held = held_parameters(model)  # compact masters: the on-grid check reads the fp32 value
     rows = []
     for name, d_without in without.param_dtypes.items():
         p = params.get(name)
         d_with = with_.param_dtypes[name]
         on_grid = True
         if p is not None and d_with != d_without and p.is_floating_point():
-            master = p.detach()
+            master = p.detach().to(held[name]) if name in held else p.detach()
             on_grid = bool(torch.equal(master.to(gather_dtype).to(master.dtype), master))
         rows.append(
             {

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import torch
 
 from lab.families._trained_init import DEFAULT_INIT, apply_init, check_init
+from lab.families.master import check_master_mode, compact_master
 
 Role = Literal["latents", "cond", "timestep", "aux"]
 ROLES: tuple[str, ...] = ("latents", "cond", "timestep", "aux")
@@ -211,6 +212,7 @@ class Family:
         expert: str | None = None,
         device: str | torch.device = "cpu",
         init: str = DEFAULT_INIT,
+        master: str = "auto",
     ) -> torch.nn.Module:
         """Build the model with deterministic seeded fp32 weights, in eval mode.
 
@@ -224,13 +226,18 @@ class Family:
                 bf16 grid by an optimizer update), "bf16_shipped" (the same statistics, every
                 value on the bf16 grid) or "plain" (the class's own init). The model records it
                 as `model.lab_init` (lab/families/_trained_init.py).
+            master: How the fp32 master is held: "compact" holds each parameter that is exact
+                at bf16 at bf16 (checked per tensor; sides upcast it exactly, so results are
+                bit-identical), "fp32" keeps every tensor fp32, "auto" (default) compacts the
+                "full" preset only. Recorded as `model.lab_master` (lab/families/master.py).
 
         Raises:
-            ValueError: Unknown preset, variant, expert or init.
+            ValueError: Unknown preset, variant, expert, init or master.
         """
         from lab.base.devices import resolve_device
 
         check_init(init, where=f"family {self.name!r}: build(init)")
+        check_master_mode(master, where=f"family {self.name!r}: build(master)")
         check_seed(seed, where=f"family {self.name!r}: build(seed)")
         cfg = self.config(preset, variant)
         dev = resolve_device(device)
@@ -247,6 +254,8 @@ class Family:
                 with torch.no_grad():
                     self.init_weights(model)
         apply_init(model, seed + offset, init)
+        if master == "compact" or (master == "auto" and preset == "full"):
+            compact_master(model)
         model = model.eval()
         if self.prepare_model is not None:
             self.prepare_model(model)
@@ -259,6 +268,7 @@ class Family:
         variant: str | None = None,
         subfolder: str | None = None,
         device: str | torch.device = "cpu",
+        master: str = "auto",
     ) -> torch.nn.Module:
         """Load a local diffusers checkpoint in fp32 from exactly the files from_pretrained reads.
 
@@ -277,8 +287,13 @@ class Family:
                 family variant). None reads the plain files, as from_pretrained does.
             subfolder: The model's folder inside `path` (e.g. "transformer_2").
             device: Where to build the model.
+            master: "auto" (default) and "compact" hold each parameter that is exact at bf16
+                (a checkpoint shipped in bf16) at bf16, checked per tensor after loading; "fp32"
+                keeps every tensor fp32. Sides upcast held tensors exactly: results are
+                bit-identical either way (lab/families/master.py).
 
         Raises:
+            ValueError: An unknown master.
             FileNotFoundError: No config.json, or none of the weight files diffusers looks for
                 (the message lists the .safetensors files there are and the variants they hint).
             CheckpointError: Another class's checkpoint (naming both and the family it belongs
@@ -289,6 +304,7 @@ class Family:
         from lab.base.dtypes import dtype_name
         from lab.base.errors import CheckpointError
 
+        check_master_mode(master, where=f"family {self.name!r}: load(master)")
         path = _model_directory(self.name, Path(path), subfolder)
         cls = self.model_cls()
         try:
@@ -348,6 +364,8 @@ class Family:
                 f"unexpected {unexpected[:5]} ({len(unexpected)}). Is it a {self.title} "
                 "transformer directory of the same diffusers version?"
             )
+        if master != "fp32":
+            compact_master(model)
         model = model.eval()
         model.lab_checkpoint = {
             "directory": str(path),

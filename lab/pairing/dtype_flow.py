@@ -180,7 +180,7 @@ def module_tensors(view: WeightView) -> Mapping[str, ModuleTensors]:
     out: dict[str, ModuleTensors] = {}
     for name, module in model.named_modules():
         params = tuple(
-            (canonical[id(p)], dtype_name(p.dtype))
+            (canonical[id(p)], dtype_name(view.logical_dtype(p)))
             for p in module._parameters.values()
             if p is not None
         )

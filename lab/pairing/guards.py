@@ -1,7 +1,8 @@
 """What a pair or forward refuses before it starts, and what a failure says afterwards.
 
-Before: a model another thread is running (`model_in_use`), a master that is not fp32, inputs
-that do not fit the model. After: the module that was running when a forward raised, and how
+Before: a model another thread is running (`model_in_use`), a master that is not fp32 (or a
+compact one whose held tensors changed), a master too large to pair on the device, inputs that
+do not fit the model. After: the module that was running when a forward raised, and how
 to fix a dtype mismatch there.
 """
 
@@ -21,6 +22,7 @@ import torch
 from lab.base.dtypes import dtype_name, parse_dtype
 from lab.base.errors import ModelInUseError
 from lab.families import Inputs
+from lab.families.master import canonical_parameters, held_parameters, stale_held_message
 from lab.pairing.capture import ROOT
 from lab.pairing.sides import Side
 
@@ -75,18 +77,25 @@ def check_fp32_master(model: torch.nn.Module, where: str) -> None:
     """Refuse a model whose parameters are not (at least) fp32: sides cast from an fp32 master.
 
     A bf16 model taken as the master would be run by `Side.fp32_reference` on bf16-rounded
-    weights while its record says fp32 (issue 14: rel_max 0.06415 instead of 0.06326).
+    weights while its record says fp32 (issue 14: rel_max 0.06415 instead of 0.06326). The
+    exception is a compact master (lab/families/master.py): a parameter `compact_master` found
+    exact at bf16 and holds at bf16, whose tensor is still the one it recorded.
 
     Raises:
-        ValueError: Naming how many parameters are in which dtype, one of them, and the fix.
+        ValueError: Naming how many parameters are in which dtype, one of them, and the fix;
+            or a held parameter changed since compaction (a later .to(), .bfloat16(), ...).
     """
     if not any(p.is_floating_point() and p.element_size() < 4 for p in model.parameters()):
         return
+    stale = stale_held_message(model)
+    if stale is not None:
+        raise ValueError(f"{where}: {stale}")
+    held = held_parameters(model)
     low: dict[str, list[str]] = {}
     total = 0
-    for name, p in model.named_parameters():
+    for name, p in canonical_parameters(model):
         total += 1
-        if p.is_floating_point() and p.element_size() < 4:
+        if p.is_floating_point() and p.element_size() < 4 and name not in held:
             low.setdefault(dtype_name(p.dtype), []).append(name)
     if not low:
         return
@@ -99,6 +108,132 @@ def check_fp32_master(model: torch.nn.Module, where: str) -> None:
         "its record says fp32. Keep the model in fp32 (Family.build and Family.load give fp32); "
         "if the rounded weights are what you mean to compare, call model.float() first, so both "
         "sides cast from exactly those values."
+    )
+
+
+MEMORY_BUDGET_ENV = "LAB_MEMORY_BUDGET_GIB"
+"""Environment variable: the device memory (GiB) a pair may plan for, instead of the CUDA
+device's total (CPU pairs are checked only when it is set)."""
+ACTIVATION_RESERVE_SHARE = 0.15
+"""Share of the budget kept for the two forwards' activations and the pairing buffers. Measured
+on one H200 (data/gpu): MiniMax H3 at its real width and full-size inputs (reduced preset) took
+11.2 GiB above its master and casts for two lockstep forwards, the most of any family (Wan2.2
+full 7.0 GiB, Flux full 1.5 GiB); 15% of an H200 is 21 GiB."""
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """The memory a pair on `device` may plan for (bytes; None: no check).
+
+    $LAB_MEMORY_BUDGET_GIB when set, else a CUDA device's total memory, else None.
+
+    Raises:
+        ValueError: $LAB_MEMORY_BUDGET_GIB is not a positive number.
+    """
+    import os
+
+    text = os.environ.get(MEMORY_BUDGET_ENV)
+    if text:
+        try:
+            gib = float(text)
+        except ValueError:
+            gib = -1.0
+        if not gib > 0:
+            raise ValueError(
+                f"${MEMORY_BUDGET_ENV}={text!r}: expected a positive number of GiB (e.g. 139.8)."
+            )
+        return int(gib * 2**30)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return None
+
+
+def estimate_pair_bytes(
+    model: torch.nn.Module, sides: tuple[Side, ...], stream_classes: tuple[str, ...]
+) -> dict[str, int]:
+    """Bytes a pair holds besides activations: the master as held, and the sides' weight casts.
+
+    A side casts each parameter to its param dtype (rules ignored: they pin few tensors); a
+    tensor already held at that dtype costs nothing (it is shared, not copied). Streamed, a
+    side holds the casts outside the blocks plus one block's (the largest); otherwise all.
+    The sides' casts are added (sharing between two equal casts is not counted).
+
+    Returns:
+        {"master": bytes held, "casts": bytes of both sides' casts}.
+    """
+    from lab.pairing.weights import outermost
+
+    params = list(canonical_parameters(model))
+    master = sum(p.numel() * p.element_size() for _, p in params)
+    master += sum(b.numel() * b.element_size() for b in model.buffers())
+    blocks = [m for m in model.modules() if id(m) in outermost(model, stream_classes)]
+    in_block = {id(p): i for i, block in enumerate(blocks) for p in block.parameters()}
+    casts = 0
+    for side in sides:
+        dtype = side.param_torch_dtype
+        size = torch.empty((), dtype=dtype).element_size()
+        outside, per_block = 0, [0] * len(blocks)
+        for _, p in params:
+            if not p.is_floating_point() or p.dtype == dtype:
+                continue
+            if id(p) in in_block:
+                per_block[in_block[id(p)]] += p.numel() * size
+            else:
+                outside += p.numel() * size
+        casts += outside + (max(per_block, default=0) if stream_classes else sum(per_block))
+    return {"master": master, "casts": casts}
+
+
+def check_master_fits(
+    model: torch.nn.Module,
+    inputs: Inputs,
+    sides: tuple[Side, ...],
+    stream_classes: tuple[str, ...],
+    where: str,
+) -> None:
+    """Refuse, before any side is built, a pair whose master and casts leave no room to run.
+
+    The estimated peak is the master as held, the sides' weight casts (`estimate_pair_bytes`)
+    and `ACTIVATION_RESERVE_SHARE` of the budget (`device_memory_bytes`; no check without
+    one). MiniMax H3 full is the case: 123.3 GiB as an fp32 master, 61.6 GiB compact.
+
+    Raises:
+        ValueError: The estimate exceeds the budget, naming the bytes, how many tensors and
+            elements are off the bf16 grid (so cannot be held compact), and what to do instead.
+    """
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    budget = device_memory_bytes(device)
+    if budget is None:
+        return
+    need = estimate_pair_bytes(model, sides, stream_classes)
+    reserve = int(budget * ACTIVATION_RESERVE_SHARE)
+    peak = need["master"] + need["casts"] + reserve
+    if peak <= budget:
+        return
+    from lab.families.master import off_grid
+
+    grid = off_grid(model)
+    gib = 2**30
+    origin = inputs.origin if isinstance(inputs, Inputs) else None
+    family_name, preset = (origin[0], origin[1]) if origin else ("<family>", "<preset>")
+    what = f"{type(model).__name__}" + (f" ({family_name} {preset})" if origin else "")
+    on_grid = (
+        f" {grid['on_fp32_tensors']} fp32 tensor(s) ARE on the bf16 grid but held fp32: "
+        f"lab.families.master.compact_master(model) (or build/load with master='compact') "
+        f"holds them at bf16 exactly and saves {grid['on_fp32_saved_bytes'] / gib:.1f} GiB."
+        if grid["on_fp32_tensors"]
+        else ""
+    )
+    raise ValueError(
+        f"{where}: {what} does not fit {device} ({budget / gib:.1f} GiB) with pairing: "
+        f"estimated peak {peak / gib:.1f} GiB = master {need['master'] / gib:.1f} GiB as held "
+        f"(fp32 master {grid['elements'] * 4 / gib:.1f} GiB) + weight casts "
+        f"{need['casts'] / gib:.1f} GiB + {reserve / gib:.1f} GiB kept for two forwards' "
+        f"activations. {grid['off_tensors']} of {grid['tensors']} parameter tensors "
+        f"({grid['off_elements']:,} of {grid['elements']:,} elements) are off the bf16 grid "
+        "(an fp32 master after optimizer steps), so they cannot be held at bf16 exactly."
+        f"{on_grid} Pair it sharded across GPUs instead: lab.fsdp.pair_sharded("
+        f"{family_name!r}, {preset!r}, nproc=2) on 2 GPUs (each holds half the master), or "
+        f"use a smaller preset. ${MEMORY_BUDGET_ENV} overrides the budget this check uses."
     )
 
 

@@ -13,6 +13,7 @@ import torch
 from lab.base.devices import resolve_device
 from lab.base.errors import DegenerateOutputError, NonFiniteOutputError, PairError
 from lab.families import Inputs
+from lab.families.master import master_summary
 from lab.pairing.capture import ModuleHooks, flatten_output
 from lab.pairing.collect import Aliases, Collector, metrics_on_side_stream
 from lab.pairing.dtype_flow import FlowRecorder
@@ -20,6 +21,7 @@ from lab.pairing.guards import (
     _holding_model,
     check_fp32_master,
     check_inputs,
+    check_master_fits,
     dtype_mismatch_fix,
     failing_module,
     inputs_mismatch_hint,
@@ -175,6 +177,7 @@ def pair(
             f"{type(model).__name__} declares no _no_split_modules. Set "
             "side.replace(fsdp_wrap_classes=(...)) on one side."
         )
+    check_master_fits(model, inputs, (side_a, side_b), blocks, "pair")
     view_a = WeightView.shared(model, side_a, stream_classes=blocks)
     if mode == "local":
         view_b = WeightView(model, side_b, cache=True, stream_classes=blocks)
@@ -194,6 +197,7 @@ def pair(
         "param_dtypes_b": view_b.plan.dtype_counts(),
         "versions": dict(_versions()),
         "stream": stream,
+        "master": master_summary(model),
     }
     if lockstep is None:
         lockstep = mode == "propagated" and (stream or device.type == "cuda")

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lab.base.dtypes import dtype_name
+from lab.families.master import held_parameters
 from lab.pairing.capture import ROOT
 from lab.pairing.sides import Side
 from lab.precision.param_rules import (
@@ -197,6 +198,15 @@ class WeightView:
         # side's view still casts from the fp32 master rather than from the outer side's copy.
         self._slots = [(p, p.data) for _, p in named]
         self._masters = {id(p): master for p, master in self._slots}
+        # A compacted model holds some fp32 masters at bf16 (exact, guarded; see
+        # lab/families/master.py): id of the held tensor -> the dtype its value is in (fp32).
+        held = held_parameters(model)
+        self._logical = {
+            id(master): held[n]
+            for (n, _), (_, master) in zip(named, self._slots, strict=True)
+            if n in held
+        }
+        self._logical_params = {id(p): held[n] for n, p in named if n in held}
         modules = list(model.named_modules())
         self._module_names = {id(m): n for n, m in modules}
         self.module_classes = {(n or ROOT): type(m).__name__ for n, m in modules}
@@ -247,6 +257,10 @@ class WeightView:
                 return False
         return all(module._buffers.get(name) is t for module, name, t in self._buffer_slots)
 
+    def logical_dtype(self, param: torch.Tensor) -> torch.dtype:
+        """The dtype of `param`'s master value: fp32 for a held (compact) tensor, else its own."""
+        return self._logical_params.get(id(param), param.dtype)
+
     def cast_key(self, master: torch.Tensor, dtype: torch.dtype | None) -> tuple[Any, ...]:
         """What `cast` computes from `master`: equal keys give bit-identical tensors.
 
@@ -254,6 +268,16 @@ class WeightView:
         """
         # Each view holds its own alias of a master; the memory it points at names it.
         source = (master.data_ptr(), master.dtype, tuple(master.shape))
+        logical = self._logical.get(id(master))
+        if logical is not None:
+            # Held at bf16, exact: its fp32 value goes through an fp32 or bf16 master without
+            # rounding, so a bf16 target is the held tensor itself and an fp32 one its upcast.
+            # Through an fp16 master it rounds: `cast` then upcasts first and rounds as always.
+            if self.plan.master_dtype in (logical, master.dtype) and dtype in (None, logical):
+                return (source, "upcast")
+            if self.plan.master_dtype in (logical, master.dtype) and dtype == master.dtype:
+                return (source,)
+            return (source, "upcast", self.plan.master_dtype, dtype)
         if dtype is None or (
             master.dtype == dtype and self.plan.master_dtype in (dtype, master.dtype)
         ):
@@ -261,9 +285,18 @@ class WeightView:
         return (source, self.plan.master_dtype, dtype)
 
     def cast(self, master: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-        """`master` as this side holds it: through the master dtype to `dtype` (None: as is)."""
-        if len(self.cast_key(master, dtype)) == 1:
+        """`master` as this side holds it: through the master dtype to `dtype` (None: as is).
+
+        A held (compact) master is upcast to its fp32 value first, which is exact, so every
+        side gets the bits it would get from the fp32 master.
+        """
+        key = self.cast_key(master, dtype)
+        if len(key) == 1:
             return master
+        logical = self._logical.get(id(master))
+        if logical is not None:
+            value = master.to(logical)
+            return value if len(key) == 2 else value.to(self.plan.master_dtype).to(dtype)
         return master.to(self.plan.master_dtype).to(dtype)
 
     def entries(self, root: torch.nn.Module, skip: set[int]) -> Iterator[Entry]:
