@@ -299,12 +299,13 @@ def test_weight_sync_finds_each_kind_of_mismatch(models: dict) -> None:
     engine[names[2]] = master[names[2]].to(torch.float16)  # dtype (fp16 where bf16 expected)
     engine[names[3]] = engine[names[3]] + 1  # differs
     engine[names[4]] = master[names[4]].to(torch.bfloat16).float()  # fp32 via bf16: rounded
+    engine[names[6]] = master[names[6]].half() + 1  # wrong values win over a wrong dtype
     result = weight_sync(master, engine, expect_dtype="bf16", keep_fp32_modules=())
     status = result.table().set_index("name")["status"]
 
     assert status[names[0]] == "missing" and status["engine_only.weight"] == "extra"
     assert status[names[1]] == "shape" and status[names[2]] == "dtype"
-    assert status[names[3]] == "differs"
+    assert status[names[3]] == "differs" and status[names[6]] == "differs"
     assert status[names[5]] == "rounded"
     # Without a dtype expectation the fp32 copy through bf16 is "rounded", to bf16.
     loose = weight_sync(master, engine).table().set_index("name")
@@ -313,7 +314,7 @@ def test_weight_sync_finds_each_kind_of_mismatch(models: dict) -> None:
     )
     assert loose.loc[names[2], "status"] == "rounded" and loose.loc[names[2], "dtype_changed"]
     assert not result.passed
-    assert result.meta["dtype_changes"]["fp32->fp16"] == 1
+    assert result.meta["dtype_changes"]["fp32->fp16"] == 2
     kept = weight_sync(
         master, engine, expect_dtype="bf16", keep_fp32_modules=(names[4].split(".")[0],)
     )

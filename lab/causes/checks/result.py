@@ -65,7 +65,7 @@ class CheckResult:
         where = " ".join(
             str(self.meta[k]) for k in ("family", "preset", "device") if self.meta.get(k)
         )
-        return f"{self.check} [{where}] {status}: {self.verdict}"
+        return f"{self.check}{f' [{where}]' if where else ''} {status}: {self.verdict}"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (NaN and infinities become null)."""

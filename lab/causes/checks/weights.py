@@ -6,8 +6,8 @@ The first set is the reference (the trainer that pushes its weights), the second
     missing   in the reference only (the engine never received it)
     extra     in the candidate only (the engine holds a tensor the trainer does not have)
     shape     both hold it, in other shapes
-    dtype     the candidate holds it in another dtype than `expect_dtype` says it should
     differs   values differ even after rounding both to the coarser dtype (a stale or wrong sync)
+    dtype     values arrive (rounded or equal), but in another dtype than `expect_dtype` says
     rounded   values differ, but are equal once rounded to `rounded_to` (the cast a sync does:
               an fp32 master sent as bf16, or an fp32 copy that went through bf16 on the way)
     equal     same dtype, bit-identical
@@ -32,7 +32,7 @@ from lab.engine.dump import MANIFEST, Dump, load_dump, tensor_fingerprint
 from lab.pairing.metrics import compare
 from lab.pairing.stats_layout import coarser_dtype
 
-STATUSES: tuple[str, ...] = ("missing", "extra", "shape", "dtype", "differs", "rounded", "equal")
+STATUSES: tuple[str, ...] = ("missing", "extra", "shape", "differs", "dtype", "rounded", "equal")
 """Worst first; `passed` means every tensor is `rounded` or `equal`."""
 _FAILING = frozenset({"missing", "extra", "shape", "dtype", "differs"})
 COLUMNS: list[str] = [
@@ -216,7 +216,12 @@ def _row(
         row.update(_by_value(a, b), compared_by="value")
     kept = any(part in keep_fp32 for part in name.split("."))
     want = torch.float32 if kept else expected
-    if want is not None and _is_float_name(dtype_b) and dtype_b != dtype_name(want):
+    if (
+        want is not None
+        and row["status"] != "differs"
+        and _is_float_name(dtype_b)
+        and dtype_b != dtype_name(want)
+    ):
         row["status"] = "dtype"
     return row
 
@@ -284,8 +289,8 @@ def _verdict(rows: list[dict], meta: dict[str, Any], names: tuple[str, str]) -> 
         ("missing", f"never reach the {b}"),
         ("extra", f"exist only on the {b}"),
         ("shape", "change shape"),
-        ("dtype", f"are not held in {meta['expect_dtype']} (nor kept fp32) by the {b}"),
         ("differs", "differ beyond rounding (a stale or wrong sync)"),
+        ("dtype", f"are not held in {meta['expect_dtype']} (nor kept fp32) by the {b}"),
     ):
         hit = [r["name"] for r in rows if r["status"] == status]
         if hit:

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 _FLOOR = 0.5
 """Where 0 ULP sits on the log axis (a nonzero ULP count is >= 1)."""
 _STATUS_COLORS: dict[str, str] = {
-    "missing": "#d62728", "extra": "#9467bd", "shape": "#8c564b", "dtype": "#ff7f0e",
-    "differs": "#e377c2", "rounded": "#1f77b4", "equal": "#2ca02c",
+    "missing": "#d62728", "extra": "#9467bd", "shape": "#8c564b", "differs": "#e377c2",
+    "dtype": "#ff7f0e", "rounded": "#1f77b4", "equal": "#2ca02c",
 }  # fmt: skip
 _BRANCH_COLORS: dict[str, str] = {"uncond": "#ff7f0e", "cond": "#1f77b4"}
 
@@ -179,12 +179,12 @@ def _batch_invariance(result: CheckResult, title: str, backend: Backend) -> Any:
     position = result.meta.get("position", 0)
     mine = [r for r in result.rows if r["position"] == position]
     roots = [r for r in result.rows if r["module"] == ROOT]
+    several = len({r["output"] for r in roots}) > 1
     panel = (
         f"model output per position (batch {result.meta.get('batch')})",
-        [f"pos {r['position']}" + (" (output " + r["output"] + ")" if r["output"] else "")
-         for r in roots],
+        [f"pos {r['position']}" + (f":{r['output']}" if several else "") for r in roots],
         [r["max_ulp"] for r in roots],
-    )  # fmt: skip
+    )
     return _draw_modules(result, title, backend, {f"sample {position}": mine}, panel)
 
 
@@ -247,7 +247,8 @@ def _sigma_parity(result: CheckResult, title: str, backend: Backend) -> Any:
     ax.bar([s - width / 2 for s in steps], sigma_ulp, width, label="sigma (fp32 ULP)")
     ax.bar([s + width / 2 for s in steps], ts_ulp, width, label="timestep as presented (ULP)")
     ax.axhline(_FLOOR, color="grey", lw=0.6, ls=":")
-    ax.set_ylim(_FLOOR / 2, max([_FLOOR * 4, *sigma_ulp, *ts_ulp]) * 2)
+    # Headroom above the bars for the legend.
+    ax.set_ylim(_FLOOR / 2, max([_FLOOR * 4, *sigma_ulp, *ts_ulp]) * 50)
     ax.set_yscale("log")
     ax.set_xlabel("denoising step (sigma 1 -> 0)")
     ax.set_ylabel("ULP (dotted line = bit-exact)")
