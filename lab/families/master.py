@@ -118,8 +118,8 @@ def compact_master(model: torch.nn.Module) -> MasterRecord:
     kept: list[str] = []
     with torch.no_grad():
         for name, p in canonical_parameters(model):
-            if name in held or not p.is_floating_point() or p.dtype != _LOGICAL:
-                continue
+            if name in held or p.dtype != _LOGICAL or p.device.type == "meta":
+                continue  # meta tensors (shape-only builds) have no value to check
             copy = _held_copy(p.data)
             if copy is None:
                 kept.append(name)

@@ -153,12 +153,13 @@ def estimate_pair_bytes(
     """Bytes a pair holds besides activations: the master as held, and the sides' weight casts.
 
     A side casts each parameter to its param dtype (rules ignored: they pin few tensors); a
-    tensor already held at that dtype costs nothing (it is shared, not copied). Streamed, a
-    side holds the casts outside the blocks plus one block's (the largest); otherwise all.
-    The sides' casts are added (sharing between two equal casts is not counted).
+    tensor already held at that dtype costs nothing, and two sides casting it to one dtype
+    share the cast (as lockstep does; two passes hold one side's casts at a time, less).
+    Streamed, the casts are those outside the blocks plus one block's (the largest);
+    otherwise all of them.
 
     Returns:
-        {"master": bytes held, "casts": bytes of both sides' casts}.
+        {"master": bytes held, "casts": bytes of the weight casts}.
     """
     from lab.pairing.weights import outermost
 
@@ -167,19 +168,18 @@ def estimate_pair_bytes(
     master += sum(b.numel() * b.element_size() for b in model.buffers())
     blocks = [m for m in model.modules() if id(m) in outermost(model, stream_classes)]
     in_block = {id(p): i for i, block in enumerate(blocks) for p in block.parameters()}
-    casts = 0
-    for side in sides:
-        dtype = side.param_torch_dtype
-        size = torch.empty((), dtype=dtype).element_size()
-        outside, per_block = 0, [0] * len(blocks)
-        for _, p in params:
-            if not p.is_floating_point() or p.dtype == dtype:
-                continue
-            if id(p) in in_block:
-                per_block[in_block[id(p)]] += p.numel() * size
-            else:
-                outside += p.numel() * size
-        casts += outside + (max(per_block, default=0) if stream_classes else sum(per_block))
+    targets = {side.param_torch_dtype for side in sides}
+    sizes = {d: torch.empty((), dtype=d).element_size() for d in targets}
+    outside, per_block = 0, [0] * len(blocks)
+    for _, p in params:
+        if not p.is_floating_point():
+            continue
+        nbytes = p.numel() * sum(sizes[d] for d in targets if d != p.dtype)
+        if id(p) in in_block:
+            per_block[in_block[id(p)]] += nbytes
+        else:
+            outside += nbytes
+    casts = outside + (max(per_block, default=0) if stream_classes else sum(per_block))
     return {"master": master, "casts": casts}
 
 

@@ -25,6 +25,7 @@ import torch
 from lab.base.atomic import atomic_write_text
 from lab.families import Family, Inputs
 from lab.families import family as get_family
+from lab.families.master import master_summary
 from lab.pairing.result import Result
 from lab.pairing.run import _block_classes, forward_side, pair
 from lab.pairing.sides import Side
@@ -538,6 +539,7 @@ def trajectory(
     models: dict[str | None, torch.nn.Module] = {}
     views: dict[tuple[str | None, int], WeightView] = {}
     model_init: list[str | None] = []
+    model_master: list[dict[str, Any]] = []
 
     def expert_model(e: str | None) -> torch.nn.Module:
         if e not in models:
@@ -545,6 +547,7 @@ def trajectory(
                 preset, seed, variant=variant, expert=e, device=device, **build_init
             )
             model_init.append(getattr(m, "lab_init", None))
+            model_master.append(master_summary(m))
             blocks = _block_classes(m, side_a, side_b) if stream else ()
             if stream and not blocks:
                 raise ValueError(
@@ -661,6 +664,7 @@ def trajectory(
         side_b=side_b.to_dict(),
         sampler_notes=sampler_settings(fam).notes,
         init=model_init[0] if model_init else None,
+        master=model_master[0] if model_master else None,
         stream=stream,
         metric_notes=notes,
     )
