@@ -75,7 +75,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             [
                 "import lab\n",
                 "from lab import plots\n",
-                "from lab.views.parameters import json_parameter",
+                "from lab.parameters import json_parameter",
             ],
         ),
         (
@@ -152,7 +152,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             "",
             [
                 "from lab import plots, trajectory, widgets\n",
-                "from lab.views.parameters import json_parameter",
+                "from lab.parameters import json_parameter",
             ],
         ),
         (
@@ -270,8 +270,8 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             "",
             [
                 "from lab import plots\n",
-                "from lab.views.parameters import json_parameter\n",
-                "from lab.views.widgets import control_panel",
+                "from lab.parameters import json_parameter\n",
+                "from lab.widgets import control_panel",
             ],
         ),
         (
@@ -328,10 +328,10 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             "",
             [
                 "from lab import plots\n",
-                "from lab.views.parameters import json_parameter\n",
-                "from lab.views.report import write_html\n",
-                "from lab.causes.rule_effect import rule_effect\n",
-                "from lab.views.widgets import rule_matches_table",
+                "from lab.parameters import json_parameter\n",
+                "from lab.report import write_html\n",
+                "from lab.rule_effect import rule_effect\n",
+                "from lab.widgets import rule_matches_table",
             ],
         ),
         (
@@ -397,7 +397,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
         (
             "code",
             "",
-            ["from lab import plots, sweep\n", "from lab.views.parameters import json_parameter"],
+            ["from lab import plots, sweep\n", "from lab.parameters import json_parameter"],
         ),
         (
             "code",
@@ -450,7 +450,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             "",
             [
                 "from lab import plots, scenarios\n",
-                "from lab.views.parameters import json_parameter",
+                "from lab.parameters import json_parameter",
             ],
         ),
         (
@@ -499,7 +499,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             [
                 "import lab\n",
                 "from lab import fsdp, gradients, plots\n",
-                "from lab.pairing.result import results_table",
+                "from lab.result import results_table",
             ],
         ),
         (
@@ -608,8 +608,8 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             "",
             [
                 "from lab import plots, runs\n",
-                "from lab.views.parameters import json_parameter\n",
-                "from lab.views.report import write_html",
+                "from lab.parameters import json_parameter\n",
+                "from lab.report import write_html",
             ],
         ),
         (
