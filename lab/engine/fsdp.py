@@ -663,6 +663,7 @@ def _pair_capture(
     device: torch.device,
     meta: dict[str, Any] | None,
 ) -> Result:
+    from lab.families.master import master_summary
     from lab.pairing.side_context import side_context, side_inputs
     from lab.pairing.weights import WeightView
 
@@ -696,6 +697,7 @@ def _pair_capture(
         "autocast_policy_b": job.side.resolved_autocast_policy,
         "runtime_b": "fsdp2",
         "fsdp2": {k: v for k, v in capture.meta.items() if k != "module_classes"},
+        "master": master_summary(model),  # the in-process reference's (compact or fp32)
         "capture_depth": job.capture_depth,
         "timings_s": {"a_s": seconds_a, "b_s": capture.meta.get("forward_s")},
     }
