@@ -33,6 +33,7 @@ PUBLIC_MODULES: dict[str, str] = {
     "atomic": "lab.base.atomic",
     "baselines": "lab.views.baselines",
     "capture": "lab.pairing.capture",
+    "checks": "lab.causes.checks",
     "dump": "lab.engine.dump",
     "errors": "lab.base.errors",
     "flow_grpo": "lab.rl.flow_grpo",
