@@ -282,3 +282,58 @@ if __name__ == "__main__":
     warnings.simplefilter("ignore")  # numpy warns on the overflow of masked-out lanes
     torch.set_num_threads(1)
     print(json.dumps({case: _compute(case, "cpu") for case in CASES}))
+
+
+@pytest.mark.gpu
+def test_direct_launches_equal_tritons_own_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    # `_launch` reuses the kernel Triton compiled for a specialization (pointer alignment,
+    # n == 1, n % 16, dtypes): every case is run cold (through Triton) and warm (direct), and
+    # with the cache emptied and every launch forced through Triton, and must agree bitwise.
+    from lab.pairing import _fused_stats as fused
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    base = torch.randn(3 * 4096 * 37 + 5, device="cuda", generator=gen)
+    cases = []
+    for dtype_a, dtype_b in [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float32),
+        (torch.float32, torch.float64),
+    ]:
+        for n in (1, 16, 1000, 4096 * 37, 3 * 4096 * 37):
+            for offset in (0, 1):  # offset 1: a view whose pointer is not 16-byte aligned
+                a = base.to(dtype_a)[offset : offset + n]
+                b = (base * (1 + 1e-3)).to(dtype_b)[offset : offset + n]
+                cases.append((a, b))
+    fused._COMPILED.clear()
+    cold = [fused.fused_pair_stats(a, b) for a, b in cases]
+    warm = [fused.fused_pair_stats(a, b) for a, b in cases]
+    assert fused._COMPILED, "no compiled kernel was kept for direct launches"
+    monkeypatch.setattr(fused, "_hooked", lambda: True)  # every launch through Triton
+    through_triton = [fused.fused_pair_stats(a, b) for a, b in cases]
+    for (s1, h1), (s2, h2), (s3, h3) in zip(cold, warm, through_triton, strict=True):
+        assert torch.equal(s1, s2) and torch.equal(s1, s3)
+        assert torch.equal(h1, h2) and torch.equal(h1, h3)
+    numel = metrics.STAT_FIELDS.index("numel")
+    assert [int(s[numel].item()) for s, _ in warm] == [a.numel() for a, _ in cases]
+    assert any(a.data_ptr() % 16 for a, _ in cases)  # misaligned views were covered
+
+
+def test_launch_hooks_are_detected(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lab.pairing import _fused_stats as fused
+
+    if fused.triton is None:
+        pytest.skip("triton not installed")
+    runtime = fused.triton.knobs.runtime
+    assert not fused._hooked()  # Triton's empty hook chains are no hook
+    hook = runtime.launch_enter_hook
+    if hasattr(hook, "add"):
+        hook.add(print)
+        try:
+            assert fused._hooked()
+        finally:
+            hook.remove(print)
+    else:
+        monkeypatch.setattr(runtime, "launch_enter_hook", print)
+        assert fused._hooked()
+    assert not fused._hooked()

@@ -126,12 +126,17 @@ def test_a_failing_side_unwinds_both_threads_and_keeps_partial_rows() -> None:
     b = lab.Side(
         name="fp16", forward_dtype="fp16", rollout_precision="fp16", input_dtype_policy={}
     ).replace(input_dtype_policy={"latents": "fp16"})
-    before = threading.active_count()
+    lab.pair(model, inputs, a, a, lockstep=True)  # the two side threads exist from here on
+    before = threading.enumerate()
     with pytest.raises(PairError, match="side 'fp16' failed after 1 compared") as err:
         lab.pair(model, inputs, a, b, lockstep=True)
     assert [r.label() for r in err.value.result.rows] == ["lin"]
     assert isinstance(err.value.__cause__, RuntimeError)
-    assert threading.active_count() == before
+    # Both side threads survive the failure and are the same two: no thread leaks or dies.
+    assert threading.enumerate() == before
+    assert {t.name for t in before} >= {"lab-pair-a", "lab-pair-b"}
+    again = lab.pair(model, inputs, a, a, lockstep=True)
+    assert [r.label() for r in again.rows] == ["lin", "out", ROOT]
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert not any("forward" in m.__dict__ for m in model.modules())
 
@@ -269,3 +274,43 @@ def test_pair_refuses_a_bad_metrics_switch_before_running(
     monkeypatch.setenv(name, "fast")
     with pytest.raises(ValueError, match=f"{name}='fast'"):
         lab.pair(model, inputs, lab.Side.rollout(fam), lab.Side.trainer(fam))
+
+
+def test_side_threads_are_kept_and_hold_nothing_between_pairs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gc
+    import weakref
+
+    from lab.pairing import lockstep
+
+    steps: list[weakref.ref] = []
+    init = lockstep._Lockstep.__init__
+
+    def tracked(self: lockstep._Lockstep, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)
+        steps.append(weakref.ref(self))
+
+    monkeypatch.setattr(lockstep._Lockstep, "__init__", tracked)
+    model, inputs = _toy()
+    a = lab.Side(name="fp32", forward_dtype="fp32", rollout_precision="fp32")
+    b = lab.Side(name="bf16", input_dtype_policy={"latents": "bf16"})
+    first = lab.pair(model, inputs, a, b, lockstep=True)
+    threads = {t.name: t for t in threading.enumerate() if t.name.startswith("lab-pair-")}
+    second = lab.pair(model, inputs, a, b, lockstep=True)
+    assert _rows(first) == _rows(second)
+    assert {t.name: t for t in threading.enumerate() if t.name.startswith("lab-pair-")} == threads
+
+    # While one pair holds the kept threads (another thread pairing, or a nested pair), a pair
+    # runs on two fresh ones and gives the same Result.
+    with lockstep._WORKERS.claimed() as held:
+        assert held is not None
+        with lockstep._WORKERS.claimed() as none:
+            assert none is None
+        fresh = lab.pair(model, inputs, a, b, lockstep=True)
+    assert _rows(fresh) == _rows(first) and fresh.skipped == first.skipped
+
+    # An idle side thread keeps no reference to a finished pair (its run, tensors, model).
+    del first, second, fresh
+    gc.collect()
+    assert len(steps) == 3 and all(step() is None for step in steps)

@@ -104,8 +104,10 @@ class Collector:
         self._batch_numel = 0
         self._by_names: dict[tuple[int, int], _Pending] = {}
         self.repeats = 0
-        self._stream: torch.cuda.Stream | None = None
         """Pairs that repeated an earlier pair of the same two tensors (reduced once)."""
+        self._stream: torch.cuda.Stream | None = None
+        self._reduce: Any = None
+        """The CUDA single-pair reduction, chosen at the first CUDA pair (switches read once)."""
 
     def compare(
         self,
@@ -171,17 +173,21 @@ class Collector:
         peak memory). The two tensors are marked as in use by that stream, so the caching
         allocator does not hand their memory out again before the kernel has read them.
         """
-        if self._stream is None and metrics_on_side_stream():
-            self._stream = torch.cuda.Stream(device=a.device)
-        with torch.autocast("cuda", enabled=False):
-            if self._stream is None:
-                pending.stats, pending.hist = pair_stats(a, b)
-                return
-            self._stream.wait_stream(torch.cuda.current_stream(a.device))
-            with torch.cuda.stream(self._stream):
-                pending.stats, pending.hist = pair_stats(a, b)
-            a.record_stream(self._stream)
-            b.record_stream(self._stream)
+        reduce = self._reduce
+        if reduce is None:
+            # The switches are read once a run, not once a pair (each is an environ lookup).
+            reduce = self._reduce = _device_reduction(a.device)
+            if metrics_on_side_stream():
+                self._stream = torch.cuda.Stream(device=a.device)
+        stream = self._stream
+        if stream is None:
+            pending.stats, pending.hist = reduce(a, b)
+            return
+        stream.wait_stream(torch.cuda.current_stream(a.device))
+        with torch.cuda.stream(stream):
+            pending.stats, pending.hist = reduce(a, b)
+        a.record_stream(stream)
+        b.record_stream(stream)
 
     def flush(self) -> None:
         """Reduce every deferred pair in one segmented pass."""
@@ -219,6 +225,33 @@ class Collector:
             for p, row, hist in zip(self.pending, stats, hists, strict=True)
         ]
         return sorted(rows, key=lambda r: r.order)
+
+
+def _device_reduction(device: torch.device) -> Any:
+    """`pair_stats` for one CUDA pair, with what it looks up each call looked up once.
+
+    With the fused kernel (the default) that is `fused_pair_stats` itself: the same flattening
+    and the same launch as `pair_stats` makes, so the same numbers. It needs no autocast guard
+    (Triton and `torch.empty` ignore autocast); the other cores run with autocast off.
+    """
+    from lab.pairing import _fused_stats
+    from lab.pairing.metrics import metrics_kernel
+
+    if metrics_kernel() == "fused" and _fused_stats.available(device):
+        fused = _fused_stats.fused_pair_stats
+
+        def reduce(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if a.numel() == 0:
+                return pair_stats(a, b)
+            return fused(a, b)
+
+        return reduce
+
+    def reduce_off_autocast(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autocast("cuda", enabled=False):
+            return pair_stats(a, b)
+
+    return reduce_off_autocast
 
 
 def why_not_comparable(a: Any, b: Any) -> str | None:
