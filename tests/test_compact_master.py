@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -304,9 +306,13 @@ def test_minimax_h3_full_bf16_shipped_pairs_on_one_h200() -> None:
 
 @pytest.mark.gpu
 def test_minimax_h3_full_trained_is_refused_on_one_h200() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()  # the bf16_shipped model of the test before
     fam = lab.family("minimax_h3")
     model = fam.build("full", 0, device="cuda")  # trained: off the bf16 grid
     inputs = fam.make_inputs("full", 0, device="cuda")
     a, b = lab.Side.rollout(fam, device="cuda"), lab.Side.trainer(fam, device="cuda")
-    with pytest.raises(ValueError, match=r"pair_sharded\('minimax_h3', 'full', nproc=2\)"):
+    with pytest.raises(ValueError, match=r"pair_sharded\('minimax_h3', 'full', nproc=2\)") as err:
         lab.pair(model, inputs, a, b, stream=True)
+    print(f"\nminimax_h3 full, trained, one GPU: {err.value}")
+    assert "fp32 master 123." in str(err.value)
