@@ -98,6 +98,10 @@ class Collector:
 
     def __init__(self, module_classes: dict[str, str]) -> None:
         self.module_classes = module_classes
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every pair and skip (a run that starts over)."""
         self.pending: list[_Pending] = []
         self.skipped: list[Skipped] = []
         self._batch: list[tuple[_Pending, torch.Tensor, torch.Tensor]] = []

@@ -79,6 +79,10 @@ class FlowRecorder:
 
     def __init__(self) -> None:
         """Record nothing yet; `track` ties producer lookup to side A's tensor names."""
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything recorded (a run that starts over); `track` again before use."""
         self.inputs: dict[str, dict[tuple[str, int], tuple[InputEntry, ...]]] = {"a": {}, "b": {}}
         self.produced: dict[int, Producer] = {}
         """Side A's `Aliases` name of an output (or model input) -> where it was produced."""

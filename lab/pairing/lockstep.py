@@ -24,9 +24,11 @@ thread on an H200 (first forward in a fresh thread 0.17 s, every later one 0.08 
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -174,8 +176,63 @@ def _run_sides(step: _Lockstep) -> None:
             raise
 
 
+class _SegmentEdited(Exception):
+    """A side edited one of its parked outputs in place before the other side compared it."""
+
+
+PARK_BUDGET_SHARE = 0.05
+"""Default bytes a side may park before it hands over mid-block: this share of the master."""
+_PARK_BUDGET_MIN = 64 << 20
+
+
+def _budget_switch() -> int | None:
+    """LAB_PARK_BUDGET as an int (None when unset).
+
+    Raises:
+        ValueError: It is set to anything but a non-negative integer.
+    """
+    value = os.environ.get("LAB_PARK_BUDGET")
+    if value is not None and not value.isdigit():
+        raise ValueError(
+            f"LAB_PARK_BUDGET={value!r}: give a number of bytes, e.g. 2000000000 (0 hands over "
+            "after every parked output)."
+        )
+    return None if value is None else int(value)
+
+
+def check_switches() -> None:
+    """Refuse a bad LAB_LOCKSTEP_HANDOVER or LAB_PARK_BUDGET before any forward starts.
+
+    Raises:
+        ValueError: Naming the bad value and the values allowed.
+    """
+    handover_mode()
+    _budget_switch()
+
+
+def park_budget(model: torch.nn.Module) -> int:
+    """Bytes of outputs a side parks at most before handing over, even inside a block.
+
+    LAB_PARK_BUDGET (bytes) if set, else PARK_BUDGET_SHARE of the model's parameter bytes
+    (at least 64 MiB): flux full 2.4 GB, about one double block's outputs; a Wan2.2 full block
+    parks ~10 GB, so it hands over every few modules.
+
+    Raises:
+        ValueError: LAB_PARK_BUDGET is not a non-negative integer.
+    """
+    value = _budget_switch()
+    if value is not None:
+        return value
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return max(_PARK_BUDGET_MIN, int(PARK_BUDGET_SHARE * params))
+
+
+_PER_MODULE: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+"""Models whose forward edited a parked output in place: they hand over per module."""
+
+
 class _Lockstep:
-    def __init__(self, run: PairRun, blocks: set[int], stream: bool) -> None:
+    def __init__(self, run: PairRun, blocks: set[int], stream: bool, segments: bool) -> None:
         self.run = run
         self.sides = {"a": run.side_a, "b": run.side_b}
         self.inputs = {"a": run.inputs_a, "b": _own_inputs(run.inputs_a, run.inputs_b)}
@@ -191,6 +248,15 @@ class _Lockstep:
         backends = {side.attention_backend for side in self.sides.values()}
         self.sdpa_per_turn = len(backends) > 1
         """Both sides pin the same kernel: one context around the run, none per turn."""
+        self.segments = segments
+        """Hand over at block boundaries (see `run_lockstep`), not after every parked output."""
+        self.budget = park_budget(run.model) if segments else 0
+        self.parked = {"a": 0, "b": 0}
+        """Bytes (plus one per leaf) the side parked since it last handed over (0: none)."""
+        self.b_leaves = 0
+        self.handovers = 0
+        self.skip_keys: list[tuple[float, int]] = []
+        """Sort key of each `collector.skipped` entry: two-pass order, whoever reached it."""
 
     # ---- one side's thread ---------------------------------------------------------------
 
@@ -209,6 +275,8 @@ class _Lockstep:
                 self._resume(key)
                 try:
                     self.run.model(**self.inputs[key].kwargs)
+                    if self.segments:
+                        self._check_parked(key)  # the other side compares them after we end
                 finally:
                     self._suspend(key)
         except _Abort:
@@ -234,8 +302,25 @@ class _Lockstep:
         if stack is not None:
             stack.close()
 
+    def _check_parked(self, key: str) -> None:
+        """Check that our parked outputs still hold the values they were parked with.
+
+        The other side compares them next; an in-place edit since they were parked means this
+        model must hand over per module (`run_lockstep` runs the pair again so).
+
+        Raises:
+            _SegmentEdited: A parked output's `_version` moved.
+        """
+        for entry in self.held[key].values():
+            if not entry[2] and entry[4] is not None and entry[1]._version != entry[4]:
+                raise _SegmentEdited(entry)
+
     def _pause(self, key: str) -> None:
         other = "b" if key == "a" else "a"
+        if self.segments:
+            self._check_parked(key)
+            self.parked[key] = 0
+        self.handovers += 1  # (read by tests and benches)
         self._suspend(key)
         self.baton.give(other)
         self.baton.wait(key)
@@ -262,6 +347,7 @@ class _Lockstep:
         calls[label] = call + 1
         self.run.flow.record(key, label, call, args, kwargs)
         flow = self.run.flow if key == "a" else None
+        collector = self.run.collector
         parked = False
         aliases = self.aliases[key]
         for idx, leaf in flatten_output(output):
@@ -269,22 +355,40 @@ class _Lockstep:
             name = aliases.name(leaf)
             if flow is not None:
                 flow.note_output(name, k, leaf)
+            if key == "b":
+                seq = self.b_leaves  # side B's leaf sequence: the two-pass order of skips
+                self.b_leaves += 1
             theirs = self.held[other].pop(k, None)
             if theirs is not None:
                 if key == "a":
                     order, a, b, names = self._next_order(), leaf, theirs[1], (name, theirs[3])
+                    seq = theirs[5]
                 else:
                     order, a, b, names = theirs[0], theirs[1], leaf, (theirs[3], name)
-                self.run.collector.compare(order, k, a, b, names=names)
+                skipped = len(collector.skipped)
+                collector.compare(order, k, a, b, names=names)
+                if len(collector.skipped) > skipped:
+                    self.skip_keys.append((0, seq))
             elif self.done[other]:
                 reason = f"only on side {self.sides[key].name!r}"
-                self.run.collector.skipped.append(Skipped(label, call, idx, reason))
+                collector.skipped.append(Skipped(label, call, idx, reason))
+                self.skip_keys.append((0, seq) if key == "b" else (1, self._next_order()))
             else:
                 order = self._next_order() if key == "a" else -1
-                # [order, tensor, copied yet, alias name]
-                self.held[key][k] = [order, leaf, False, name]
+                tensor = isinstance(leaf, torch.Tensor)
+                # [order, leaf, copied yet, alias name, version when parked, B's sequence]
+                self.held[key][k] = [
+                    order, leaf, False, name, leaf._version if tensor else None,
+                    seq if key == "b" else -1,
+                ]  # fmt: skip
+                self.parked[key] += 1 + (leaf.numel() * leaf.element_size() if tensor else 0)
                 parked = True
-        if parked:
+        if parked and (not self.segments or self.parked[key] > self.budget):
+            self._pause(key)
+
+    def boundary(self, key: str) -> None:
+        """Side `key` enters or leaves a block: hand over if it parked outputs (segments)."""
+        if self.parked[key]:
             self._pause(key)
 
     def _next_order(self) -> int:
@@ -292,18 +396,32 @@ class _Lockstep:
         return self.order - 1
 
     def leftovers(self) -> None:
+        """Report unmatched outputs, then put every skip in two-pass order.
+
+        Two passes report, in side B's leaf order, B's outputs that are not comparable or only
+        on side B, then side A's unmatched outputs in A's order. Here the same skips arise in
+        whatever order the hand-overs give, each with its key; one stable sort restores it.
+        """
+        skipped = self.run.collector.skipped
         for key in ("a", "b"):
             name = self.sides[key].name
-            for (module, call, idx), _entry in sorted(
-                self.held[key].items(), key=lambda kv: kv[1][0]
-            ):
-                self.run.collector.skipped.append(
-                    Skipped(module, call, idx, f"only on side {name!r}")
-                )
+            for (module, call, idx), entry in self.held[key].items():
+                skipped.append(Skipped(module, call, idx, f"only on side {name!r}"))
+                self.skip_keys.append((1, entry[0]) if key == "a" else (0, entry[5]))
+        order = sorted(range(len(skipped)), key=self.skip_keys.__getitem__)
+        skipped[:] = [skipped[i] for i in order]
 
 
 def run_lockstep(run: PairRun, block_ids: set[int], *, stream: bool) -> None:
     """Pair every captured module of `run` with the two forwards in lockstep (propagated).
+
+    A side parks its captured outputs and runs on; it hands over when it enters or leaves a
+    block (or has parked `park_budget` bytes, or its forward ends), and the other side runs
+    the same stretch, comparing as it goes: about a hand-over per block instead of one per
+    output (flux full: 1221 hand-overs become ~60). A forward that edits a parked output in
+    place before the hand-over (checked by `_version`)
+    makes the pair run again handing over per module, and so every later pair of that model.
+    LAB_LOCKSTEP_HANDOVER=module always hands over per module. Both give the same Result.
 
     Args:
         run: The pairing run (model, sides, views, inputs, collector, filter).
@@ -314,10 +432,36 @@ def run_lockstep(run: PairRun, block_ids: set[int], *, stream: bool) -> None:
     Raises:
         The first exception either side's forward raised (the other side is unwound).
     """
+    segments = bool(block_ids) and handover_mode() == "block" and run.model not in _PER_MODULE
+    try:
+        _run_once(run, block_ids, stream, segments)
+    except _SegmentEdited:
+        _PER_MODULE[run.model] = True
+        run.collector.reset()
+        run.flow.reset()
+        _run_once(run, block_ids, stream, False)
+
+
+def handover_mode() -> str:
+    """LAB_LOCKSTEP_HANDOVER: "block" (default) or "module" (after every unmatched output).
+
+    Raises:
+        ValueError: Any other value.
+    """
+    value = os.environ.get("LAB_LOCKSTEP_HANDOVER", "block")
+    if value not in ("block", "module"):
+        raise ValueError(
+            f"LAB_LOCKSTEP_HANDOVER={value!r}: use 'block' (hand over at block boundaries, the "
+            "default) or 'module' (after every captured output the other side has not reached)."
+        )
+    return value
+
+
+def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -> None:
     from lab.precision.engine_ops import ops_dispatched
 
     model = run.model
-    step = _Lockstep(run, block_ids, stream)
+    step = _Lockstep(run, block_ids, stream, segments)
     run.flow.track(step.aliases["a"], step.inputs["a"].kwargs)
     blocks = step.weights.block_modules
     handles = []
@@ -325,9 +469,13 @@ def run_lockstep(run: PairRun, block_ids: set[int], *, stream: bool) -> None:
     def pre(mod: torch.nn.Module, args: Any) -> None:
         key = _current_key()
         if key:
+            if segments:
+                step.boundary(key)
             step.weights.enter_block(key, mod)
 
     def make_post(label: str, captured: bool, block: bool) -> Any:
+        on_output = step.on_output
+
         def post(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             key = _current_key()
             if not key:
@@ -335,7 +483,9 @@ def run_lockstep(run: PairRun, block_ids: set[int], *, stream: bool) -> None:
             if block:
                 step.weights.exit_block(key, mod)
             if captured:
-                step.on_output(label, args, kwargs, output)
+                on_output(label, args, kwargs, output)
+            if block and segments:
+                step.boundary(key)
 
         return post
 

@@ -26,6 +26,7 @@ from lab.pairing.guards import (
     failing_module,
     inputs_mismatch_hint,
 )
+from lab.pairing.lockstep import check_switches, run_lockstep
 from lab.pairing.metrics import metrics_kernel
 from lab.pairing.result import Result, Skipped
 from lab.pairing.side_context import (
@@ -170,6 +171,7 @@ def pair(
     # The metric switches are read inside the forwards: refuse a bad one before they start.
     metrics_kernel()
     metrics_on_side_stream()
+    check_switches()
     blocks = _block_classes(model, side_a, side_b) if stream else ()
     if stream and not blocks:
         raise ValueError(
@@ -238,8 +240,6 @@ def pair(
                 recorder,
             )
             if lockstep:
-                from lab.pairing.lockstep import run_lockstep
-
                 block_ids = outermost(model, _block_classes(model, side_a, side_b))
                 run_lockstep(run, block_ids, stream=stream)
             elif mode == "propagated":

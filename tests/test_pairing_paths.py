@@ -1,0 +1,232 @@
+"""Every way of pairing gives the same Result: two passes, lockstep per module, lockstep per block.
+
+Lockstep hands over at block boundaries by default (`LAB_LOCKSTEP_HANDOVER=block`): a side
+parks the outputs of a whole block before the other side runs it. The per-module hand-over it
+replaced (`LAB_LOCKSTEP_HANDOVER=module`) and the two-pass run are kept as references: rows
+(order, label, dtypes, every metric), skipped outputs (and their order), repeats, the recorded
+dtype flow and every why must be equal, bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lab
+from lab.families import FAMILY_NAMES
+from lab.pairing import lockstep
+
+
+@pytest.fixture(scope="module")
+def built() -> dict:
+    return {}
+
+
+def _model_inputs(built: dict, name: str, preset: str = "tiny", device: str = "cpu"):
+    if (name, preset, device) not in built:
+        fam = lab.family(name)
+        built[name, preset, device] = (
+            fam,
+            fam.build(preset, 0, device=device),
+            fam.make_inputs(preset, 0, device=device),
+        )
+    return built[name, preset, device]
+
+
+def _flow(result: lab.Result) -> tuple:
+    """The recorded dtype flow without tensor ids (an id is only unique while its tensor lives)."""
+
+    def strip(inputs: dict) -> dict:
+        return {k: tuple(entry[:3] for entry in v) for k, v in inputs.items()}
+
+    return strip(result.flow.inputs_a), strip(result.flow.inputs_b)
+
+
+def _same(result: lab.Result, reference: lab.Result) -> None:
+    rows = [(r.order, r.label(), r.dtype_a, r.dtype_b, r.shape, r.metrics) for r in result.rows]
+    ref = [(r.order, r.label(), r.dtype_a, r.dtype_b, r.shape, r.metrics) for r in reference.rows]
+    assert rows == ref
+    assert result.skipped == reference.skipped
+    assert result.meta["repeated_pairs"] == reference.meta["repeated_pairs"]
+    assert _flow(result) == _flow(reference)
+    assert result.whys() == reference.whys()
+
+
+class _Counted:
+    """Counts the hand-overs of every lockstep run started while it is installed."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.steps: list[lockstep._Lockstep] = []
+        init = lockstep._Lockstep.__init__
+
+        def tracked(step: lockstep._Lockstep, *args: object, **kwargs: object) -> None:
+            init(step, *args, **kwargs)
+            self.steps.append(step)
+
+        monkeypatch.setattr(lockstep._Lockstep, "__init__", tracked)
+
+    def last(self) -> tuple[bool, int]:
+        step = self.steps[-1]
+        return step.segments, step.handovers
+
+
+def _pair_three_ways(
+    model: torch.nn.Module,
+    inputs: lab.Inputs,
+    a: lab.Side,
+    b: lab.Side,
+    monkeypatch: pytest.MonkeyPatch,
+    counted: _Counted,
+    **kwargs: object,
+) -> tuple[lab.Result, lab.Result, lab.Result, int, int]:
+    two_pass = lab.pair(model, inputs, a, b, lockstep=False) if "stream" not in kwargs else None
+    monkeypatch.setenv("LAB_LOCKSTEP_HANDOVER", "module")
+    per_module = lab.pair(model, inputs, a, b, lockstep=True, **kwargs)
+    assert counted.last()[0] is False
+    module_handovers = counted.last()[1]
+    monkeypatch.delenv("LAB_LOCKSTEP_HANDOVER")
+    per_block = lab.pair(model, inputs, a, b, lockstep=True, **kwargs)
+    return two_pass or per_module, per_module, per_block, module_handovers, counted.last()[1]
+
+
+@pytest.mark.parametrize("family_name", FAMILY_NAMES)
+@pytest.mark.parametrize("stream", [False, True])
+def test_block_hand_over_equals_module_hand_over_and_two_passes(
+    built: dict, family_name: str, stream: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fam, model, inputs = _model_inputs(built, family_name)
+    a, b = lab.Side.rollout(fam), lab.Side.trainer(fam)
+    counted = _Counted(monkeypatch)
+    two_pass = lab.pair(model, inputs, a, b, lockstep=False)
+    _, per_module, per_block, module_handovers, block_handovers = _pair_three_ways(
+        model, inputs, a, b, monkeypatch, counted, stream=stream
+    )
+    assert counted.last()[0] is True  # this model kept block hand-overs (no fallback)
+    _same(per_module, two_pass)
+    _same(per_block, two_pass)
+    assert len(per_block.rows) > 20
+    # A hand-over per block (plus the few outputs outside the blocks), not one per output.
+    assert block_handovers < module_handovers / 3
+
+
+class _Block(torch.nn.Module):
+    """A block whose forward may edit a captured output in place, call a module only in bf16,
+    and hand out an integer tensor."""
+
+    def __init__(self, edit: bool) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.extra = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, 8)
+        self.edit = edit
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.lin(x)
+        if self.edit:
+            y.mul_(3.0)  # edits `lin`'s captured output after its hook saw it
+        if y.dtype == torch.bfloat16:
+            y = self.extra(y)  # a module only the bf16 side calls
+        y = self.out(y)
+        return y, (y > 0).sum(-1)  # a floating and a non-floating output
+
+
+class _Toy(torch.nn.Module):
+    _no_split_modules = ("_Block",)
+
+    def __init__(self, edit: bool) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 8)
+        self.blocks = torch.nn.ModuleList([_Block(edit), _Block(False), _Block(edit)])
+        self.head = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)[0]
+        return self.head(x)
+
+
+def _toy(edit: bool) -> tuple[torch.nn.Module, lab.Inputs]:
+    torch.manual_seed(0)
+    return _Toy(edit), lab.Inputs(kwargs={"x": torch.randn(4, 8)}, roles={"x": "latents"})
+
+
+FP32 = lab.Side(name="fp32", forward_dtype="fp32", rollout_precision="fp32")
+BF16 = lab.Side(name="bf16", input_dtype_policy={"latents": "bf16"})
+
+
+@pytest.mark.parametrize("edit", [False, True])
+def test_one_sided_modules_integers_and_in_place_edits_inside_blocks(
+    edit: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, inputs = _toy(edit)
+    counted = _Counted(monkeypatch)
+    two_pass, per_module, per_block, _, _ = _pair_three_ways(
+        model, inputs, FP32, BF16, monkeypatch, counted
+    )
+    _same(per_module, two_pass)
+    _same(per_block, two_pass)
+    reasons = {(s.module, s.output, s.reason) for s in per_block.skipped}
+    assert ("blocks.0.extra", "", "only on side 'bf16'") in reasons
+    assert any(s.output == "1" and "non-floating" in s.reason for s in per_block.skipped)
+    # The in-place edit is caught before the other side compares the edited output: that pair
+    # runs again per module, and so does every later pair of the model.
+    segments = [step.segments for step in counted.steps]
+    assert segments == ([False, True] if not edit else [False, True, False])
+    assert (model in lockstep._PER_MODULE) is edit
+    again = lab.pair(model, inputs, FP32, BF16, lockstep=True)
+    assert counted.steps[-1].segments is not edit
+    _same(again, two_pass)
+    if edit:  # `lin` was compared before the forward's in-place mul_, as two passes do
+        lin = next(r for r in per_block.rows if r.label() == "blocks.0.lin").metrics
+        plain = model.blocks[0].lin(model.embed(inputs.kwargs["x"]))
+        assert lin.max_abs_a == pytest.approx(plain.abs().max().item(), rel=1e-6)
+
+
+def test_park_budget_hands_over_inside_a_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, inputs = _toy(False)
+    counted = _Counted(monkeypatch)
+    whole = lab.pair(model, inputs, FP32, BF16, lockstep=True)
+    whole_handovers = counted.last()[1]
+    monkeypatch.setenv("LAB_PARK_BUDGET", "0")  # every parked output is over the budget
+    assert lockstep.park_budget(model) == 0
+    split = lab.pair(model, inputs, FP32, BF16, lockstep=True)
+    assert counted.last() == (True, counted.last()[1]) and counted.last()[1] > whole_handovers
+    _same(split, whole)
+    monkeypatch.delenv("LAB_PARK_BUDGET")
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert lockstep.park_budget(model) == max(64 << 20, int(0.05 * params))
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "match"),
+    [
+        ("LAB_LOCKSTEP_HANDOVER", "segment", "LAB_LOCKSTEP_HANDOVER='segment': use 'block'"),
+        ("LAB_PARK_BUDGET", "2GB", "LAB_PARK_BUDGET='2GB': give a number of bytes"),
+    ],
+)
+def test_bad_switches_are_refused_before_running(
+    name: str, value: str, match: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, inputs = _toy(False)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=match):
+        lab.pair(model, inputs, FP32, BF16, lockstep=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family_name", FAMILY_NAMES)
+def test_block_hand_over_equals_module_hand_over_on_cuda_reduced(
+    built: dict, family_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fam, model, inputs = _model_inputs(built, family_name, "reduced", "cuda")
+    a, b = lab.Side.rollout(fam, device="cuda"), lab.Side.trainer(fam, device="cuda")
+    counted = _Counted(monkeypatch)
+    two_pass, per_module, per_block, module_handovers, block_handovers = _pair_three_ways(
+        model, inputs, a, b, monkeypatch, counted
+    )
+    _same(per_module, two_pass)
+    _same(per_block, two_pass)
+    streamed = lab.pair(model, inputs, a, b, stream=True)
+    _same(streamed, two_pass)
+    assert block_handovers < module_handovers
