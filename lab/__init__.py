@@ -1,13 +1,15 @@
 """Precision Lab: paired rollout-vs-trainer forwards of diffusers DiTs, module by module.
 
-Public API: family, families, Side, pair, pair_family, forward_side, trajectory, Result.
+Public API: family, families, Side, pair, pair_family, forward_side, trajectory, Result,
+attribute (grafting attribution).
 
 The package is laid out by role (docs/notes/layout.md): `families/` (one file per DiT family),
 `precision/` (dtypes, input policy, parameter rules, autocast, engine ops, the FSDP2 patch),
 `pairing/` (sides, weights, capture, the paired run, metrics, Result, why), `rl/` (Flow-GRPO
 SDE, trajectories, gradients), `engine/` (dumps, scenarios, search, real FSDP2 launches),
-`causes/` (experiments that say why: rule effect), `views/` (figures, report, widgets, saved
-runs, sweeps, CLI, notebooks) and `base/` (files, devices, processes, errors).
+`causes/` (experiments that say why: rule effect, grafting attribution, pipeline checks),
+`views/` (figures, report, widgets, saved runs, sweeps, CLI, notebooks) and `base/` (files,
+devices, processes, errors).
 
 The modules users call by their short name are importable from `lab` itself, loaded on first
 use: `lab.plots`, `lab.widgets`, `lab.report`, `lab.scenarios`, `lab.dump`, ... (`PUBLIC_MODULES`).
@@ -23,6 +25,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
+from lab.causes.attribute import Attribution, attribute
 from lab.families import FAMILY_NAMES, Family, Inputs, families, family
 from lab.pairing.result import LayerDivergence, Result, Skipped
 from lab.pairing.run import forward_side, pair, pair_family
@@ -99,6 +102,7 @@ if not any(isinstance(f, _ShortNames) for f in sys.meta_path):
 __all__ = [
     "FAMILY_NAMES",
     "PUBLIC_MODULES",
+    "Attribution",
     "Family",
     "Inputs",
     "LayerDivergence",
@@ -107,6 +111,7 @@ __all__ = [
     "Side",
     "Skipped",
     "Trajectory",
+    "attribute",
     "families",
     "family",
     "forward_side",

@@ -158,7 +158,7 @@ def test_identical_sides_give_zero_shares_and_say_so(flux) -> None:
     assert len(attr.rows) == 10
     assert all(r["share"] == r["own_share"] == r["input_share"] == 0.0 for r in attr.rows)
     assert not any(math.isnan(v) for r in attr.rows for v in r.values() if isinstance(v, float))
-    assert attr.verdict().startswith(IDENTICAL_VERDICT)
+    assert attr.verdict.startswith(IDENTICAL_VERDICT)
     assert attr.top() is None and attr.residual == 0.0
     found = attr.smallest_set(0.9)
     assert found.modules == () and found.reached

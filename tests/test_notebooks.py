@@ -265,9 +265,30 @@ def _check_09(out: Path, family: str | None, nb: Any) -> None:
     assert (out / "report.html").stat().st_size > 10_000
 
 
+def _check_08(out: Path, family: str, nb: Any) -> None:
+    from lab.causes.attribute import Attribution
+    from lab.causes.checks import CheckResult
+
+    attr = Attribution.from_json(out / "attribution.json")
+    table = attr.table()
+    assert attr.meta["family"] == family and len(table) >= 3
+    if not attr.identical:
+        # Shares of every unit plus what no graft removes add up to the whole divergence.
+        assert abs(table["share"].sum() + attr.residual - 1.0) < 1e-6
+    for name in ("batch_invariance", "cfg_batching", "sigma_parity", "weight_sync"):
+        result = CheckResult.from_json(out / f"{name}.json")
+        assert result.verdict and (out / f"{name}.png").read_bytes()[:8] == PNG
+    sync = CheckResult.from_json(out / "weight_sync.json").table()
+    # The engine's load rounds or keeps every tensor of the master: nothing missing or extra.
+    assert set(sync["status"]) <= {"rounded", "equal"}
+    for png in ("attribution.png", "noise_floor.png"):
+        assert (out / png).read_bytes()[:8] == PNG
+    assert "noise floor" in _text(nb)
+
+
 CHECKS = {
     "01": _check_01, "02": _check_02, "03": _check_03, "04": _check_04, "05": _check_05,
-    "06": _check_06, "07": _check_07, "09": _check_09,
+    "06": _check_06, "07": _check_07, "08": _check_08, "09": _check_09,
 }  # fmt: skip
 
 

@@ -518,6 +518,7 @@ class Attribution:
             return None
         return max(self.rows, key=lambda r: (r["share"], -r["position"]))
 
+    @property
     def verdict(self) -> str:
         """One sentence: which unit takes the largest share, what it adds and inherits."""
         if self.identical:
@@ -546,7 +547,7 @@ class Attribution:
             "top_share": top["share"] if top else 0.0,
             "input_share_total": sum(r["input_share"] for r in self.rows),
             "residual": self.residual,
-            "verdict": self.verdict(),
+            "verdict": self.verdict,
             **{k: self.meta.get(k) for k in cost},
         }
 
@@ -684,7 +685,7 @@ class Attribution:
         return (
             f"Attribution(level={self.meta.get('level')!r}, metric={self.metric!r}, "
             f"{self.meta.get('grafted_from')!r} -> {self.meta.get('grafted_into')!r}, "
-            f"{len(self.rows)} units: {self.verdict()})"
+            f"{len(self.rows)} units: {self.verdict})"
         )
 
 
