@@ -316,3 +316,14 @@ def test_minimax_h3_full_trained_is_refused_on_one_h200() -> None:
         lab.pair(model, inputs, a, b, stream=True)
     print(f"\nminimax_h3 full, trained, one GPU: {err.value}")
     assert "fp32 master 123." in str(err.value)
+
+
+def test_dump_fingerprints_read_the_fp32_value_of_held_tensors() -> None:
+    from lab.engine.dump import weight_fingerprints
+
+    fam = lab.family("wan2_2")
+    plain = fam.build("tiny", 0, init="plain", master="fp32")
+    compact = fam.build("tiny", 0, init="plain", master="compact")
+    assert held_parameters(compact)
+    # Every bit of the fp32 value, so an fp32 dump that differs below bf16 is still caught.
+    assert weight_fingerprints(compact) == weight_fingerprints(plain)

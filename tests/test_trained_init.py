@@ -188,7 +188,7 @@ def test_loaded_checkpoints_are_never_reshaped(tmp_path) -> None:
     model.save_pretrained(tmp_path / "ckpt")
     loaded = fam.load(tmp_path / "ckpt")
     assert not hasattr(loaded, INIT_ATTRIBUTE)
-    assert _digest(loaded) == _digest(model)
+    assert _digest(loaded.float()) == _digest(model)  # .float(): exact for a compact master
 
 
 def test_pair_family_records_the_init() -> None:

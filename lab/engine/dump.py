@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from lab.base.dtypes import dtype_name
+from lab.families.master import held_parameters
 from lab.pairing.capture import ROOT, flatten_output
 from lab.pairing.metrics import decode_stats, pair_stats
 from lab.pairing.result import LayerDivergence, Result, Skipped
@@ -133,9 +134,15 @@ def weight_fingerprints(model: torch.nn.Module) -> tuple[dict[str, Any] | None, 
             return None, f"parameter {name!r} is on the meta device (no weights)"
         if type(p.data).__name__ == "DTensor" or type(p).__name__ == "DTensor":
             return None, f"parameter {name!r} is a sharded DTensor (one rank holds a shard)"
+    # A compact master's held tensors are fingerprinted as their fp32 value (exact upcast), so
+    # a dump's fp32 weights are compared on every bit, not only on their bf16 rounding.
+    held = held_parameters(model)
     return {
         "covers": FINGERPRINT_COVERS,
-        "parameters": {name: tensor_fingerprint(p) for name, p in params},
+        "parameters": {
+            name: tensor_fingerprint(p.detach().to(held[name]) if name in held else p)
+            for name, p in params
+        },
     }, None
 
 
