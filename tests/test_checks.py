@@ -412,3 +412,16 @@ def test_plot_check_refuses_bad_input(results: dict) -> None:
         plot_check(results["sigma_parity"], backend="svg")
     with pytest.raises(ValueError, match=r"expected a CheckResult.*got dict"):
         plot_check({"check": "x"})
+
+
+def test_weight_sync_reads_a_compact_master_at_its_logical_fp32() -> None:
+    """Held bf16 tensors of a compact master compare as the exact fp32 values they stand for."""
+    from lab.families.master import compact_master, held_parameters
+
+    fam = lab.family("flux")
+    model = fam.build("tiny", 0, init="bf16_shipped")
+    fp32 = {k: v.clone() for k, v in model.state_dict().items()}
+    compact_master(model)
+    assert held_parameters(model), "bf16_shipped weights are exact at bf16: some are held"
+    table = weight_sync(fp32, model).table()
+    assert set(table["status"]) == {"equal"} and (table["dtype_b"] == "fp32").all()

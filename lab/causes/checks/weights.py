@@ -29,6 +29,7 @@ import torch
 from lab.base.dtypes import dtype_name, parse_dtype
 from lab.causes.checks.result import CheckResult
 from lab.engine.dump import MANIFEST, Dump, load_dump, tensor_fingerprint
+from lab.families.master import held_parameters
 from lab.pairing.metrics import compare
 from lab.pairing.stats_layout import coarser_dtype
 
@@ -52,6 +53,10 @@ def _resolve(value: Source, params_only: bool, where: str) -> tuple[str, dict[st
         tensors = dict(value.named_parameters())
         if not params_only:
             tensors.update(value.state_dict())
+        # A compact master holds exact tensors at bf16; their logical value is the exact upcast.
+        for name, logical in held_parameters(value).items():
+            if name in tensors:
+                tensors[name] = tensors[name].to(logical)
         return f"{type(value).__name__} (module)", tensors, False
     if isinstance(value, str | Path):
         path = Path(value)
