@@ -2,7 +2,11 @@
 # What one device call runs (H200): `bash scripts/gpu_run.sh OUT_DIR STAGE...`.
 # Stages: tests (metrics + lockstep gpu tests), fused (Triton kernel gpu tests), full (Wan2.2 full pair test), sharded (2-GPU FSDP2 tests),
 # bench (bench/full_pair.py), drift (bench/gpu_drift.py: reduced trajectories, seeded trained-like
-# weights), parity (dtype flow, bitwise parity, scenarios and FSDP2 gpu tests). Each stage logs to OUT_DIR and a failing stage does not stop the
+# weights), parity (dtype flow, bitwise parity, scenarios and FSDP2 gpu tests), size
+# (bench/full_size.py: every family at full), master (MiniMax H3 full: compact master pairs, trained
+# refused), causes (checks + attribution at reduced, figures under OUT_DIR/causes; streamed
+# trajectories at reduced; pairing paths), trajfull (Qwen-Image and Wan2.2 full trajectories).
+# Each stage logs to OUT_DIR and a failing stage does not stop the
 # next one. Expects torch with CUDA installed and the other wheels on PYTHONPATH.
 set -uo pipefail
 out="$1"
@@ -24,6 +28,16 @@ for stage in "$@"; do
     parity)
         gpu_pytest tests/test_dtype_flow.py tests/test_parity_gpu.py \
             tests/test_fsdp2_gpu.py >"$out/parity_gpu.log" 2>&1
+        ;;
+    size) python bench/full_size.py "$out/size" >"$out/full_size.log" 2>&1 ;;
+    master) gpu_pytest -s tests/test_compact_master.py >"$out/master_gpu.log" 2>&1 ;;
+    causes)
+        LAB_GPU_OUT="$out/causes" gpu_pytest -s tests/test_checks_gpu.py tests/test_attribute_gpu.py \
+            tests/test_pairing_paths.py tests/test_trajectory.py -k "not full_size" \
+            >"$out/causes_gpu.log" 2>&1
+        ;;
+    trajfull)
+        gpu_pytest -m "gpu and slow" -s tests/test_trajectory.py -k full_size >"$out/trajfull_gpu.log" 2>&1
         ;;
     *) echo "unknown stage $stage" >&2 && false ;;
     esac
