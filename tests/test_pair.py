@@ -282,24 +282,57 @@ def test_rounding_only_first_divergence_is_labelled() -> None:
     assert beyond != flux.first_divergence().label()
 
 
-def test_shared_weight_views_are_replanned_when_the_model_changes(built: dict) -> None:
+def test_weight_views_reuse_their_plan_until_the_model_changes(built: dict) -> None:
     from lab.pairing.weights import WeightView
 
     fam, model, inputs = _model_inputs(built, "wan2_2")
     side = lab.Side.rollout(fam)
     view = WeightView.shared(model, side)
-    assert WeightView.shared(model, side) is view  # unchanged model: planned once
-    assert WeightView.shared(model, side.replace(attention_backend="math")) is not view
+    again = WeightView(model, side)
+    assert again.layout is view.layout and again.plan is view.plan  # planned once
+    assert WeightView.shared(model, side.replace(attention_backend="math")).layout is not (
+        view.layout
+    )
     before = lab.pair(model, inputs, side, lab.Side.trainer(fam))
     weight = model.proj_out.weight
     original = weight.data
     try:
         weight.data = original * 2  # new parameter tensor: the old master must not be used
         replanned = WeightView.shared(model, side)
-        assert replanned is not view
+        assert replanned.layout is view.layout  # same tree: same plan, tensors read afresh
         assert replanned._masters[id(weight)].data_ptr() == weight.data_ptr()
         after = lab.pair(model, inputs, side, lab.Side.trainer(fam))
         out_before = before.root_rows()[0].metrics.max_abs_a
         assert after.root_rows()[0].metrics.max_abs_a != out_before
     finally:
         weight.data = original
+    # A new module in the tree, a replaced Parameter object, a tie: planned again.
+    proj_out = model.proj_out
+    try:
+        model.proj_out = torch.nn.Linear(proj_out.in_features, proj_out.out_features)
+        swapped = WeightView(model, side)
+        assert swapped.layout is not view.layout
+        assert swapped._masters[id(model.proj_out.weight)].data_ptr() == (
+            model.proj_out.weight.data_ptr()
+        )
+    finally:
+        model.proj_out = proj_out
+    assert WeightView(model, side).layout is not view.layout  # the tree changed twice
+
+
+def test_a_paired_model_is_freed_with_its_last_reference() -> None:
+    import gc
+    import weakref
+
+    from lab.pairing import weights
+
+    fam = lab.family("wan2_2")
+    model = fam.build("tiny", 0)
+    inputs = fam.make_inputs("tiny", 0)
+    lab.pair(model, inputs, lab.Side.rollout(fam), lab.Side.trainer(fam))
+    lab.pair(model, inputs, lab.Side.rollout(fam), lab.Side.trainer(fam), lockstep=True)
+    assert model in weights._SHARED  # its layouts are kept while it lives...
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None  # ...and neither they nor anything else keeps it alive

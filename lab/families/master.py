@@ -16,7 +16,7 @@ than read as a master (`held_parameters`, `stale_held`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -132,13 +132,18 @@ def compact_master(model: torch.nn.Module) -> MasterRecord:
     return record
 
 
-def held_parameters(model: torch.nn.Module) -> dict[str, torch.dtype]:
-    """Held parameters whose guard still matches: name -> logical dtype (fp32)."""
+def held_parameters(
+    model: torch.nn.Module, params: Iterable[tuple[str, torch.Tensor]] | None = None
+) -> dict[str, torch.dtype]:
+    """Held parameters whose guard still matches: name -> logical dtype (fp32).
+
+    `params`: the model's `canonical_parameters`, when the caller has them already.
+    """
     record = getattr(model, MASTER_ATTRIBUTE, None)
-    if record is None:
+    if record is None or not record.guards:
         return {}
     out: dict[str, torch.dtype] = {}
-    for name, p in canonical_parameters(model):
+    for name, p in canonical_parameters(model) if params is None else params:
         guard = record.guards.get(name)
         if guard is not None and _guard(p.data) == guard:
             out[name] = _LOGICAL

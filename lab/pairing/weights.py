@@ -186,76 +186,60 @@ class WeightView:
         cache: bool = False,
         stream_classes: tuple[str, ...] = (),
     ) -> None:
-        """Plan the side's dtypes for `model` (validating its rules) without casting yet."""
+        """Plan the side's dtypes for `model` (validating its rules) without casting yet.
+
+        The plan and the model's names are read once per (model, side, stream_classes) and
+        reused while the model's module tree is the same (`_Layout`); the tensors are taken
+        now, so a parameter whose `.data` was replaced since is cast from its new tensor.
+        """
         self.model = model
         self.side = side
-        self.plan = plan_weights(model, side)
+        self.layout, params = _Layout.of(model, side, stream_classes)
+        layout = self.layout
+        self.plan = layout.plan
         self.cache = cache
         self._cached: dict[int, torch.Tensor] = {}
-        named = list(_unique_named(model.named_parameters(remove_duplicate=False)))
-        self._param_names = {id(p): n for n, p in named}
+        self._param_names = {id(p): n for n, p in zip(layout.param_names, params, strict=True)}
         # Masters are taken now, before any view is applied, so a view nested inside another
         # side's view still casts from the fp32 master rather than from the outer side's copy.
-        self._slots = [(p, p.data) for _, p in named]
+        self._slots = [(p, p.data) for p in params]
         self._masters = {id(p): master for p, master in self._slots}
         # A compacted model holds some fp32 masters at bf16 (exact, guarded; see
         # lab/families/master.py): id of the held tensor -> the dtype its value is in (fp32).
-        held = held_parameters(model)
+        held = held_parameters(model, zip(layout.param_names, params, strict=True))
         self._logical = {
             id(master): held[n]
-            for (n, _), (_, master) in zip(named, self._slots, strict=True)
+            for n, (_, master) in zip(layout.param_names, self._slots, strict=True)
             if n in held
         }
-        self._logical_params = {id(p): held[n] for n, p in named if n in held}
-        modules = list(model.named_modules())
-        self._module_names = {id(m): n for n, m in modules}
-        self.module_classes = {(n or ROOT): type(m).__name__ for n, m in modules}
-        """Module path (ROOT for the model) -> class name, for result rows."""
-        self._buffer_slots = [
-            (module, b, t)
-            for _, module in modules
-            for b, t in module._buffers.items()
-            if t is not None
-        ]
-        self._buffer_masters = {
-            ".".join(x for x in (self._module_names[id(module)], b) if x): t
-            for module, b, t in self._buffer_slots
+        self._logical_params = {
+            id(p): held[n] for n, p in zip(layout.param_names, params, strict=True) if n in held
         }
-        self.streamed_ids = outermost(model, stream_classes)
+        self._module_names = layout.module_names
+        self.module_classes = layout.module_classes
+        """Module path (ROOT for the model) -> class name, for result rows."""
+        self._buffer_slots = []
+        self._buffer_masters = {}
+        for ref, name, full in layout.buffers:
+            module = ref()
+            tensor = module._buffers[name]
+            self._buffer_slots.append((module, name, tensor))
+            self._buffer_masters[full] = tensor
+        self.streamed_ids = layout.streamed_ids
         """Ids of the blocks whose weights are cast by hooks (outermost of stream_classes)."""
 
     @classmethod
     def shared(
         cls, model: torch.nn.Module, side: Side, *, stream_classes: tuple[str, ...] = ()
     ) -> WeightView:
-        """A view for (model, side) reused across calls while the model is unchanged.
+        """A view for (model, side): the same as `WeightView(model, side)`.
 
-        Planning a side's dtypes walks every module and parameter (~0.5-1 ms on a tiny model,
-        as long as several of its modules). The view is kept per model and reused as long as
-        the model has the same modules, parameters (the same tensors: `param.data` not
-        replaced) and buffers; otherwise it is planned again. Views that cache casts are never
-        shared (their casts would outlive in-place updates of the master). Only CPU models
-        share: next to a GPU forward planning costs nothing, and a kept view would keep
-        replaced parameter tensors (GiBs at full size) alive until its next use.
+        Kept for its callers' intent (a view per call, planned once): planning a side's dtypes
+        walks every module and parameter (~0.5-1 ms on a tiny model, ~25 ms on flux full), so
+        every view reuses its (model, side) `_Layout` while the module tree is unchanged, and
+        takes the tensors afresh.
         """
-        first = next(model.parameters(), None)
-        if first is None or first.device.type != "cpu":
-            return cls(model, side, stream_classes=stream_classes)
-        views = _SHARED.setdefault(model, {})
-        key = (repr(side), stream_classes)
-        view = views.get(key)
-        if view is None or not view._unchanged():
-            view = views[key] = cls(model, side, stream_classes=stream_classes)
-        return view
-
-    def _unchanged(self) -> bool:
-        """The model still has this view's modules, parameter tensors and buffers."""
-        if sum(1 for _ in self.model.modules()) != len(self._module_names):
-            return False
-        for param, master in self._slots:
-            if param.data_ptr() != master.data_ptr() or param.shape != master.shape:
-                return False
-        return all(module._buffers.get(name) is t for module, name, t in self._buffer_slots)
+        return cls(model, side, stream_classes=stream_classes)
 
     def logical_dtype(self, param: torch.Tensor) -> torch.dtype:
         """The dtype of `param`'s master value: fp32 for a held (compact) tensor, else its own."""
@@ -412,10 +396,98 @@ def _named_modules_skipping(
         yield from _named_modules_skipping(child, skip, f"{prefix}.{name}" if prefix else name)
 
 
-_SHARED: weakref.WeakKeyDictionary[torch.nn.Module, dict[Any, WeightView]] = (
+class _Layout:
+    """What a side's view reads from the model's structure alone: the plan, names, classes.
+
+    No tensor and no strong reference to a module is kept (weak references only), so a cached
+    layout keeps neither a model nor replaced parameter tensors alive. `of` reuses it while
+    every module is alive with the same class, children, parameter objects (which also fixes
+    which names are aliases of one tensor) and buffer names, and the same buffers are floating
+    and persistent: one flat pass, no recursion through `named_modules`.
+    """
+
+    def __init__(self, model: torch.nn.Module, side: Side, stream_classes: tuple[str, ...]) -> None:
+        self.plan = plan_weights(model, side)
+        every = list(model.named_modules(remove_duplicate=False))
+        self._refs = [weakref.ref(m) for _, m in every]
+        self._signatures = [_signature(m) for _, m in every]
+        # Each parameter once, under its first name, as `_unique_named(named_parameters(
+        # remove_duplicate=False))` meets them: (position in `every`, local name).
+        seen: set[int] = set()
+        self._params: list[tuple[int, str]] = []
+        self.param_names: list[str] = []
+        for i, (path, module) in enumerate(every):
+            for local, p in module._parameters.items():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    self._params.append((i, local))
+                    self.param_names.append(f"{path}.{local}" if path else local)
+        modules = list(model.named_modules())
+        self.module_names = {id(m): n for n, m in modules}
+        self.module_classes = {(n or ROOT): type(m).__name__ for n, m in modules}
+        self.buffers = [
+            (weakref.ref(m), b, f"{n}.{b}" if n else b)
+            for n, m in modules
+            for b, t in m._buffers.items()
+            if t is not None
+        ]
+        self.streamed_ids = outermost(model, stream_classes)
+
+    @classmethod
+    def of(
+        cls, model: torch.nn.Module, side: Side, stream_classes: tuple[str, ...]
+    ) -> tuple[_Layout, list[torch.nn.Parameter]]:
+        """The layout of (model, side, stream_classes) and the parameters it names now.
+
+        Planned again only if the module tree changed (see `_signature`).
+        """
+        layouts = _SHARED.setdefault(model, {})
+        key = (repr(side), stream_classes)
+        layout = layouts.get(key)
+        modules = layout._modules() if layout is not None else None
+        if modules is None:
+            layout = layouts[key] = cls(model, side, stream_classes)
+            modules = [ref() for ref in layout._refs]
+        return layout, [modules[i]._parameters[local] for i, local in layout._params]
+
+    def _modules(self) -> list[torch.nn.Module] | None:
+        """Every module (named_modules(remove_duplicate=False) order); None if any changed."""
+        modules = []
+        for ref, signature in zip(self._refs, self._signatures, strict=True):
+            module = ref()
+            if module is None or _signature(module) != signature:
+                return None
+            modules.append(module)
+        return modules
+
+
+def _signature(module: torch.nn.Module) -> tuple[Any, ...]:
+    """What a layout reads from one module: class, children, parameters, buffer names and kinds.
+
+    Parameters by id: a parameter whose `.data` is replaced keeps it (its new tensor is read
+    afresh by every view); a new Parameter object, or a tie between two names, changes it.
+    """
+    children, params, buffers = module._modules, module._parameters, module._buffers
+    return (
+        type(module),
+        tuple(children),
+        tuple(map(id, children.values())),
+        tuple(params),
+        tuple(map(id, params.values())),
+        tuple(
+            (k, v.is_floating_point(), k in module._non_persistent_buffers_set)
+            for k, v in buffers.items()
+            if v is not None
+        )
+        if buffers
+        else (),
+    )
+
+
+_SHARED: weakref.WeakKeyDictionary[torch.nn.Module, dict[Any, _Layout]] = (
     weakref.WeakKeyDictionary()
 )
-"""`WeightView.shared`'s views, per model (dropped with the model)."""
+"""Each model's `_Layout`s, per (side, stream classes) (dropped with the model)."""
 
 
 class PairedWeights:
