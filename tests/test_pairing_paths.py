@@ -109,6 +109,24 @@ def test_block_hand_over_equals_module_hand_over_and_two_passes(
     assert block_handovers < module_handovers / 3
 
 
+@pytest.mark.parametrize("family_name", FAMILY_NAMES)
+@pytest.mark.parametrize("lockstep_run", [False, True])
+def test_held_references_equal_copies(
+    built: dict, family_name: str, lockstep_run: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Captured outputs are held as they are (checked by `_version`), not copied: same Result."""
+    from lab.pairing import run
+
+    fam, model, inputs = _model_inputs(built, family_name)
+    a, b = lab.Side.rollout(fam), lab.Side.trainer(fam)
+    references = lab.pair(model, inputs, a, b, lockstep=lockstep_run)
+    assert model not in run._EDITS_OUTPUTS  # no family edits a captured output in place
+    monkeypatch.setitem(run._EDITS_OUTPUTS, model, True)
+    copies = lab.pair(model, inputs, a, b, lockstep=lockstep_run)
+    _same(references, copies)
+    assert len(references.rows) > 20
+
+
 class _Block(torch.nn.Module):
     """A block whose forward may edit a captured output in place, call a module only in bf16,
     and hand out an integer tensor."""
@@ -159,6 +177,8 @@ BF16 = lab.Side(name="bf16", input_dtype_policy={"latents": "bf16"})
 def test_one_sided_modules_integers_and_in_place_edits_inside_blocks(
     edit: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from lab.pairing import run
+
     model, inputs = _toy(edit)
     counted = _Counted(monkeypatch)
     two_pass, per_module, per_block, _, _ = _pair_three_ways(
@@ -174,6 +194,9 @@ def test_one_sided_modules_integers_and_in_place_edits_inside_blocks(
     segments = [step.segments for step in counted.steps]
     assert segments == ([False, True] if not edit else [False, True, False])
     assert (model in lockstep._PER_MODULE) is edit
+    # The two passes hold `lin`'s output, edited before side B compares it: they ran again
+    # copying outputs, and so does every later pair of the model.
+    assert (model in run._EDITS_OUTPUTS) is edit
     again = lab.pair(model, inputs, FP32, BF16, lockstep=True)
     assert counted.steps[-1].segments is not edit
     _same(again, two_pass)

@@ -28,8 +28,8 @@ class _Pending:
     dtype_a: torch.dtype
     dtype_b: torch.dtype
     shape: tuple[int, ...]
-    stats: torch.Tensor | None = None
-    hist: torch.Tensor | None = None
+    stats: torch.Tensor | list[float] | None = None
+    hist: torch.Tensor | list[float] | None = None
     same_as: _Pending | None = None
     """An earlier pair of the very same two tensors, whose numbers this one takes."""
 
@@ -93,18 +93,31 @@ def metrics_on_side_stream() -> bool:
     return value == "1"
 
 
-class Collector:
-    """Compares leaves as they arrive; keeps only the small on-device stat vectors."""
+class OutputEdited(Exception):
+    """A forward edited a captured output in place before its pair was reduced (`_version`)."""
 
-    def __init__(self, module_classes: dict[str, str]) -> None:
+
+class Collector:
+    """Compares leaves as they arrive; keeps only the small on-device stat vectors.
+
+    On CPU small pairs are deferred to one batched reduction. By default the batch holds the
+    two tensors themselves and their `_version`s, checked at the flush: a forward that edited
+    one in place since raises `OutputEdited`, and the caller runs the pair again with
+    `copies=True` (each deferred tensor cloned when it arrives, as the batch always did).
+    """
+
+    def __init__(self, module_classes: dict[str, str], *, copies: bool = False) -> None:
         self.module_classes = module_classes
+        self.copies = copies
         self.reset()
 
-    def reset(self) -> None:
-        """Forget every pair and skip (a run that starts over)."""
+    def reset(self, *, copies: bool | None = None) -> None:
+        """Forget every pair and skip (a run that starts over), with copies if given."""
+        if copies is not None:
+            self.copies = copies
         self.pending: list[_Pending] = []
         self.skipped: list[Skipped] = []
-        self._batch: list[tuple[_Pending, torch.Tensor, torch.Tensor]] = []
+        self._batch: list[tuple[_Pending, torch.Tensor, torch.Tensor, int, int]] = []
         self._batch_numel = 0
         self._by_names: dict[tuple[int, int], _Pending] = {}
         self.repeats = 0
@@ -162,9 +175,11 @@ class Collector:
             with torch.autocast(a.device.type, enabled=False):
                 pending.stats, pending.hist = pair_stats(a, b)
             return
-        # Cloned: the forward may still edit these tensors in place before the flush.
-        a = a.detach() if a_owned else a.detach().clone()
-        self._batch.append((pending, a, b.detach().clone()))
+        if self.copies:
+            # Cloned: the forward may still edit these tensors in place before the flush.
+            a = a.detach() if a_owned else a.detach().clone()
+            b = b.detach().clone()
+        self._batch.append((pending, a, b, a._version, b._version))
         self._batch_numel += a.numel()
         if self._batch_numel >= _FLUSH_NUMEL:
             self.flush()
@@ -194,15 +209,41 @@ class Collector:
         b.record_stream(stream)
 
     def flush(self) -> None:
-        """Reduce every deferred pair in one segmented pass."""
+        """Reduce every deferred pair in one segmented pass.
+
+        Raises:
+            OutputEdited: A deferred tensor was edited in place since it arrived.
+        """
         if not self._batch:
             return
+        for pending, a, b, version_a, version_b in self._batch:
+            if a._version != version_a or b._version != version_b:
+                raise OutputEdited(pending.module, pending.call, pending.output)
         device_type = self._batch[0][1].device.type
         with torch.autocast(device_type, enabled=False):
-            stats, hists = segment_stats([(a, b) for _, a, b in self._batch])
-        for i, (pending, _, _) in enumerate(self._batch):
+            stats, hists = segment_stats([(a, b) for _, a, b, _, _ in self._batch])
+        # One host list for the batch (a CPU tensor: no transfer), instead of P row views
+        # stacked again by `rows`.
+        stats, hists = stats.tolist(), hists.tolist()
+        for i, (pending, *_) in enumerate(self._batch):
             pending.stats, pending.hist = stats[i], hists[i]
         self._batch, self._batch_numel = [], 0
+
+    def drop_edited(self) -> None:
+        """Skip the deferred pairs a forward edited in place (for a partial Result)."""
+        edited = {
+            id(pending)
+            for pending, a, b, version_a, version_b in self._batch
+            if a._version != version_a or b._version != version_b
+        }
+        if not edited:
+            return
+        self._batch = [entry for entry in self._batch if id(entry[0]) not in edited]
+        for pending in self.pending:
+            if id(pending.resolved()) in edited:
+                reason = "edited in place by its forward before it was compared"
+                self.skipped.append(Skipped(pending.module, pending.call, pending.output, reason))
+        self.pending = [p for p in self.pending if id(p.resolved()) not in edited]
 
     def rows(self) -> list[LayerDivergence]:
         """Every pair so far as LayerDivergence rows, in order (one host transfer)."""
@@ -211,9 +252,19 @@ class Collector:
             return []
         if self._stream is not None:
             torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
-        # One host transfer for every pair of the run.
-        stats = torch.stack([p.resolved().stats for p in self.pending]).cpu().tolist()
-        hists = torch.stack([p.resolved().hist for p in self.pending]).cpu().tolist()
+        # One host transfer for every pair reduced on a device (the deferred ones are lists).
+        resolved = [p.resolved() for p in self.pending]
+        tensors = [p for p in resolved if isinstance(p.stats, torch.Tensor)]
+        if tensors:
+            moved = zip(
+                torch.stack([p.stats for p in tensors]).cpu().tolist(),
+                torch.stack([p.hist for p in tensors]).cpu().tolist(),
+                strict=True,
+            )
+            for p, (row, hist) in zip(tensors, moved, strict=True):
+                p.stats, p.hist = row, hist
+        stats = [p.stats for p in resolved]
+        hists = [p.hist for p in resolved]
         rows = [
             LayerDivergence(
                 order=p.order,

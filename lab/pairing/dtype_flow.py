@@ -171,10 +171,12 @@ class FlowRecorder:
 def module_tensors(view: WeightView) -> Mapping[str, ModuleTensors]:
     """Every module's own parameters and buffers, from the view's model (cached per view).
 
-    Views are shared per model and side on CPU (`WeightView.shared`), so a tiny model's
-    repeated pairs walk its modules once.
+    Cached per view layout (the plan, shared by every view of a model and side while its
+    module tree is the same) unless a parameter is held compact, so repeated pairs walk the
+    modules once.
     """
-    cached = _MODULE_TENSORS.get(view)
+    key = view if view._logical_params else view.layout
+    cached = _MODULE_TENSORS.get(key)
     if cached is not None:
         return cached
     model = view.model
@@ -198,7 +200,7 @@ def module_tensors(view: WeightView) -> Mapping[str, ModuleTensors]:
             if t is not None and t.is_floating_point()
         )
         out[name or ROOT] = ModuleTensors(params, buffers, _is_attention(module))
-    _MODULE_TENSORS[view] = out
+    _MODULE_TENSORS[key] = out
     return out
 
 

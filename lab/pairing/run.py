@@ -15,7 +15,7 @@ from lab.base.errors import DegenerateOutputError, NonFiniteOutputError, PairErr
 from lab.families import Inputs
 from lab.families.master import master_summary
 from lab.pairing.capture import ModuleHooks, flatten_output
-from lab.pairing.collect import Aliases, Collector, metrics_on_side_stream
+from lab.pairing.collect import Aliases, Collector, OutputEdited, metrics_on_side_stream
 from lab.pairing.dtype_flow import FlowRecorder
 from lab.pairing.guards import (
     _holding_model,
@@ -187,7 +187,7 @@ def pair(
         view_b = WeightView.shared(model, side_b, stream_classes=blocks)
     inputs_a = side_inputs(inputs, side_a, device)
     inputs_b = side_inputs(inputs, side_b, device)
-    collector = Collector(view_a.module_classes)
+    collector = Collector(view_a.module_classes, copies=model in _EDITS_OUTPUTS)
     recorder = FlowRecorder()
     timings: dict[str, float] = {}
     result_meta = {
@@ -239,14 +239,17 @@ def pair(
                 phase,
                 recorder,
             )
-            if lockstep:
-                block_ids = outermost(model, _block_classes(model, side_a, side_b))
-                run_lockstep(run, block_ids, stream=stream)
-            elif mode == "propagated":
-                _run_propagated(run)
-            else:
-                _run_local(run)
+            try:
+                _run_strategy(run, mode, lockstep, stream)
+            except OutputEdited:
+                # The forward edits a captured output in place: run again copying outputs as
+                # they arrive, and from now on for this model.
+                _EDITS_OUTPUTS[model] = True
+                collector.reset(copies=True)
+                recorder.reset()
+                _run_strategy(run, mode, lockstep, stream)
     except Exception as err:
+        collector.drop_edited()
         result = partial()
         side = phase["side"]
         hint = ""
@@ -281,15 +284,42 @@ def pair(
     return result
 
 
-class _Store:
-    """Side A's outputs, held until side B's matching output arrives (then compared, dropped)."""
+_EDITS_OUTPUTS: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+"""Models whose forward edited a captured output in place: their pairs copy outputs."""
 
-    def __init__(self, flow: FlowRecorder) -> None:
+
+def _run_strategy(run: PairRun, mode: str, lockstep: bool, stream: bool) -> None:
+    """Run both sides and pair their outputs, then reduce what is still deferred.
+
+    Raises:
+        OutputEdited: A captured output was edited in place before it was compared (run
+            again with `run.collector.copies` set).
+    """
+    if lockstep:
+        block_ids = outermost(run.model, _block_classes(run.model, run.side_a, run.side_b))
+        run_lockstep(run, block_ids, stream=stream)
+    elif mode == "propagated":
+        _run_propagated(run)
+    else:
+        _run_local(run)
+    run.collector.flush()
+
+
+class _Store:
+    """Side A's outputs, held until side B's matching output arrives (then compared, dropped).
+
+    Held as they are, with their `_version`: a forward that edits one in place before side B
+    compares it raises `OutputEdited`, and `pair` runs again with copies (`copies=True`).
+    """
+
+    def __init__(self, flow: FlowRecorder, copies: bool) -> None:
         self.tensors: dict[tuple[str, int, str], Any] = {}
         self.order: dict[tuple[str, int, str], int] = {}
         self.names: dict[tuple[str, int, str], int | None] = {}
+        self.versions: dict[tuple[str, int, str], int] = {}
         self.aliases_a, self.aliases_b = Aliases(), Aliases()
         self.flow = flow
+        self.copies = copies
         # One copy per tensor object, alive while some kept output still refers to it.
         self._copies: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
@@ -304,8 +334,10 @@ class _Store:
             self.order.setdefault(key, len(self.order))
             name = self.names[key] = self.aliases_a.name(leaf)
             self.flow.note_output(name, key, leaf)
-            if not isinstance(leaf, torch.Tensor) or name is None:
+            if not isinstance(leaf, torch.Tensor) or name is None or not self.copies:
                 self.tensors[key] = leaf
+                if name is not None:
+                    self.versions[key] = leaf._version
                 continue
             # Copied: a later in-place op of the forward must not edit what we compare.
             copy = self._copies.get(name)
@@ -332,7 +364,10 @@ class _Store:
                 continue
             names = (self.names.pop(key), self.aliases_b.name(leaf))
             a = self.tensors.pop(key)
-            run.collector.compare(self.order[key], key, a, leaf, a_owned=True, names=names)
+            version = self.versions.pop(key, None)
+            if version is not None and a._version != version:
+                raise OutputEdited(*key)
+            run.collector.compare(self.order[key], key, a, leaf, a_owned=self.copies, names=names)
 
     def report_leftovers(self, run: PairRun) -> None:
         for module, call, idx in sorted(self.tensors, key=self.order.__getitem__):
@@ -341,7 +376,7 @@ class _Store:
 
 
 def _run_propagated(run: PairRun) -> None:
-    store = _Store(run.flow)
+    store = _Store(run.flow, run.collector.copies)
     run.flow.track(store.aliases_a, run.inputs_a.kwargs)
     # One set of hooks for both passes: side A's outputs are kept, side B's compared.
     on = {"output": lambda lb, c, a, k, out: store.keep(lb, c, a, k, out)}
