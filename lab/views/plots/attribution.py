@@ -13,6 +13,7 @@ graft) or `backend="matplotlib"`.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -122,7 +123,8 @@ def plot_attribution(
             )  # fmt: skip
         fig.update_xaxes(title="share of the final divergence", tickformat=".0%")
         fig.update_layout(
-            title={"text": title, "font": {"size": 12}}, template="plotly_white",
+            title={"text": "<br>".join(textwrap.wrap(title, 110)), "font": {"size": 12}},
+            template="plotly_white",
             barmode="relative", height=int(height * 96), hovermode="closest",
         )  # fmt: skip
         return attach_static_twin(
@@ -149,6 +151,7 @@ def plot_attribution(
             0.5, 0.5, "nothing to attribute: the sides are bit-identical",
             transform=ax.transAxes, ha="center",
         )  # fmt: skip
-    ax.set_title(title, fontsize=8)
+    # Wrapped: the full sentence is longer than the axes are wide.
+    ax.set_title("\n".join(textwrap.wrap(title, 95)), fontsize=8)
     ax.legend(fontsize=8, loc="lower right")
     return fig
