@@ -336,3 +336,30 @@ def test_a_paired_model_is_freed_with_its_last_reference() -> None:
     del model
     gc.collect()
     assert alive() is None  # ...and neither they nor anything else keeps it alive
+
+
+def test_decode_stats_reads_every_field_at_its_stat_fields_position() -> None:
+    from lab.pairing.metrics import STAT_FIELDS, ULP_BIN_EDGES, decode_stats
+
+    # Distinct values per field: a field read from another column shows up.
+    stats = [float(10 + i) for i in range(len(STAT_FIELDS))]
+    s = dict(zip(STAT_FIELDS, stats, strict=True))
+    hist = [float(i) for i in range(len(ULP_BIN_EDGES))]
+    m = decode_stats(stats, hist, torch.bfloat16, torch.float32)
+    assert m.numel == int(s["numel"]) == 10
+    assert m.mean_abs_diff == s["sum_abs_diff"] / s["finite"]
+    assert m.max_abs_diff == s["max_abs_diff"]
+    assert m.rel_max == s["max_abs_diff"] / (s["max_abs_a"] + 1e-30)
+    assert m.max_ulp == s["max_ulp"]
+    assert m.bitexact_frac == s["bitexact"] / s["numel"]
+    assert m.cosine_dist == s["sum_sq_diff"] / (s["norm2_a"] + s["norm2_b"])
+    assert m.rounding_only is False  # max_abs_diff_rounded is not 0
+    assert m.max_abs_diff_rounded == s["max_abs_diff_rounded"]
+    assert (m.nonfinite_a, m.nonfinite_b) == (int(s["nonfinite_a"]), int(s["nonfinite_b"]))
+    assert m.degenerate is True
+    assert m.ulp_hist == tuple(range(len(ULP_BIN_EDGES)))
+    assert (m.mean_a, m.mean_b) == (s["mean_a"], s["mean_b"])
+    assert (m.max_abs_a, m.max_abs_b) == (s["max_abs_a"], s["max_abs_b"])
+    tensor = decode_stats(torch.tensor(stats, dtype=torch.float64), torch.tensor(hist),
+                          torch.bfloat16, torch.float32)  # fmt: skip
+    assert tensor == m

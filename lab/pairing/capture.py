@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +50,13 @@ def flatten_output(output: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
             )
     else:
         yield prefix, output
+
+
+def output_leaves(output: Any) -> Iterable[tuple[str, Any]]:
+    """`flatten_output(output)`, without a generator for a bare tensor (most module outputs)."""
+    if isinstance(output, torch.Tensor):
+        return (("", output),)
+    return flatten_output(output)
 
 
 def depth_filter(max_depth: int) -> Callable[[str], bool]:

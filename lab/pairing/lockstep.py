@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lab.pairing.capture import ROOT, flatten_output
+from lab.pairing.capture import ROOT, output_leaves
 from lab.pairing.collect import Aliases
 from lab.pairing.result import Skipped
 from lab.pairing.side_context import sdpa_context, side_autocast
@@ -350,7 +350,7 @@ class _Lockstep:
         collector = self.run.collector
         parked = False
         aliases = self.aliases[key]
-        for idx, leaf in flatten_output(output):
+        for idx, leaf in output_leaves(output):
             k = (label, call, idx)
             name = aliases.name(leaf)
             if flow is not None:

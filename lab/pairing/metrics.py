@@ -776,31 +776,34 @@ def decode_stats(
     """Turn one (host-side) stats vector, a tensor or its `tolist()`, into named metrics."""
     if isinstance(stats, torch.Tensor):
         stats, hist = stats.tolist(), hist.tolist()
-    s = dict(zip(STAT_FIELDS, stats, strict=True))
-    finite = max(s["finite"], 1.0)
-    denom = s["norm2_a"] + s["norm2_b"]
-    cosine = s["sum_sq_diff"] / denom if denom > 0 else 0.0
+    # Unpacked by position (the order of STAT_FIELDS): no dict a row.
+    (
+        numel, finite, sum_abs_diff, max_abs_diff, max_abs_a, max_abs_b, max_ulp, bitexact,
+        sum_sq_diff, norm2_a, norm2_b, nonfinite_a, nonfinite_b, max_abs_diff_rounded,
+        degenerate_a, degenerate_b, mean_a, mean_b,
+    ) = stats  # fmt: skip
+    finite = max(finite, 1.0)
+    denom = norm2_a + norm2_b
+    cosine = sum_sq_diff / denom if denom > 0 else 0.0
     return PairMetrics(
-        numel=int(s["numel"]),
-        mean_abs_diff=s["sum_abs_diff"] / finite,
-        max_abs_diff=s["max_abs_diff"],
-        rel_max=s["max_abs_diff"] / (s["max_abs_a"] + 1e-30),
-        max_ulp=s["max_ulp"],
-        bitexact_frac=s["bitexact"] / s["numel"] if s["numel"] else 1.0,
+        numel=int(numel),
+        mean_abs_diff=sum_abs_diff / finite,
+        max_abs_diff=max_abs_diff,
+        rel_max=max_abs_diff / (max_abs_a + 1e-30),
+        max_ulp=max_ulp,
+        bitexact_frac=bitexact / numel if numel else 1.0,
         cosine_dist=max(cosine, 0.0),
-        rounding_only=bool(
-            dtype_a != dtype_b and s["max_abs_diff"] > 0 and s["max_abs_diff_rounded"] == 0
-        ),
-        max_abs_diff_rounded=s["max_abs_diff_rounded"],
-        nonfinite_a=int(s["nonfinite_a"]),
-        nonfinite_b=int(s["nonfinite_b"]),
+        rounding_only=bool(dtype_a != dtype_b and max_abs_diff > 0 and max_abs_diff_rounded == 0),
+        max_abs_diff_rounded=max_abs_diff_rounded,
+        nonfinite_a=int(nonfinite_a),
+        nonfinite_b=int(nonfinite_b),
         # One element is trivially constant: only larger tensors can be degenerate.
-        degenerate=bool(s["numel"] > 1 and s["degenerate_a"] and s["degenerate_b"]),
-        ulp_hist=tuple(int(v) for v in hist),
-        mean_a=s["mean_a"],
-        mean_b=s["mean_b"],
-        max_abs_a=s["max_abs_a"],
-        max_abs_b=s["max_abs_b"],
+        degenerate=bool(numel > 1 and degenerate_a and degenerate_b),
+        ulp_hist=tuple(map(int, hist)),
+        mean_a=mean_a,
+        mean_b=mean_b,
+        max_abs_a=max_abs_a,
+        max_abs_b=max_abs_b,
     )
 
 

@@ -14,7 +14,7 @@ from lab.base.devices import resolve_device
 from lab.base.errors import DegenerateOutputError, NonFiniteOutputError, PairError
 from lab.families import Inputs
 from lab.families.master import master_summary
-from lab.pairing.capture import ModuleHooks, flatten_output
+from lab.pairing.capture import ModuleHooks, flatten_output, output_leaves
 from lab.pairing.collect import Aliases, Collector, OutputEdited, metrics_on_side_stream
 from lab.pairing.dtype_flow import FlowRecorder
 from lab.pairing.guards import (
@@ -329,7 +329,7 @@ class _Store:
             self._keep(label, call, output)
 
     def _keep(self, label: str, call: int, output: Any) -> None:
-        for idx, leaf in flatten_output(output):
+        for idx, leaf in output_leaves(output):
             key = (label, call, idx)
             self.order.setdefault(key, len(self.order))
             name = self.names[key] = self.aliases_a.name(leaf)
@@ -356,7 +356,7 @@ class _Store:
             self._compare(run, label, call, output)
 
     def _compare(self, run: PairRun, label: str, call: int, output: Any) -> None:
-        for idx, leaf in flatten_output(output):
+        for idx, leaf in output_leaves(output):
             key = (label, call, idx)
             if key not in self.tensors:
                 reason = f"only on side {run.side_b.name!r}"
@@ -379,16 +379,16 @@ def _run_propagated(run: PairRun) -> None:
     store = _Store(run.flow, run.collector.copies)
     run.flow.track(store.aliases_a, run.inputs_a.kwargs)
     # One set of hooks for both passes: side A's outputs are kept, side B's compared.
-    on = {"output": lambda lb, c, a, k, out: store.keep(lb, c, a, k, out)}
-    hooks = ModuleHooks(
-        run.model,
-        lambda lb, c, m, a, k, out: on["output"](lb, c, a, k, out),
-        names_filter=run.names_filter,
-    )
+    on = [store.keep]
+
+    def on_output(label: str, call: int, module: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        on[0](label, call, args, kwargs, out)
+
+    hooks = ModuleHooks(run.model, on_output, names_filter=run.names_filter)
     with hooks.attached():
         run.forward("a", None)
         hooks.calls.clear()  # side B's calls count from zero again
-        on["output"] = lambda lb, c, a, k, out: store.compare(run, lb, c, a, k, out)
+        on[0] = functools.partial(store.compare, run)
         run.forward("b", None)
     store.report_leftovers(run)
 
