@@ -363,3 +363,24 @@ def test_decode_stats_reads_every_field_at_its_stat_fields_position() -> None:
     tensor = decode_stats(torch.tensor(stats, dtype=torch.float64), torch.tensor(hist),
                           torch.bfloat16, torch.float32)  # fmt: skip
     assert tensor == m
+
+
+def test_view_parameters_are_the_canonical_parameters_and_feed_the_guards() -> None:
+    from lab.families.master import canonical_parameters, master_summary
+    from lab.pairing.guards import check_fp32_master
+    from lab.pairing.weights import WeightView
+
+    fam = lab.family("flux")
+    model = fam.build("tiny", 0)
+    side = lab.Side.rollout(fam)
+    # A tied parameter: named twice, listed once under its first name.
+    model.tied = torch.nn.Linear(4, 4)
+    model.tied2 = torch.nn.Module()
+    model.tied2.weight = model.tied.weight
+    params = WeightView(model, side).parameters()
+    assert [(n, id(p)) for n, p in params] == [(n, id(p)) for n, p in canonical_parameters(model)]
+    assert master_summary(model, params) == master_summary(model)
+    check_fp32_master(model, "test", [p for _, p in params])
+    model.tied.bias.data = model.tied.bias.data.bfloat16()
+    with pytest.raises(ValueError, match=r"1 bf16 parameter\(s\).*tied.bias"):
+        check_fp32_master(model, "test", [p for _, p in WeightView(model, side).parameters()])

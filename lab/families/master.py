@@ -192,12 +192,18 @@ def stale_held_message(model: torch.nn.Module) -> str | None:
     return _stale_words(model, stale) if stale else None
 
 
-def master_summary(model: torch.nn.Module) -> dict[str, Any]:
-    """meta["master"]: the logical dtype, tensors held per dtype, bytes held, the check used."""
-    held = held_parameters(model)
+def master_summary(
+    model: torch.nn.Module, params: Iterable[tuple[str, torch.Tensor]] | None = None
+) -> dict[str, Any]:
+    """meta["master"]: the logical dtype, tensors held per dtype, bytes held, the check used.
+
+    `params`: the model's `canonical_parameters`, when the caller has them already.
+    """
+    params = list(canonical_parameters(model) if params is None else params)
+    held = held_parameters(model, params)
     counts: dict[str, int] = {}
     nbytes = 0
-    for name, p in canonical_parameters(model):
+    for name, p in params:
         label = "bf16" if name in held else _dtype_label(p.dtype)
         counts[label] = counts.get(label, 0) + 1
         nbytes += p.numel() * p.element_size()

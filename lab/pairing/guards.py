@@ -14,7 +14,7 @@ import functools
 import re
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -73,7 +73,9 @@ def _holding_model(where: str) -> Callable[[Callable[..., Any]], Callable[..., A
     return wrap
 
 
-def check_fp32_master(model: torch.nn.Module, where: str) -> None:
+def check_fp32_master(
+    model: torch.nn.Module, where: str, params: Iterable[torch.Tensor] | None = None
+) -> None:
     """Refuse a model whose parameters are not (at least) fp32: sides cast from an fp32 master.
 
     A bf16 model taken as the master would be run by `Side.fp32_reference` on bf16-rounded
@@ -81,11 +83,15 @@ def check_fp32_master(model: torch.nn.Module, where: str) -> None:
     exception is a compact master (lab/families/master.py): a parameter `compact_master` found
     exact at bf16 and holds at bf16, whose tensor is still the one it recorded.
 
+    `params`: the model's parameters when the caller has them already (a `WeightView`'s),
+    so the common case (every parameter fp32) walks no module tree.
+
     Raises:
         ValueError: Naming how many parameters are in which dtype, one of them, and the fix;
             or a held parameter changed since compaction (a later .to(), .bfloat16(), ...).
     """
-    if not any(p.is_floating_point() and p.element_size() < 4 for p in model.parameters()):
+    params = model.parameters() if params is None else params
+    if not any(p.is_floating_point() and p.element_size() < 4 for p in params):
         return
     stale = stale_held_message(model)
     if stale is not None:

@@ -166,7 +166,6 @@ def pair(
     device = model_device(model)
     for side in (side_a, side_b):
         check_side_device(side, device)
-    check_fp32_master(model, "pair")
     check_inputs(model, inputs, "pair")
     # The metric switches are read inside the forwards: refuse a bad one before they start.
     metrics_kernel()
@@ -180,11 +179,15 @@ def pair(
             "side.replace(fsdp_wrap_classes=(...)) on one side."
         )
     check_master_fits(model, inputs, (side_a, side_b), blocks, "pair")
+    # The views plan without casting; their cached layout lists the parameters, so the fp32
+    # check and the master summary walk no module tree.
     view_a = WeightView.shared(model, side_a, stream_classes=blocks)
     if mode == "local":
         view_b = WeightView(model, side_b, cache=True, stream_classes=blocks)
     else:
         view_b = WeightView.shared(model, side_b, stream_classes=blocks)
+    params = view_a.parameters()
+    check_fp32_master(model, "pair", [p for _, p in params])
     inputs_a = side_inputs(inputs, side_a, device)
     inputs_b = side_inputs(inputs, side_b, device)
     collector = Collector(view_a.module_classes, copies=model in _EDITS_OUTPUTS)
@@ -199,7 +202,7 @@ def pair(
         "param_dtypes_b": view_b.plan.dtype_counts(),
         "versions": dict(_versions()),
         "stream": stream,
-        "master": master_summary(model),
+        "master": master_summary(model, params),
     }
     if lockstep is None:
         lockstep = mode == "propagated" and (stream or device.type == "cuda")

@@ -241,6 +241,13 @@ class WeightView:
         """
         return cls(model, side, stream_classes=stream_classes)
 
+    def parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The model's parameters, each once under its first name (`canonical_parameters`).
+
+        Read from the cached layout: no walk through the module tree.
+        """
+        return list(zip(self.layout.param_names, (p for p, _ in self._slots), strict=True))
+
     def logical_dtype(self, param: torch.Tensor) -> torch.dtype:
         """The dtype of `param`'s master value: fp32 for a held (compact) tensor, else its own."""
         return self._logical_params.get(id(param), param.dtype)
