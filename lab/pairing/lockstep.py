@@ -333,13 +333,11 @@ class _Lockstep:
 
     # ---- hooks (run in the side's thread) ---------------------------------------------------
 
-    def on_output(self, label: str, args: tuple, kwargs: dict, output: Any) -> None:
-        # Pairing is no part of the side's forward: no autocast emulation (a torch-function
-        # mode, thread-local) between our tensor calls and torch.
-        with torch._C.DisableTorchFunction():
-            self._on_output(label, args, kwargs, output)
-
     def _on_output(self, label: str, args: tuple, kwargs: dict, output: Any) -> None:
+        """Pair, park or skip each leaf of one captured output.
+
+        Runs without the autocast emulation's torch-function mode (see `_run_once`).
+        """
         key = _current_key()
         other = "b" if key == "a" else "a"
         calls = self.calls[key]
@@ -466,26 +464,34 @@ def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -
     blocks = step.weights.block_modules
     handles = []
 
+    # The hooks' own work (weight swaps, bookkeeping, metrics) is no part of the side's
+    # forward: it runs without the autocast emulation's torch-function mode, which would
+    # otherwise see every tensor call of it (~5 us each on a tiny CPU model).
+    no_function_mode = torch._C.DisableTorchFunction
+
     def pre(mod: torch.nn.Module, args: Any) -> None:
         key = _current_key()
         if key:
-            if segments:
-                step.boundary(key)
-            step.weights.enter_block(key, mod)
+            with no_function_mode():
+                if segments:
+                    step.boundary(key)
+                step.weights.enter_block(key, mod)
 
     def make_post(label: str, captured: bool, block: bool) -> Any:
-        on_output = step.on_output
+        on_output = step._on_output
+        weights = step.weights
 
         def post(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             key = _current_key()
             if not key:
                 return
-            if block:
-                step.weights.exit_block(key, mod)
-            if captured:
-                on_output(label, args, kwargs, output)
-            if block and segments:
-                step.boundary(key)
+            with no_function_mode():
+                if block:
+                    weights.exit_block(key, mod)
+                if captured:
+                    on_output(label, args, kwargs, output)
+                if block and segments:
+                    step.boundary(key)
 
         return post
 
