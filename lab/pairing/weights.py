@@ -348,7 +348,11 @@ class WeightView:
         root = self.model if root is None else root
         if id(root) not in self._module_names:
             raise ValueError(f"WeightView: {type(root).__name__} is not a submodule of the model.")
-        streamed = [m for m in root.modules() if id(m) in self.streamed_ids and m is not root]
+        streamed = (
+            [m for m in root.modules() if id(m) in self.streamed_ids and m is not root]
+            if self.streamed_ids
+            else []  # nothing streams: no walk through the module tree
+        )
         undo: list[tuple[Any, ...]] = []
         block_undo: list[list[tuple[Any, ...]]] = []
         handles = []
