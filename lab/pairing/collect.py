@@ -18,7 +18,7 @@ Leaf = tuple[str, int, str, Any]
 """(module path, call index, output index, tensor or other leaf) of one captured output."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
     order: int
     module: str
@@ -143,18 +143,18 @@ class Collector:
         before takes the earlier pair's numbers instead of being reduced again.
         """
         module, call, output = key
-        if (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.is_complex()
-            and b.is_complex()
-        ):
+        tensors = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+        if tensors and a.is_complex() and b.is_complex():
             # RoPE tables are complex in some families: compare real and imaginary parts.
             a, b = torch.view_as_real(a), torch.view_as_real(b)
-        reason = why_not_comparable(a, b)
-        if reason:
-            self.skipped.append(Skipped(module, call, output, reason))
-            return
+        if not (
+            # The common case, checked inline: two floating tensors of one shape.
+            tensors and a.is_floating_point() and b.is_floating_point() and a.shape == b.shape
+        ):
+            reason = why_not_comparable(a, b)
+            if reason:
+                self.skipped.append(Skipped(module, call, output, reason))
+                return
         pending = _Pending(order, module, call, output, self.module_classes.get(module, "?"),
                            a.dtype, b.dtype, tuple(a.shape))  # fmt: skip
         self.pending.append(pending)
@@ -263,8 +263,11 @@ class Collector:
             )
             for p, (row, hist) in zip(tensors, moved, strict=True):
                 p.stats, p.hist = row, hist
-        stats = [p.stats for p in resolved]
-        hists = [p.hist for p in resolved]
+        names: dict[torch.dtype, str] = {}
+        for p in self.pending:
+            for dtype in (p.dtype_a, p.dtype_b):
+                if dtype not in names:
+                    names[dtype] = dtype_name(dtype)
         rows = [
             LayerDivergence(
                 order=p.order,
@@ -272,12 +275,12 @@ class Collector:
                 call=p.call,
                 output=p.output,
                 module_class=p.module_class,
-                dtype_a=dtype_name(p.dtype_a),
-                dtype_b=dtype_name(p.dtype_b),
+                dtype_a=names[p.dtype_a],
+                dtype_b=names[p.dtype_b],
                 shape=p.shape,
-                metrics=decode_stats(row, hist, p.dtype_a, p.dtype_b),
+                metrics=decode_stats(r.stats, r.hist, p.dtype_a, p.dtype_b),
             )
-            for p, row, hist in zip(self.pending, stats, hists, strict=True)
+            for p, r in zip(self.pending, resolved, strict=True)
         ]
         return sorted(rows, key=lambda r: r.order)
 
