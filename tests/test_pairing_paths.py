@@ -219,6 +219,11 @@ def test_park_budget_hands_over_inside_a_block(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.delenv("LAB_PARK_BUDGET")
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     assert lockstep.park_budget(model) == max(64 << 20, int(0.05 * params))
+    # The pair hands its view's parameter list over: the same tensors as model.parameters().
+    view_params = [p for _, p in lab.pairing.weights.WeightView(model, FP32).parameters()]
+    assert [id(p) for p in view_params] == [id(p) for p in model.parameters()]
+    monkeypatch.setattr(lockstep, "_PARK_BUDGET_MIN", 0)
+    assert lockstep.park_budget(model, view_params) == int(0.05 * params) > 0
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -210,12 +210,13 @@ def check_switches() -> None:
     _budget_switch()
 
 
-def park_budget(model: torch.nn.Module) -> int:
+def park_budget(model: torch.nn.Module, params: Iterable[torch.Tensor] | None = None) -> int:
     """Bytes of outputs a side parks at most before handing over, even inside a block.
 
     LAB_PARK_BUDGET (bytes) if set, else PARK_BUDGET_SHARE of the model's parameter bytes
     (at least 64 MiB): flux full 2.4 GB, about one double block's outputs; a Wan2.2 full block
-    parks ~10 GB, so it hands over every few modules.
+    parks ~10 GB, so it hands over every few modules. `params`: the model's parameters when
+    the caller has them already (a `WeightView`'s, without walking the module tree).
 
     Raises:
         ValueError: LAB_PARK_BUDGET is not a non-negative integer.
@@ -223,8 +224,9 @@ def park_budget(model: torch.nn.Module) -> int:
     value = _budget_switch()
     if value is not None:
         return value
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return max(_PARK_BUDGET_MIN, int(PARK_BUDGET_SHARE * params))
+    params = model.parameters() if params is None else params
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    return max(_PARK_BUDGET_MIN, int(PARK_BUDGET_SHARE * nbytes))
 
 
 _PER_MODULE: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
@@ -250,7 +252,8 @@ class _Lockstep:
         """Both sides pin the same kernel: one context around the run, none per turn."""
         self.segments = segments
         """Hand over at block boundaries (see `run_lockstep`), not after every parked output."""
-        self.budget = park_budget(run.model) if segments else 0
+        view_params = (p for _, p in run.view_a.parameters())
+        self.budget = park_budget(run.model, view_params) if segments else 0
         self.parked = {"a": 0, "b": 0}
         """Bytes (plus one per leaf) the side parked since it last handed over (0: none)."""
         self.b_leaves = 0
