@@ -258,3 +258,58 @@ def test_block_hand_over_equals_module_hand_over_on_cuda_reduced(
     streamed = lab.pair(model, inputs, a, b, stream=True)
     _same(streamed, two_pass)
     assert block_handovers < module_handovers
+
+
+@pytest.mark.parametrize("family_name", FAMILY_NAMES)
+def test_weight_view_entries_from_the_layout_plan_equal_a_fresh_walk(family_name: str) -> None:
+    from lab.pairing.weights import WeightView, outermost
+
+    fam = lab.family(family_name)
+    model = fam.build("tiny", 0)
+    side = lab.Side.trainer(fam)
+    blocks = outermost(model, tuple(side.fsdp_wrap_classes or model._no_split_modules or ()))
+    block_modules = [m for m in model.modules() if id(m) in blocks]
+    assert block_modules, "the family declares blocks"
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def walk(view: WeightView, root: torch.nn.Module, skip: set[int]) -> list[tuple]:
+        """The slots by a plain walk of the module tree (what the plan must reproduce)."""
+        out, seen = [], set()
+
+        def visit(module: torch.nn.Module, path: str) -> None:
+            for p in module._parameters.values():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    name = view._param_names[id(p)]
+                    out.append(
+                        (id(p), None, id(view._masters[id(p)]), view.plan.param_dtypes[name])
+                    )
+            for b, t in module._buffers.items():
+                full = ".".join(x for x in (names[id(root)], path, b) if x)
+                if t is not None and full in view._buffer_masters:
+                    master = view._buffer_masters[full]
+                    out.append((id(module), b, id(master), view.plan.buffer_dtypes.get(full)))
+            for n, child in module.named_children():
+                if id(child) not in skip:
+                    visit(child, f"{path}.{n}" if path else n)
+
+        visit(root, "")
+        return out
+
+    def listed(view: WeightView, root: torch.nn.Module, skip: set[int]) -> list[tuple]:
+        return [(id(e.owner), e.buffer, id(e.master), e.dtype) for e in view.entries(root, skip)]
+
+    for root, skip in [(model, blocks), (model, set()), (block_modules[-1], set())]:
+        first = WeightView(model, side)
+        assert listed(first, root, skip) == walk(first, root, skip)  # planned here
+        again = WeightView(model, side)  # another pair: the same layout and plan
+        assert again.layout is first.layout
+        assert (id(root), frozenset(skip)) in again.layout.entry_plans
+        assert listed(again, root, skip) == walk(again, root, skip)
+    # A parameter whose .data is replaced: the plan stays, its new tensor is the master.
+    p = next(block_modules[-1].parameters())
+    old_ptr = p.data_ptr()
+    p.data = p.data.clone()
+    view = WeightView(model, side)
+    masters = {id(e.owner): e.master for e in view.entries(block_modules[-1], set())}
+    assert masters[id(p)].data_ptr() == p.data_ptr() != old_ptr

@@ -294,25 +294,47 @@ class WeightView:
         """Every parameter and buffer slot in `root`, not inside modules in `skip`.
 
         Each comes with the master it is cast from and the dtype this side wants (None: the
-        master as is).
+        master as is). Which slots, in which order, is worked out once per layout, root and
+        skip (`_entry_plan`); each view fills in its own tensors.
         """
+        key = (id(root), frozenset(skip))
+        plan = self.layout.entry_plans.get(key)
+        if plan is None:
+            plan = self.layout.entry_plans[key] = self._entry_plan(root, skip)
+        slots, buffers = self._slots, self._buffer_slots
+        for kind, index, dtype in plan:
+            if kind:
+                module, buf_name, master = buffers[index]
+                if module._buffers.get(buf_name) is not None:
+                    yield Entry(module, buf_name, master, dtype)
+            else:
+                param, master = slots[index]
+                yield Entry(param, None, master, dtype)
+
+    def _entry_plan(
+        self, root: torch.nn.Module, skip: set[int]
+    ) -> list[tuple[bool, int, torch.dtype | None]]:
+        """`entries` as (is a buffer, its index in the view's slots, dtype), in walk order."""
         prefix = self._module_names[id(root)]
+        param_index = {id(p): i for i, (p, _) in enumerate(self._slots)}
+        buffer_index = {full: j for j, (_, _, full) in enumerate(self.layout.buffers)}
         seen: set[int] = set()
+        plan: list[tuple[bool, int, torch.dtype | None]] = []
         for mod_name, module in _named_modules_skipping(root, skip):
             for param in module._parameters.values():
                 if param is None or id(param) in seen:
                     continue
                 seen.add(id(param))
                 dtype = self.plan.param_dtypes[self._param_names[id(param)]]
-                yield Entry(param, None, self._masters[id(param)], dtype)
-            for buf_name, buf in list(module._buffers.items()):
+                plan.append((False, param_index[id(param)], dtype))
+            for buf_name, buf in module._buffers.items():
                 full = ".".join(p for p in (prefix, mod_name, buf_name) if p)
                 if buf is None or full not in self._buffer_masters:
                     continue
                 # A side that does not cast buffers still restores the master's, in case an
                 # outer view (another side) cast them.
-                dtype = self.plan.buffer_dtypes.get(full)
-                yield Entry(module, buf_name, self._buffer_masters[full], dtype)
+                plan.append((True, buffer_index[full], self.plan.buffer_dtypes.get(full)))
+        return plan
 
     def _swap_in(self, root: torch.nn.Module, skip: set[int], undo: list[tuple[Any, ...]]) -> None:
         """Swap this side's tensors into `root`, except inside modules whose id is in `skip`."""
@@ -443,6 +465,8 @@ class _Layout:
             if t is not None
         ]
         self.streamed_ids = outermost(model, stream_classes)
+        self.entry_plans: dict[tuple[int, frozenset[int]], list[tuple[Any, ...]]] = {}
+        """`WeightView.entries` per (root id, skipped ids): the slots in walk order."""
 
     @classmethod
     def of(
