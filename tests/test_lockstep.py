@@ -120,7 +120,12 @@ def test_in_place_edits_and_one_sided_modules_match_two_pass() -> None:
     assert [(s.module, s.reason) for s in lockstep.skipped] == [("extra", "only on side 'bf16'")]
 
 
-def test_a_failing_side_unwinds_both_threads_and_keeps_partial_rows() -> None:
+def test_a_failing_side_unwinds_both_threads_and_keeps_partial_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lab.pairing import lockstep
+
+    monkeypatch.setattr(lockstep, "KEEP_WORKERS_ON", ("cpu", "cuda"))  # the CUDA policy, on CPU
     model, inputs = _toy()
     a = lab.Side(name="fp32", forward_dtype="fp32", rollout_precision="fp32")
     b = lab.Side(
@@ -292,6 +297,7 @@ def test_side_threads_are_kept_and_hold_nothing_between_pairs(
         steps.append(weakref.ref(self))
 
     monkeypatch.setattr(lockstep._Lockstep, "__init__", tracked)
+    monkeypatch.setattr(lockstep, "KEEP_WORKERS_ON", ("cpu", "cuda"))  # the CUDA policy, on CPU
     model, inputs = _toy()
     a = lab.Side(name="fp32", forward_dtype="fp32", rollout_precision="fp32")
     b = lab.Side(name="bf16", input_dtype_policy={"latents": "bf16"})
@@ -316,3 +322,19 @@ def test_side_threads_are_kept_and_hold_nothing_between_pairs(
     # Four runs: the toy's forward edits a compared output in place (`mul_`) before the
     # deferred reduction, so its first pair ran again copying outputs (and every later one did).
     assert len(steps) == 4 and all(step() is None for step in steps)
+
+
+def test_cpu_pairs_leave_no_side_thread_behind() -> None:
+    """On CPU each lockstep pair runs on two fresh threads that end with it (an idle kept thread
+    would keep an OpenMP team that slows the process's later CPU forwards)."""
+    from lab.pairing import lockstep
+
+    assert "cpu" not in lockstep.KEEP_WORKERS_ON
+    model, inputs = _toy()
+    a = lab.Side(name="fp32", forward_dtype="fp32", rollout_precision="fp32")
+    b = lab.Side(name="bf16", input_dtype_policy={"latents": "bf16"})
+    # Kept threads a CUDA-policy test left behind stay; count only what this pair adds.
+    idle = [t for t in threading.enumerate() if t.name.startswith("lab-pair-")]
+    result = lab.pair(model, inputs, a, b, lockstep=True)
+    after = [t for t in threading.enumerate() if t.name.startswith("lab-pair-")]
+    assert after == idle and result.meta["lockstep"] and result.rows

@@ -152,10 +152,16 @@ class _Workers:
 
 _WORKERS = _Workers()
 
+KEEP_WORKERS_ON: tuple[str, ...] = ("cuda",)
+"""Device types whose pairs keep the two side threads between pairs. Not CPU: an idle side thread
+keeps its OpenMP team, which on a small machine slows every later CPU forward of the process
+(flux tiny's plain forwards took 2x as long after one kept-thread pair on 2 cores)."""
+
 
 def _run_sides(step: _Lockstep) -> None:
     """Run both sides' forwards (`step.thread`) to the end, on the kept workers if free."""
-    with _WORKERS.claimed() as workers:
+    keep = step.run.device.type in KEEP_WORKERS_ON
+    with _WORKERS.claimed() if keep else contextlib.nullcontext() as workers:
         if workers is not None:
             waits = [workers[k].submit(lambda k=k: step.thread(k)).wait for k in ("a", "b")]
         else:
