@@ -35,6 +35,8 @@ for stage in "$@"; do
         LAB_GPU_OUT="$out/causes" gpu_pytest -s tests/test_checks_gpu.py tests/test_attribute_gpu.py \
             tests/test_pairing_paths.py tests/test_trajectory.py -k "not full_size" \
             >"$out/causes_gpu.log" 2>&1
+        # The device returns few files, two folders deep: the figures travel as one archive.
+        tar -czf "$out/causes_figures.tgz" -C "$out" causes && rm -rf "$out/causes"
         ;;
     trajfull)
         gpu_pytest -m "gpu and slow" -s tests/test_trajectory.py -k full_size >"$out/trajfull_gpu.log" 2>&1
