@@ -171,7 +171,7 @@ def pair(
     metrics_kernel()
     metrics_on_side_stream()
     check_switches()
-    blocks = _block_classes(model, side_a, side_b) if stream else ()
+    blocks = block_classes(model, side_a, side_b) if stream else ()
     if stream and not blocks:
         raise ValueError(
             f"pair: stream=True needs block classes; neither side names fsdp_wrap_classes and "
@@ -299,7 +299,7 @@ def _run_strategy(run: PairRun, mode: str, lockstep: bool, stream: bool) -> None
             again with `run.collector.copies` set).
     """
     if lockstep:
-        block_ids = outermost(run.model, _block_classes(run.model, run.side_a, run.side_b))
+        block_ids = outermost(run.model, block_classes(run.model, run.side_a, run.side_b))
         run_lockstep(run, block_ids, stream=stream)
     elif mode == "propagated":
         _run_propagated(run)
@@ -455,7 +455,11 @@ def _run_local(run: PairRun) -> None:
     run.forward("a", hooks)
 
 
-def _block_classes(model: torch.nn.Module, side_a: Side, side_b: Side) -> tuple[str, ...]:
+def block_classes(model: torch.nn.Module, side_a: Side, side_b: Side) -> tuple[str, ...]:
+    """The block classes `pair` and `trajectory` stream: the sides' wrap classes, else the model's.
+
+    The model's are its own `_no_split_modules`.
+    """
     declared = getattr(model, "_no_split_modules", None) or ()
     return tuple(side_b.fsdp_wrap_classes or side_a.fsdp_wrap_classes or declared)
 

@@ -27,7 +27,7 @@ from lab.families import Family, Inputs
 from lab.families import family as get_family
 from lab.families.master import master_summary
 from lab.pairing.result import Result
-from lab.pairing.run import _block_classes, forward_side, pair
+from lab.pairing.run import block_classes, forward_side, pair
 from lab.pairing.sides import Side
 from lab.pairing.weights import WeightView
 from lab.rl.flow_grpo import (
@@ -548,7 +548,7 @@ def trajectory(
             )
             model_init.append(getattr(m, "lab_init", None))
             model_master.append(master_summary(m))
-            blocks = _block_classes(m, side_a, side_b) if stream else ()
+            blocks = block_classes(m, side_a, side_b) if stream else ()
             if stream and not blocks:
                 raise ValueError(
                     f"{where}: stream=True needs block classes; neither side names "

@@ -17,7 +17,7 @@ import textwrap
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from lab.views.plots._show import Backend, attach_static_twin, check_backend
+from lab.views.plots._show import Backend, _pyplot, attach_static_twin, check_backend
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -131,10 +131,9 @@ def plot_attribution(
             fig, lambda: plot_attribution(attr, top=top, backend="matplotlib")
         )
 
-    import matplotlib
+    from matplotlib.ticker import PercentFormatter
 
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=(7.5, height), layout="constrained")
     own = [r["own_share"] for r in rows]
@@ -144,7 +143,7 @@ def plot_attribution(
     left = [o if (o >= 0) == (i >= 0) else 0.0 for o, i in zip(own, inp, strict=True)]
     ax.barh(labels, inp, left=left, color=_INPUT_COLOR, label="input")
     ax.axvline(0.0, color="black", linewidth=0.5)
-    ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    ax.xaxis.set_major_formatter(PercentFormatter(1.0))
     ax.set_xlabel("share of the final divergence")
     if identical:
         ax.text(

@@ -22,7 +22,7 @@ import textwrap
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from lab.views.plots._show import Backend, attach_static_twin, check_backend
+from lab.views.plots._show import Backend, _pyplot, attach_static_twin, check_backend
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -37,10 +37,7 @@ _STEP_HOVER: tuple[str, ...] = (
 
 
 def _figure(figsize: tuple[float, float] = (7.0, 4.0)) -> tuple[Any, Any]:
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     return plt.subplots(figsize=figsize, layout="constrained")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lab.views.plots._show import Backend, attach_static_twin, check_backend
+from lab.views.plots._show import Backend, _pyplot, attach_static_twin, check_backend
 from lab.views.plots.divergence import hover_texts
 
 if TYPE_CHECKING:
@@ -57,10 +57,7 @@ def plot_bug_vs_fixed(
     if backend == "plotly":
         fig = _plotly(runs)
         return attach_static_twin(fig, lambda: plot_bug_vs_fixed(runs, backend="matplotlib"))
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     n = max(len(runs), 1)
     fig, axes = plt.subplots(n, 1, figsize=(8.0, 2.4 * n), layout="constrained", squeeze=False)
