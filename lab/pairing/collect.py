@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -11,6 +10,7 @@ from typing import Any
 import torch
 
 from lab.base.dtypes import dtype_name
+from lab.base.switches import env_choice
 from lab.pairing.metrics import decode_stats, pair_stats, segment_stats
 from lab.pairing.result import LayerDivergence, Skipped
 
@@ -84,13 +84,8 @@ def metrics_on_side_stream() -> bool:
     Raises:
         ValueError: Any other value.
     """
-    value = os.environ.get("LAB_METRICS_STREAM", "1")
-    if value not in ("0", "1"):
-        raise ValueError(
-            f"LAB_METRICS_STREAM={value!r}: use '1' (metric kernels on a side stream, the "
-            "default) or '0' (on the forward's stream)."
-        )
-    return value == "1"
+    choices = {"1": "metric kernels on a side stream", "0": "on the forward's stream"}
+    return env_choice("LAB_METRICS_STREAM", choices, "1") == "1"
 
 
 class OutputEdited(Exception):

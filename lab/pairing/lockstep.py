@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lab.base.switches import env_choice
 from lab.pairing.capture import ROOT, output_leaves
 from lab.pairing.collect import Aliases
 from lab.pairing.result import Skipped
@@ -455,13 +456,11 @@ def handover_mode() -> str:
     Raises:
         ValueError: Any other value.
     """
-    value = os.environ.get("LAB_LOCKSTEP_HANDOVER", "block")
-    if value not in ("block", "module"):
-        raise ValueError(
-            f"LAB_LOCKSTEP_HANDOVER={value!r}: use 'block' (hand over at block boundaries, the "
-            "default) or 'module' (after every captured output the other side has not reached)."
-        )
-    return value
+    choices = {
+        "block": "hand over at block boundaries",
+        "module": "after every captured output the other side has not reached",
+    }
+    return env_choice("LAB_LOCKSTEP_HANDOVER", choices, "block")
 
 
 def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -> None:
