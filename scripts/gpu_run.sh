@@ -3,7 +3,8 @@
 # Stages: tests (metrics + lockstep gpu tests), fused (Triton kernel gpu tests), full (Wan2.2 full pair test), sharded (2-GPU FSDP2 tests),
 # bench (bench/full_pair.py), drift (bench/gpu_drift.py: reduced trajectories, seeded trained-like
 # weights), parity (dtype flow, bitwise parity, scenarios and FSDP2 gpu tests), size
-# (bench/full_size.py: every family at full), master (MiniMax H3 full: compact master pairs, trained
+# (bench/full_size.py: every family at full), profile (bench/pair_profile.py: where a full pair's
+# host time goes, PROFILE_FAMILIES), master (MiniMax H3 full: compact master pairs, trained
 # refused), causes (checks + attribution at reduced, figures under OUT_DIR/causes; streamed
 # trajectories at reduced; pairing paths), trajfull (Qwen-Image and Wan2.2 full trajectories).
 # Each stage logs to OUT_DIR and a failing stage does not stop the
@@ -30,6 +31,10 @@ for stage in "$@"; do
             tests/test_fsdp2_gpu.py >"$out/parity_gpu.log" 2>&1
         ;;
     size) python bench/full_size.py "$out/size" >"$out/full_size.log" 2>&1 ;;
+    profile)
+        python bench/pair_profile.py "$out/profile" --families "${PROFILE_FAMILIES:-flux,sd3}" \
+            >"$out/pair_profile.log" 2>&1
+        ;;
     master) gpu_pytest -s tests/test_compact_master.py >"$out/master_gpu.log" 2>&1 ;;
     causes)
         LAB_GPU_OUT="$out/causes" gpu_pytest -s tests/test_checks_gpu.py tests/test_attribute_gpu.py \
