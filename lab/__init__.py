@@ -1,7 +1,8 @@
 """Precision Lab: paired rollout-vs-trainer forwards of diffusers DiTs, module by module.
 
 Public API: family, families, Side, pair, pair_family, forward_side, trajectory, Result,
-attribute (grafting attribution).
+attribute, attribute_step (grafting attribution of the output divergence or of a
+trajectory step's log-prob drift).
 
 The package is laid out by role (docs/notes/layout.md): `families/` (one file per DiT family),
 `precision/` (dtypes, input policy, parameter rules, autocast, engine ops, the FSDP2 patch),
@@ -25,11 +26,12 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from lab.causes.attribute import Attribution, attribute
+from lab.causes.attribute import Attribution, attribute, attribute_step
 from lab.families import FAMILY_NAMES, Family, Inputs, families, family
 from lab.pairing.result import LayerDivergence, Result, Skipped
 from lab.pairing.run import forward_side, pair, pair_family
 from lab.pairing.sides import PrecisionWarning, Side
+from lab.rl.step_score import StepScore
 from lab.rl.trajectory import Trajectory, trajectory
 
 PUBLIC_MODULES: dict[str, str] = {
@@ -110,8 +112,10 @@ __all__ = [
     "Result",
     "Side",
     "Skipped",
+    "StepScore",
     "Trajectory",
     "attribute",
+    "attribute_step",
     "families",
     "family",
     "forward_side",

@@ -33,6 +33,7 @@ import dataclasses
 import difflib
 import fnmatch
 import json
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,14 +50,16 @@ from lab.pairing.run import _cast_tree, _clone_tree, _dtype_tree, model_device
 from lab.pairing.side_context import check_side_device, side_context, side_inputs
 from lab.pairing.sides import Side
 from lab.pairing.weights import WeightView
+from lab.rl.step_score import StepScore
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from lab.engine.scenarios import ScenarioRun
+    from lab.rl.trajectory import Trajectory
 
-Metric = Literal["rel_l2", "rel_max"]
-METRICS: tuple[str, ...] = ("rel_l2", "rel_max")
+Metric = Literal["rel_l2", "rel_max", "log_ratio"]
+METRICS: tuple[str, ...] = ("rel_l2", "rel_max", "log_ratio")
 INPUT = "input"
 """What a unit's input share stands for: the code between units (root glue) or a model input."""
 IDENTICAL_VERDICT = "nothing to attribute: the sides are bit-identical at the model output"
@@ -155,10 +158,13 @@ class Divergence:
     """||b - a|| / ||a|| over every floating output leaf."""
     rel_max: float
     """max |b - a| / max |a|."""
+    log_ratio: float = math.nan
+    """With a `StepScore`: mean over samples of |log_prob_new - log_prob_old| on that step, the
+    rollout's x_prev scored under both guided velocities (exact, float64); NaN without one."""
 
     def get(self, metric: str) -> float:
-        """The value of `metric` ("rel_l2" or "rel_max")."""
-        return self.rel_l2 if metric == "rel_l2" else self.rel_max
+        """The value of `metric` ("rel_l2", "rel_max" or "log_ratio")."""
+        return float(getattr(self, metric))
 
 
 # ---- bitwise comparison of call values --------------------------------------------------------
@@ -213,8 +219,12 @@ class _Grafter:
         source: Side,
         target: Side,
         units: list[tuple[str, torch.nn.Module]],
+        step: StepScore | None = None,
+        rollout_is_source: bool = True,
     ) -> None:
         self.model = model
+        self.step = step
+        self.rollout_is_source = rollout_is_source
         self.device = model_device(model)
         self.source, self.target = source, target
         self.units = dict(units)
@@ -243,6 +253,10 @@ class _Grafter:
         out_a = self._forward("a", capture=True)
         self.leaves_a = _output_leaves(out_a)
         self.flat_a = _flat64(self.leaves_a) if self.leaves_a else None
+        self.negative: dict[str, Any] = {"a": None, "b": None}
+        self.velocity_a: torch.Tensor | None = None
+        if step is not None:
+            self.velocity_a = self._step_velocity("a", out_a, inputs)
         # Side B's own forward: the dtypes it hands each unit call and gets back.
         self.b_in_dtypes: dict[tuple[str, int], tuple[Any, Any]] = {}
         self.b_out_dtypes: dict[tuple[str, int], Any] = {}
@@ -410,7 +424,41 @@ class _Grafter:
                 "relative divergence exists (zero-initialised output layers?). Use seeded random "
                 "weights (Family.build) or real weights."
             )
-        return Divergence(rel_l2=float(d.norm()) / norm_a, rel_max=float(d.abs().max()) / max_a)
+        log_ratio = math.nan
+        if self.step is not None:
+            v_b = self._step_velocity("b", out_b)
+            v_old, v_new = (
+                (self.velocity_a, v_b) if self.rollout_is_source else (v_b, self.velocity_a)
+            )
+            log_ratio = float(self.step.log_ratio(v_old, v_new).abs().mean())
+        return Divergence(
+            rel_l2=float(d.norm()) / norm_a, rel_max=float(d.abs().max()) / max_a,
+            log_ratio=log_ratio,
+        )  # fmt: skip
+
+    def _step_velocity(
+        self, side_key: str, output: Any, inputs: Inputs | None = None
+    ) -> torch.Tensor:
+        """The guided velocity of a side's output on the step.
+
+        The negative branch (separate CFG layout) is each side's own forward, run once (when
+        `inputs` is given) and held: no graft reaches it.
+        """
+        step = self.step
+        assert step is not None
+        if inputs is not None and step.cfg_scale > 1.0 and inputs.negative is not None:
+            from lab.families import family as get_family
+
+            if get_family(step.family_name).cfg_layout == "separate":
+                for key, side in (("a", self.source), ("b", self.target)):
+                    cast = side_inputs(inputs.negative, side, self.device)
+                    with (
+                        torch.no_grad(),
+                        self.views[key].applied(),
+                        side_context(side, self.device, self.model),
+                    ):
+                        self.negative[key] = self.model(**cast.kwargs)
+        return step.velocity(output, self.negative[side_key])
 
 
 # ---- the result ----------------------------------------------------------------------------
@@ -420,6 +468,7 @@ _COLUMNS: tuple[str, ...] = (
     "rel_l2_after_graft", "rel_max_after_graft", "rel_l2_after_input_graft",
     "rel_max_after_input_graft", "evaluated",
 )  # fmt: skip
+_STEP_COLUMNS: tuple[str, ...] = ("log_ratio_after_graft", "log_ratio_after_input_graft")
 
 
 @dataclass(frozen=True)
@@ -488,12 +537,17 @@ class Attribution:
 
         Columns: position, module, module_class, calls, share, own_share, input_share,
         rel_l2/rel_max after grafting units 0..k (and after grafting unit k's inputs instead),
-        and `evaluated`: the forwards C(k) needed ("none" when unit k received and produced
-        A's exact values, "graft", or "input+graft").
+        with a step (`attribute_step`) the mean |log ratio| after those grafts
+        (log_ratio_after_graft, log_ratio_after_input_graft), and `evaluated`: the forwards
+        C(k) needed ("none" when unit k received and produced A's exact values, "graft", or
+        "input+graft").
         """
         import pandas as pd
 
-        return pd.DataFrame(self.rows, columns=list(_COLUMNS))
+        columns = list(_COLUMNS)
+        if self.meta.get("step"):
+            columns[-1:-1] = _STEP_COLUMNS
+        return pd.DataFrame(self.rows, columns=columns)
 
     def ranked(self) -> pd.DataFrame:
         """`table()` sorted by share, largest first (ties in forward order)."""
@@ -527,9 +581,12 @@ class Attribution:
         if top is None:
             return "no unit was grafted."
         sides = f"{self.meta['grafted_from']} grafted into {self.meta['grafted_into']}"
+        what = f"final {self.metric} divergence"
+        if self.metric == "log_ratio":
+            what = f"step-{self.meta['step']['step']} log-prob drift mean |log ratio|"
         return (
-            f"{top['module']} ({top['module_class']}) takes {top['share']:.1%} of the final "
-            f"{self.metric} divergence {self.r0.get(self.metric):.3g} (own {top['own_share']:.1%}, "
+            f"{top['module']} ({top['module_class']}) takes {top['share']:.1%} of the "
+            f"{what} {self.r0.get(self.metric):.3g} (own {top['own_share']:.1%}, "
             f"input {top['input_share']:.1%}); residual after every graft "
             f"{self.residual:.1%} ({sides})."
         )
@@ -701,7 +758,8 @@ def attribute(
     level: Literal["block"] | int = "block",
     names: str | Sequence[str] | None = None,
     reverse: bool = False,
-    metric: Metric = "rel_l2",
+    metric: Metric | None = None,
+    step: StepScore | None = None,
 ) -> Attribution:
     """Each unit's share of the final model-output divergence between two sides, by grafting.
 
@@ -722,8 +780,15 @@ def attribute(
         level: "block" (the root's children, ModuleLists expanded) or a depth >= 1.
         names: fnmatch globs selecting which units to graft (the rest count as input share).
         reverse: Graft side B's outputs into side A's forward instead.
-        metric: "rel_l2" (||d|| / ||a||, smooth: the default) or "rel_max" (max |d| / max |a|,
-            which jumps by whole ULPs of the output's largest element).
+        metric: "rel_l2" (||d|| / ||a||, smooth: the default without a step), "rel_max"
+            (max |d| / max |a|, which jumps by whole ULPs of the output's largest element) or
+            "log_ratio" (needs `step`; its default there): the mean |log_prob_new -
+            log_prob_old| the divergence causes on that SDE step.
+        step: A `StepScore` (`StepScore.from_trajectory(traj, i)`, or use `attribute_step`):
+            every graft is also scored as the log-ratio of that step, side A taken as the
+            rollout (side B with reverse=True), `inputs` being that step's inputs. Adds the
+            `log_ratio_after_graft` columns; for a "separate" CFG layout the negative branch
+            is each side's own forward, held, so its drift stays in the residual.
 
     Returns:
         An Attribution; `meta` records the sides, the level, R0 and the cost (unit and block
@@ -734,10 +799,23 @@ def attribute(
             Side or cannot run on the model's device, outputs of different shapes.
     """
     _check_level(level)
+    if metric is None:
+        metric = "log_ratio" if step is not None else "rel_l2"
     if metric not in METRICS:
         raise ValueError(
             f"attribute: unknown metric {metric!r}. Use 'rel_l2' (||b - a|| / ||a||, the "
-            "default) or 'rel_max' (max |b - a| / max |a|)."
+            "default), 'rel_max' (max |b - a| / max |a|) or, with a step, 'log_ratio'."
+        )
+    if metric == "log_ratio" and step is None:
+        raise ValueError(
+            "attribute: metric 'log_ratio' needs step=StepScore(...) (the SDE step whose "
+            "log-prob drift to attribute); use lab.attribute_step(traj, i) with a trajectory, "
+            "or metric='rel_l2'."
+        )
+    if step is not None and not isinstance(step, StepScore):
+        raise ValueError(
+            f"attribute: step must be a lab.rl.step_score.StepScore (StepScore.from_trajectory("
+            f"traj, i)), got {type(step).__name__}."
         )
     for label, side in (("side_a", side_a), ("side_b", side_b)):
         if not isinstance(side, Side):
@@ -753,7 +831,9 @@ def attribute(
     check_inputs(model, inputs, "attribute")
     source, target = (side_b, side_a) if reverse else (side_a, side_b)
     with _held(model, "attribute"):
-        grafter = _Grafter(model, inputs, source, target, units)
+        grafter = _Grafter(
+            model, inputs, source, target, units, step=step, rollout_is_source=not reverse
+        )
         rows, residual = _walk(grafter, metric)
     classes = {n: type(m).__name__ for n, m in units}
     for row in rows:
@@ -770,7 +850,11 @@ def attribute(
         "grafted_into": target.name,
         "model_class": type(model).__name__,
         "units": len(rows),
-        "r0": dataclasses.asdict(grafter.baseline),
+        "r0": {
+            k: v
+            for k, v in dataclasses.asdict(grafter.baseline).items()
+            if step is not None or k != "log_ratio"
+        },
         "residual": residual,
         "ungraftable": dict(grafter.ungraftable),
         "not_called": list(grafter.not_called),
@@ -784,10 +868,72 @@ def attribute(
         "forwards": grafter.forwards,
         "forwards_equivalent": grafter.unit_evaluations / per_forward,
         "device": str(device),
+        "step": step.to_dict() if step is not None else None,
     }
     if inputs.origin is not None:
         meta["family"], meta["preset"], meta["variant"] = inputs.origin
     return Attribution(rows, meta, grafter=grafter)
+
+
+def attribute_step(
+    traj: Trajectory,
+    step: int,
+    *,
+    level: Literal["block"] | int = "block",
+    names: str | Sequence[str] | None = None,
+    reverse: bool = False,
+    metric: Metric = "log_ratio",
+    model: torch.nn.Module | None = None,
+) -> Attribution:
+    """Each unit's share of the log-prob drift at one step of a trajectory, by grafting.
+
+    Rebuilds the step's model (the trajectory's family, preset, seed, init and the step's
+    expert) and inputs (the first prompt's first forward: its x_t at that sigma, with CFG as the
+    trajectory ran it), then runs `attribute` between the trajectory's rollout (side A) and
+    trainer (side B) with `StepScore.from_trajectory(traj, step)`: shares are fractions of the
+    mean |log_prob_new - log_prob_old| of those samples, and R0 is exactly what the trajectory
+    measured there (`meta["step"]`).
+
+    Args:
+        traj: A `lab.trajectory(...)` result with its tensors (keep_tensors=True).
+        step: An in-window step index.
+        level: As in `attribute`.
+        names: As in `attribute`.
+        reverse: As in `attribute` (the trainer's outputs grafted into the rollout).
+        metric: "log_ratio" (default), "rel_l2" or "rel_max" (the log-ratio columns are
+            filled either way).
+        model: The step's model if already built (must be the same weights); None builds it.
+
+    Raises:
+        ValueError: A trajectory without tensors, a step outside the schedule or the SDE
+            window, or anything `attribute` refuses.
+    """
+    from lab.families import family as get_family
+    from lab.rl.latents import unflatten_samples
+
+    score = StepScore.from_trajectory(traj, step)
+    meta = traj.meta
+    fam = get_family(meta["family"])
+    record = traj.steps[step]
+    device = meta["device"]
+    if model is None:
+        init = {} if meta.get("init") is None else {"init": meta["init"]}
+        model = fam.build(
+            meta["preset"], meta["seed"], variant=meta.get("variant"), expert=record.expert,
+            device=device, **init,
+        )  # fmt: skip
+    inputs = fam.make_inputs(
+        meta["preset"], meta["seed"], score.batch, score.cfg_scale > 1.0,
+        variant=meta.get("variant"), sigma=record.sigma,
+        latents=unflatten_samples(score.x_t, score.shapes), device=device,
+    )  # fmt: skip
+    side_a, side_b = Side.from_dict(meta["side_a"]), Side.from_dict(meta["side_b"])
+    attr = attribute(
+        model, inputs, side_a, side_b, level=level, names=names, reverse=reverse, metric=metric,
+        step=score,
+    )  # fmt: skip
+    attr.meta["trajectory"] = {k: meta.get(k) for k in ("family", "preset", "seed", "steps")}
+    return attr
 
 
 @contextlib.contextmanager
@@ -808,6 +954,7 @@ def _walk(grafter: _Grafter, metric: str) -> tuple[list[dict[str, Any]], float]:
     """Cumulative grafts in forward order; returns the rows and the residual fraction."""
     r0 = grafter.baseline
     r0_value = r0.get(metric)
+    with_step = grafter.step is not None
     rows: list[dict[str, Any]] = []
     order = grafter.order
 
@@ -817,7 +964,7 @@ def _walk(grafter: _Grafter, metric: str) -> tuple[list[dict[str, Any]], float]:
             share = (before.get(metric) - after.get(metric)) / r0_value
             in_share = (before.get(metric) - inp.get(metric)) / r0_value
             own = (inp.get(metric) - after.get(metric)) / r0_value
-        return {
+        out = {
             "position": k,
             "module": name,
             "module_class": "",
@@ -831,6 +978,10 @@ def _walk(grafter: _Grafter, metric: str) -> tuple[list[dict[str, Any]], float]:
             "rel_max_after_input_graft": inp.rel_max,
             "evaluated": how,
         }
+        if with_step:
+            out["log_ratio_after_graft"] = after.log_ratio
+            out["log_ratio_after_input_graft"] = inp.log_ratio
+        return out
 
     if r0_value == 0.0:
         # Bit-identical outputs: no graft can remove anything, and no share is 0/0.

@@ -34,20 +34,15 @@ from lab.rl.flow_grpo import (
     SDE_TYPES,
     SdeType,
     check_sigma_schedule,
-    combine_cfg,
     euler_step,
     log_ratio_terms,
     sampler_settings,
     sde_step_with_logprob,
     sigma_schedule,
 )
-from lab.rl.latents import (
-    flatten_samples,
-    latent_leaves,
-    output_leaves,
-    unflatten_samples,
-)
+from lab.rl.latents import flatten_samples, latent_leaves, unflatten_samples
 from lab.rl.noise_floor import NoiseFloor, noise_floor
+from lab.rl.step_score import guided_velocity
 
 QUANTILES: tuple[float, ...] = (0.01, 0.5, 0.99)
 
@@ -362,25 +357,16 @@ def _guided_velocity(
 ) -> torch.Tensor:
     """One side's guided velocity, flattened (B, N) fp32, diffusers sign convention."""
     out = forward_side(model, inputs, side, view=view)
-    use_cfg = cfg_scale > 1.0
-    if use_cfg and fam.cfg_layout == "batched":
-        leaves = output_leaves(out, like, 2 * batch, fam.name)
-        pairs = [(t[batch:], t[:batch]) for t in leaves]  # the batch is [negative, positive]
-    elif use_cfg:
+    negative = None
+    if cfg_scale > 1.0 and fam.cfg_layout == "separate":
         if inputs.negative is None:
             raise ValueError(
                 f"trajectory({fam.name!r}): cfg_layout 'separate' but make_inputs(cfg=True) "
                 "returned no negative branch."
             )
-        neg_out = forward_side(model, inputs.negative, side, view=view)
-        pos_leaves = output_leaves(out, like, batch, fam.name)
-        neg_leaves = output_leaves(neg_out, like, batch, fam.name)
-        pairs = list(zip(pos_leaves, neg_leaves, strict=True))
-    else:
-        pairs = [(t, None) for t in output_leaves(out, like, batch, fam.name)]
-    # Combined per tensor in the model's layout: Qwen-Image's rescale is over the last dim.
-    guided = [combine_cfg(fam, pos, neg, cfg_scale) for pos, neg in pairs]
-    return flatten_samples(guided) * sampler_settings(fam).velocity_sign
+        negative = forward_side(model, inputs.negative, side, view=view)
+    shapes = [(batch, *t.shape[1:]) for t in like]
+    return guided_velocity(fam.name, out, negative, cfg_scale, shapes, batch)
 
 
 def trajectory(
