@@ -99,3 +99,17 @@ def test_bad_steps_and_metrics_are_refused(sd3_traj) -> None:
     bare = lab.trajectory("sd3", "tiny", steps=2, samples=1, keep_tensors=False, progress=False)
     with pytest.raises(ValueError, match="keep_tensors=True"):
         attribute_step(bare, 0)
+
+
+def test_plot_names_the_step_drift_and_shows_every_bar_whole(sd3_traj) -> None:
+    from lab.views.plots import plot_attribution
+
+    attr = attribute_step(sd3_traj, 1)
+    fig = plot_attribution(attr, backend="matplotlib")
+    ax = fig.axes[0]
+    assert ax.get_xlabel() == "share of the log-prob drift"
+    assert "step-1 log-prob drift" in ax.get_title().replace("\n", " ")
+    lo, hi = ax.get_xlim()
+    shares = [r["share"] for r in attr.rows]
+    # Margins beyond the longest bars on both sides (zero-width input bars pin no edge).
+    assert hi > max(shares) and lo < min(0.0, min(shares))

@@ -44,8 +44,12 @@ def _title(attr: Any) -> str:
     tail = f"; residual {residual:.1%}" if isinstance(residual, int | float) else ""
     r0_value = r0.get(metric)
     r0_text = f"{r0_value:.3g}" if isinstance(r0_value, int | float) else "?"
+    what_of = f"the final {metric} divergence"
+    step = m.get("step")
+    if metric == "log_ratio" and isinstance(step, Mapping):
+        what_of = f"the step-{step.get('step')} log-prob drift, mean |log ratio|"
     return (
-        f"{scenario}share of the final {metric} divergence ({r0_text}), level "
+        f"{scenario}share of {what_of} ({r0_text}), level "
         f"{m.get('level', 'block')!r}: {where}{what}{tail}"
     )
 
@@ -93,6 +97,11 @@ def plot_attribution(
     df = _ranked(attr, top)
     title = _title(attr)
     meta = _meta(attr)
+    xlabel = (
+        "share of the log-prob drift"
+        if meta.get("metric") == "log_ratio"
+        else "share of the final divergence"
+    )
     identical = (meta.get("r0") or {}).get(meta.get("metric", "rel_l2")) == 0
     # Largest on top: horizontal bars are drawn bottom-up.
     rows = df.iloc[::-1].to_dict("records")
@@ -121,7 +130,7 @@ def plot_attribution(
                 text="nothing to attribute: the sides are bit-identical", xref="paper",
                 yref="paper", x=0.5, y=0.5, showarrow=False,
             )  # fmt: skip
-        fig.update_xaxes(title="share of the final divergence", tickformat=".0%")
+        fig.update_xaxes(title=xlabel, tickformat=".0%")
         fig.update_layout(
             title={"text": "<br>".join(textwrap.wrap(title, 110)), "font": {"size": 12}},
             template="plotly_white",
@@ -144,7 +153,10 @@ def plot_attribution(
     ax.barh(labels, inp, left=left, color=_INPUT_COLOR, label="input")
     ax.axvline(0.0, color="black", linewidth=0.5)
     ax.xaxis.set_major_formatter(PercentFormatter(1.0))
-    ax.set_xlabel("share of the final divergence")
+    ax.set_xlabel(xlabel)
+    # The zero-width input bars would pin the axis at the longest bar's end (sticky edges).
+    ax.use_sticky_edges = False
+    ax.margins(x=0.05)
     if identical:
         ax.text(
             0.5, 0.5, "nothing to attribute: the sides are bit-identical",
