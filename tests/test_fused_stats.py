@@ -319,6 +319,35 @@ def test_direct_launches_equal_tritons_own_bit_for_bit(monkeypatch: pytest.Monke
     assert any(a.data_ptr() % 16 for a, _ in cases)  # misaligned views were covered
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("side_stream", [False, True])
+def test_run_reducer_rows_equal_fused_pair_stats_bit_for_bit(side_stream: bool) -> None:
+    # RunReducer: one plan per (dtypes, numel), shared partials, rows in preallocated chunks
+    # (more pairs than one chunk), launched on a side stream or the current one; the numbers
+    # must be fused_pair_stats' own, in queue order.
+    from lab.pairing import _fused_stats as fused
+
+    gen = torch.Generator("cuda").manual_seed(2)
+    base = torch.randn(4096 * 37 + 5, device="cuda", generator=gen)
+    pairs = []
+    for i in range(fused.RunReducer.CHUNK + 40):
+        dtype_a, dtype_b = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                            (torch.float32, torch.float32)][i % 3]  # fmt: skip
+        n = (1, 16, 1000, 4096 * 37)[i % 4]
+        a = base.to(dtype_a)[i % 2 : i % 2 + n]
+        b = (base * (1 + 1e-3 * (i % 5))).to(dtype_b)[i % 2 : i % 2 + n]
+        pairs.append((a, b))
+    stream = torch.cuda.Stream() if side_stream else None
+    reducer = fused.RunReducer(torch.device("cuda"), stream)
+    handles = [reducer.reduce(a, b) for a, b in pairs]
+    rows = reducer.rows()
+    assert [c * fused.RunReducer.CHUNK + r for c, r in handles] == list(range(len(pairs)))
+    assert len(rows) == len(pairs) == reducer.count
+    for (a, b), (stats, hist) in zip(pairs, rows, strict=True):
+        want_stats, want_hist = fused.fused_pair_stats(a, b)
+        assert stats == want_stats.cpu().tolist() and hist == want_hist.cpu().tolist()
+
+
 def test_launch_hooks_are_detected(monkeypatch: pytest.MonkeyPatch) -> None:
     from lab.pairing import _fused_stats as fused
 

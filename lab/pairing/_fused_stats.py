@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Any
 
 import torch
 
@@ -638,27 +639,32 @@ def _specialization(value: object) -> tuple:
     return (value == 1, value % 16 == 0, -(2**31) <= value < 2**31)  # type: ignore[operator]
 
 
-def _launch(kernel, grid: int, args: tuple, constexprs: dict) -> None:
+def _launch(
+    kernel, grid: int, args: tuple, constexprs: dict, stream: torch.cuda.Stream | None = None
+) -> None:
     """`kernel[(grid,)](*args, **constexprs, num_warps=NUM_WARPS)`, with less host time.
 
     Triton's launch binds and specializes every argument and builds its cache key on every call
     (~30-40 us of host time, two launches a pair). Once a specialization has been launched
     through Triton, the same compiled kernel is launched straight through its launcher: the
     same binary on the same arguments, so the same numbers. Under the interpreter, or with a
-    Triton launch hook installed (a profiler), every launch goes through Triton.
+    Triton launch hook installed (a profiler), every launch goes through Triton. `stream`:
+    launch there (None: the current stream).
     """
     device = args[0].device
     if device.type != "cuda" or _hooked():
-        kernel[(grid,)](*args, **constexprs, num_warps=NUM_WARPS)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            kernel[(grid,)](*args, **constexprs, num_warps=NUM_WARPS)
         return
     key = (kernel, device.index, *constexprs.values(), *map(_specialization, args))
     compiled = _COMPILED.get(key)
     if compiled is None:
-        _COMPILED[key] = kernel[(grid,)](*args, **constexprs, num_warps=NUM_WARPS)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            _COMPILED[key] = kernel[(grid,)](*args, **constexprs, num_warps=NUM_WARPS)
         return
-    stream = torch.cuda.current_stream(device).cuda_stream
+    handle = (stream if stream is not None else torch.cuda.current_stream(device)).cuda_stream
     compiled.run(
-        grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
+        grid, 1, 1, handle, compiled.function, compiled.packed_metadata, None, None, None,
         *args, *constexprs.values(),
     )  # fmt: skip
 
@@ -697,3 +703,106 @@ def _finish(partials: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     )
     _launch(_finish_kernel, 1, (partials, stats, hist, partials.shape[0]), constexprs)
     return stats, hist
+
+
+# ---- many pairs of one run ---------------------------------------------------------------
+
+
+class RunReducer:
+    """`fused_pair_stats` for every CUDA pair of one run, with the per-pair host work cut down.
+
+    The same two kernels on the same arguments as `fused_pair_stats` (so the same numbers),
+    but: the launch plan (grid, tile constants) is worked out once per (dtypes, numel); the
+    partial rows live in one buffer reused by every pair (all launches are on one stream, so
+    pair i + 1's first kernel runs after pair i's fold has read them); each pair's (stats,
+    hist) go into a row of preallocated chunks read back with one transfer per chunk; and on
+    a side stream the launches name that stream directly (no stream context per pair), the
+    forward's stream being waited for through one re-recorded event.
+    """
+
+    CHUNK = 1024
+
+    def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None) -> None:
+        """Reduce on `stream` (None: each pair on the stream current when it arrives)."""
+        self.device = device
+        self.stream = stream
+        self._event = torch.cuda.Event() if stream is not None else None
+        self._programs = _multiprocessors(device) * PROGRAMS_PER_SM
+        self._partials = torch.empty(self._programs, _N_COLS, dtype=torch.float64, device=device)
+        self._stats: list[torch.Tensor] = []
+        self._hists: list[torch.Tensor] = []
+        self._used = self.CHUNK
+        self._plans: dict[tuple, tuple[int, dict[str, Any]]] = {}
+        self._finish_constexprs = dict(
+            DEST=_DEST_COLUMNS,
+            DEST_DERIVED=_DEST_DERIVED,
+            SRC_DERIVED=_DERIVED_FROM,
+            N_SUM=_N_SUM,
+            N_COLS=_N_COLS,
+            HIST0=_HIST0,
+            BINS=_BINS,
+            ROWS=64,
+        )
+        self.count = 0
+
+    def _plan(self, a: torch.Tensor, b: torch.Tensor) -> tuple[int, dict[str, Any]]:
+        key = (a.dtype, b.dtype, a.numel())
+        plan = self._plans.get(key)
+        if plan is None:
+            threads = 32 * NUM_WARPS
+            vec = 16 // max(a.element_size(), b.element_size())
+            per_thread = ELEMENTS_PER_THREAD_FP64 if vec == 2 else ELEMENTS_PER_THREAD
+            unroll = max(1, per_thread // vec)
+            tiles = -(-a.numel() // (threads * unroll * vec))
+            constexprs = dict(
+                A=_KIND[a.dtype],
+                B=_KIND[b.dtype],
+                COARSE=_KIND[coarser_dtype(a.dtype, b.dtype)],
+                COMPUTE64=torch.float64 in (a.dtype, b.dtype),
+                THREADS=threads,
+                UNROLL=unroll,
+                VEC=vec,
+                N_COLS=_N_COLS,
+            )
+            plan = self._plans[key] = (min(tiles, self._programs), constexprs)
+        return plan
+
+    def reduce(self, a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:
+        """Queue one pair (same shape, CUDA, numel > 0); returns its (chunk, row).
+
+        The caller keeps `a` and `b` from being freed before the kernels ran (on a side
+        stream: `record_stream`, done here).
+        """
+        if self._used == self.CHUNK:
+            self._stats.append(
+                torch.empty(self.CHUNK, len(STAT_FIELDS), dtype=torch.float64, device=self.device)
+            )
+            self._hists.append(
+                torch.empty(self.CHUNK, _BINS, dtype=torch.float64, device=self.device)
+            )
+            self._used = 0
+        chunk, row = len(self._stats) - 1, self._used
+        self._used += 1
+        self.count += 1
+        grid, constexprs = self._plan(a, b)
+        stream = self.stream
+        if stream is not None:
+            self._event.record(torch.cuda.current_stream(self.device))
+            stream.wait_event(self._event)
+            a.record_stream(stream)
+            b.record_stream(stream)
+        args = (_flat(a), _flat(b), self._partials, a.numel())
+        finish = (self._partials, self._stats[chunk][row], self._hists[chunk][row], grid)
+        _launch(_pair_stats_kernel, grid, args, constexprs, stream)
+        _launch(_finish_kernel, 1, finish, self._finish_constexprs, stream)
+        return chunk, row
+
+    def rows(self) -> list[tuple[list[float], list[float]]]:
+        """Every queued pair's (stats, hist) as host lists, in order (one transfer a chunk)."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        out: list[tuple[list[float], list[float]]] = []
+        for i, (stats, hists) in enumerate(zip(self._stats, self._hists, strict=True)):
+            n = self._used if i == len(self._stats) - 1 else self.CHUNK
+            out.extend(zip(stats[:n].cpu().tolist(), hists[:n].cpu().tolist(), strict=True))
+        return out

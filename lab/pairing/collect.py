@@ -120,6 +120,8 @@ class Collector:
         self._stream: torch.cuda.Stream | None = None
         self._reduce: Any = None
         """The CUDA single-pair reduction, chosen at the first CUDA pair (switches read once)."""
+        self._reducer: Any = None
+        """With the fused kernel: the run's `_fused_stats.RunReducer` (rows in its buffers)."""
 
     def compare(
         self,
@@ -193,6 +195,14 @@ class Collector:
             reduce = self._reduce = _device_reduction(a.device)
             if metrics_on_side_stream():
                 self._stream = torch.cuda.Stream(device=a.device)
+            if getattr(reduce, "fused", False):
+                from lab.pairing._fused_stats import RunReducer
+
+                self._reducer = RunReducer(a.device, self._stream)
+        if self._reducer is not None and a.numel():
+            # The fused kernels, launched straight into the run's buffers (same numbers).
+            pending.stats = self._reducer.reduce(a, b)
+            return
         stream = self._stream
         if stream is None:
             pending.stats, pending.hist = reduce(a, b)
@@ -247,8 +257,15 @@ class Collector:
             return []
         if self._stream is not None:
             torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
-        # One host transfer for every pair reduced on a device (the deferred ones are lists).
         resolved = [p.resolved() for p in self.pending]
+        if self._reducer is not None:
+            # One transfer per chunk of rows for every pair the run's reducer queued.
+            done = self._reducer.rows()
+            chunk = self._reducer.CHUNK
+            for p in resolved:
+                if isinstance(p.stats, tuple):
+                    p.stats, p.hist = done[p.stats[0] * chunk + p.stats[1]]
+        # One host transfer for every pair reduced on a device (the deferred ones are lists).
         tensors = [p for p in resolved if isinstance(p.stats, torch.Tensor)]
         if tensors:
             moved = zip(
@@ -298,6 +315,8 @@ def _device_reduction(device: torch.device) -> Any:
                 return pair_stats(a, b)
             return fused(a, b)
 
+        # A run on CUDA queues its pairs on a `RunReducer` (the same kernels, batched buffers).
+        reduce.fused = device.type == "cuda"  # type: ignore[attr-defined]
         return reduce
 
     def reduce_off_autocast(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -172,7 +172,8 @@ def estimate_pair_bytes(
     params = list(canonical_parameters(model))
     master = sum(p.numel() * p.element_size() for _, p in params)
     master += sum(b.numel() * b.element_size() for b in model.buffers())
-    blocks = [m for m in model.modules() if id(m) in outermost(model, stream_classes)]
+    block_ids = outermost(model, stream_classes)
+    blocks = [m for m in model.modules() if id(m) in block_ids]
     in_block = {id(p): i for i, block in enumerate(blocks) for p in block.parameters()}
     targets = {side.param_torch_dtype for side in sides}
     sizes = {d: torch.empty((), dtype=d).element_size() for d in targets}
