@@ -5,7 +5,8 @@
 For each family, in one process, warm (one untimed run of each case first): the two plain
 forwards (`lab.forward_side` with a streamed view on CUDA), `lab.pair` capturing nothing
 (`names_filter` rejecting every module: views, contexts, lockstep hand-overs, Result), and
-`lab.pair` on every module; then one every-module pair under cProfile. Writes
+`lab.pair` on every module (metric kernels on a side stream, the default, and on the forward's
+stream, LAB_METRICS_STREAM=0); then one every-module pair under cProfile. Writes
 OUT_DIR/pair_profile.json (the times and ratios) and OUT_DIR/pair_profile.txt (the top functions
 by own time and by cumulative time, per family), both after every family.
 """
@@ -16,6 +17,7 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
 import statistics
 import time
@@ -48,6 +50,19 @@ def _nothing(name: str) -> bool:
     return False
 
 
+def _one_stream(fn: Any) -> Any:
+    """`fn()` with the metric kernels on the forward's stream (LAB_METRICS_STREAM=0)."""
+    before = os.environ.get("LAB_METRICS_STREAM")
+    os.environ["LAB_METRICS_STREAM"] = "0"
+    try:
+        return fn()
+    finally:
+        if before is None:
+            os.environ.pop("LAB_METRICS_STREAM")
+        else:
+            os.environ["LAB_METRICS_STREAM"] = before
+
+
 def measure(name: str, preset: str, device: str, repeat: int) -> tuple[dict[str, Any], str]:
     fam = lab.family(name)
     init = "bf16_shipped" if (name == "minimax_h3" and preset == "full") else "trained"
@@ -68,6 +83,9 @@ def measure(name: str, preset: str, device: str, repeat: int) -> tuple[dict[str,
             model, inputs, a, b, stream=stream, names_filter=_nothing, check_outputs=False
         ),
         "every_module": lambda: lab.pair(model, inputs, a, b, stream=stream),
+        "every_module_one_stream": lambda: _one_stream(
+            lambda: lab.pair(model, inputs, a, b, stream=stream)
+        ),
     }
     for fn in cases.values():
         fn()  # warm-up
@@ -76,6 +94,7 @@ def measure(name: str, preset: str, device: str, repeat: int) -> tuple[dict[str,
         row[f"{key}_s"] = _timed(fn, repeat, device)
     row["nothing_vs_plain"] = row["nothing_s"] / row["plain_s"]
     row["every_module_vs_plain"] = row["every_module_s"] / row["plain_s"]
+    row["every_module_one_stream_vs_plain"] = row["every_module_one_stream_s"] / row["plain_s"]
     result = cases["every_module"]()
     row["pairs"] = len(result.rows)
     row["timings_s"] = result.meta.get("timings_s", {})

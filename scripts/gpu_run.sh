@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What one device call runs (H200): `bash scripts/gpu_run.sh OUT_DIR STAGE...`.
-# Stages: tests (metrics + lockstep gpu tests), fused (Triton kernel gpu tests), full (Wan2.2 full pair test), sharded (2-GPU FSDP2 tests),
+# Stages: tests (metrics + lockstep gpu tests), fused (Triton kernel gpu tests), paths (the
+# pairing paths bit for bit at reduced), full (Wan2.2 full pair test), sharded (2-GPU FSDP2 tests),
 # bench (bench/full_pair.py), drift (bench/gpu_drift.py: reduced trajectories, seeded trained-like
 # weights), parity (dtype flow, bitwise parity, scenarios and FSDP2 gpu tests), size
 # (bench/full_size.py: every family at full), profile (bench/pair_profile.py: where a full pair's
@@ -22,6 +23,7 @@ for stage in "$@"; do
         gpu_pytest tests/test_metrics_gpu.py tests/test_lockstep.py >"$out/gpu_tests.log" 2>&1
         ;;
     fused) gpu_pytest tests/test_fused_stats.py >"$out/fused_gpu.log" 2>&1 ;;
+    paths) gpu_pytest -s tests/test_pairing_paths.py >"$out/paths_gpu.log" 2>&1 ;;
     full) gpu_pytest -s tests/test_full_gpu.py >"$out/full_gpu.log" 2>&1 ;;
     sharded) gpu_pytest -s tests/test_fsdp2_sharded_gpu.py >"$out/sharded_gpu.log" 2>&1 ;;
     bench) python bench/full_pair.py "$out/bench" >"$out/full_pair.log" 2>&1 ;;
