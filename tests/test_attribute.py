@@ -317,6 +317,62 @@ def test_scenario_culprit_comes_first_and_ranks_as_recorded(scenario_attribution
     assert result.culprit_class_is_largest == (name in CLASS_LARGEST), result.row()
 
 
+# What each scenario's sites take together, and the largest unit outside them (tiny, CPU, at
+# the scenario's sites_level): measured, pinned to a tolerance so a change in the grafting
+# that moves them shows.
+SITE_SHARES = {
+    "wan_fp32_keeps_cast_by_to": (0.676, "blocks.1.attn1", 0.292),
+    "ltx_positions_dtype": (0.960, "transformer_blocks.1", 0.023),
+}
+
+
+@pytest.mark.parametrize("name", CPU_NAMES)
+def test_scenario_sites_take_the_largest_share(scenario_attributions, name) -> None:
+    # The known bugs act in several places (every rope, every timestep embedder, every norm,
+    # every layer): the scenario names them (`Scenario.sites`, from the bug/fix difference),
+    # and together they must take more than any unit outside them.
+    scenario = scenarios.get(name)
+    if scenario.sites_level == "block":
+        result = scenario_attributions.setdefault(name, attribute_scenario(name))
+    else:
+        result = attribute_scenario(name, level=scenario.sites_level)
+    assert result.sites == scenario.sites and result.site_units
+    assert result.sites_take_largest_share, result.row()
+    assert result.site_share > 0.6 and result.outside_top_share < 0.3, result.row()
+    if name in SITE_SHARES:
+        share, module, outside = SITE_SHARES[name]
+        assert result.site_share == pytest.approx(share, abs=0.005), result.row()
+        assert result.outside_top_module == module, result.row()
+        assert result.outside_top_share == pytest.approx(outside, abs=0.005), result.row()
+    else:
+        # The rest put (almost) nothing outside their sites.
+        assert result.outside_top_share < 1e-3, result.row()
+
+
+def test_site_shares_split_units_and_root_code() -> None:
+    # Root code as a site: input shares of top-level units and the residual count; a glob
+    # inside a unit makes the whole unit a site unit at block level.
+    from lab.causes.attribute import site_shares
+
+    fam = lab.family("wan2_2")
+    model = fam.build("tiny", 0)
+    rows = [
+        {"module": "rope", "share": 0.1, "own_share": 0.1, "input_share": 0.0},
+        {"module": "blocks.0", "share": 0.5, "own_share": 0.4, "input_share": 0.1},
+        {"module": "proj_out", "share": 0.3, "own_share": 0.1, "input_share": 0.2},
+    ]
+    attr = Attribution(
+        rows, {"residual": 0.1, "metric": "rel_l2", "r0": {"rel_l2": 1.0, "rel_max": 1.0}}
+    )
+    got = site_shares(model, attr, ("blocks.*.norm2", "<root>"))
+    assert got["site_units"] == ("blocks.0",)
+    assert got["site_share"] == pytest.approx(0.5 + 0.0 + 0.2 + 0.1)  # blocks.0, inputs, residual
+    assert (got["outside_top_module"], got["outside_top_share"]) == ("rope", 0.1)
+    got = site_shares(model, attr, ("rope",))
+    assert got["site_units"] == ("rope",) and got["site_share"] == pytest.approx(0.1)
+    assert (got["outside_top_module"], got["outside_top_share"]) == ("blocks.0", 0.5)
+
+
 def test_scenario_table_and_direction(scenario_attributions) -> None:
     name = "wan_fp32_keeps_cast_by_to"
     result = scenario_attributions.setdefault(name, attribute_scenario(name))

@@ -1027,6 +1027,23 @@ class ScenarioAttribution:
     """Summed share of every unit of the culprit unit's class (e.g. all blocks, all ropes)."""
     direction: str
     """"fixed->bug" or "bug->fixed": which side's values are grafted into which."""
+    sites: tuple[str, ...] = ()
+    """The scenario's `sites`: every place its bug acts (globs, "<root>" for root code)."""
+    site_units: tuple[str, ...] = ()
+    """Units at, inside or holding a site."""
+    site_share: float = 0.0
+    """What the sites take together: the site units' shares, plus, where the code feeding a
+    unit is a site's (root code when "<root>" is a site), that unit's input share, plus the
+    residual when the root is a site."""
+    outside_top_module: str | None = None
+    outside_top_share: float = 0.0
+    """The largest share of a unit outside every site (its own part only when the code
+    feeding it is a site's)."""
+
+    @property
+    def sites_take_largest_share(self) -> bool:
+        """The bug's sites together take more than any unit outside them (and something)."""
+        return self.site_share > 0.0 and self.site_share >= self.outside_top_share
 
     @property
     def culprit_is_largest(self) -> bool:
@@ -1075,6 +1092,7 @@ class ScenarioAttribution:
         """One line for a table of scenarios."""
         return {
             "scenario": self.scenario,
+            "level": self.attribution.meta["level"],
             "family": self.family_name,
             "direction": self.direction,
             "expected_culprit": self.expected_culprit,
@@ -1086,6 +1104,10 @@ class ScenarioAttribution:
             "culprit_is_largest": self.culprit_is_largest,
             "culprit_class_is_largest": self.culprit_class_is_largest,
             "culprit_comes_first": self.culprit_comes_first,
+            "site_share": self.site_share,
+            "outside_top_module": self.outside_top_module,
+            "outside_top_share": self.outside_top_share,
+            "sites_take_largest_share": self.sites_take_largest_share,
             "r0_rel_l2": self.attribution.r0.rel_l2,
             "unit_evaluations": self.attribution.meta["unit_evaluations"],
             "forwards_equivalent": self.attribution.meta["forwards_equivalent"],
@@ -1182,6 +1204,7 @@ def attribute_scenario(
         share = sum(r["input_share"] for r in attr.rows) + attr.residual
         class_share = share
     top = attr.top()
+    sites = site_shares(model, attr, scenario.sites)
     return ScenarioAttribution(
         scenario=scenario.name,
         family_name=scenario.family_name,
@@ -1193,7 +1216,67 @@ def attribute_scenario(
         top_share=top["share"] if top else 0.0,
         culprit_class_share=class_share,
         direction="bug->fixed" if reverse else "fixed->bug",
+        sites=tuple(scenario.sites),
+        **sites,
     )
+
+
+def site_shares(model: torch.nn.Module, attr: Attribution, sites: Sequence[str]) -> dict[str, Any]:
+    """How the shares of `attr` split between a bug's sites and everything else.
+
+    A unit belongs to the sites when it is a site module, lies inside one, or holds one (at a
+    coarser level than the sites, the whole unit). The code feeding a unit (its input share)
+    belongs to the module whose forward calls it (containers skipped; the root for top-level
+    units): a site's code when that module is at or inside a site, or is the root and
+    "<root>" is a site. The residual is root code.
+
+    Returns:
+        site_units, site_share, outside_top_module, outside_top_share (ScenarioAttribution's
+        fields).
+    """
+    root_site = ROOT in sites
+    globs = [g for g in sites if g != ROOT]
+    matched = {
+        name
+        for name, _ in model.named_modules()
+        if name and any(fnmatch.fnmatch(name, g) for g in globs)
+    }
+
+    def at_or_inside(path: str) -> bool:
+        parts = path.split(".")
+        return any(".".join(parts[:i]) in matched for i in range(1, len(parts) + 1))
+
+    def holds(path: str) -> bool:
+        return any(m.startswith(path + ".") for m in matched)
+
+    def caller(path: str) -> str:
+        parts = path.split(".")[:-1]
+        while parts and isinstance(model.get_submodule(".".join(parts)), _CONTAINERS):
+            parts.pop()
+        return ".".join(parts)
+
+    site_units: list[str] = []
+    share = attr.residual if root_site else 0.0
+    outside: list[tuple[float, str]] = []
+    for r in attr.rows:
+        name = r["module"]
+        if at_or_inside(name) or holds(name):
+            site_units.append(name)
+            share += r["share"]
+            continue
+        owner = caller(name)
+        if (owner == "" and root_site) or (owner and at_or_inside(owner)):
+            share += r["input_share"]
+            outside.append((r["own_share"], name))
+        else:
+            outside.append((r["share"], name))
+    top_share, top_module = max(outside, default=(0.0, None))
+    return {
+        "site_units": tuple(site_units),
+        "site_share": share,
+        "outside_top_module": top_module,
+        "outside_top_share": top_share,
+    }
 
 
 def _bug_is_narrower(model: torch.nn.Module, inputs: Inputs, fixed: Side, bug: Side) -> bool:

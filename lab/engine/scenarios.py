@@ -49,6 +49,14 @@ class Scenario:
     """None: the family's own make_inputs(preset, seed=0)."""
     extra: Callable[[torch.nn.Module, Inputs, Side, Side, Side], dict[str, Any]] | None = None
     """Scenario-specific evidence, from (model, inputs, bug_a, bug_b, fixed_b)."""
+    sites: tuple[str, ...] = ()
+    """Every place the bug acts (fnmatch globs over module paths; "<root>" is the root's own
+    code), read off the difference between the bug and its fix (the modules a changed setting
+    or patch group touches, the consumers of a changed input), never off a measurement.
+    `expected_culprit` is the first of them to show; `lab.causes.attribute` checks that the
+    sites together take the largest grafting share."""
+    sites_level: str | int = "block"
+    """The attribution level at which the sites are units (2 when they sit inside blocks)."""
 
 
 @dataclass
@@ -262,6 +270,10 @@ _SCENARIOS: tuple[Scenario, ...] = (
         family_name="wan2_2",
         sides=_wan_keeps,
         expected_culprit="rope",
+        # The keep-fp32 modules the plain .to(bf16) rounds (Side.keep_fp32_modules of Wan:
+        # norm1, norm2, norm3, rope) and the rope table dtype switch.
+        sites=("rope", "blocks.*.norm1", "blocks.*.norm2", "blocks.*.norm3"),
+        sites_level=2,
         record="diffusers keeps rope/time_embedder/scale_shift_table/norm1-3 fp32; a plain "
         "model.to(bf16) silently undoes it. Against the trainer, rope and norm2 matter (the "
         "aligned stack gathers time_embedder and the tables in bf16 on both sides).",
@@ -273,6 +285,9 @@ _SCENARIOS: tuple[Scenario, ...] = (
         sides=_ltx_positions,
         inputs=_ltx_inputs,
         expected_culprit="rope",
+        # An fp32 latent: every RoPE module builds its positions from it, and the patchify
+        # input layers receive it.
+        sites=("*rope", "proj_in", "audio_proj_in"),
         record="pe tables, high-frequency bands: rel ~0.5 there; every attention output degrades "
         "from block 0. Fix: cast the latent to the autocast dtype at the boundary.",
         extra=_ltx_band_divergence,
@@ -283,6 +298,8 @@ _SCENARIOS: tuple[Scenario, ...] = (
         family_name="ltx2",
         sides=_ltx_sigma,
         expected_culprit="time_embed.emb.time_proj",
+        # Every consumer of the timestep: the eight AdaLN-single embedders.
+        sites=("*time_embed", "av_cross_attn_*", "*prompt_adaln"),
         record="timestep embedder input rel 1.8e-3 (6.2e-8 once paired fp32/fp32); "
         "blocks.0.attn1 input 1.26e-2 -> 7.3e-4.",
     ),
@@ -292,6 +309,9 @@ _SCENARIOS: tuple[Scenario, ...] = (
         family_name="qwen_image",
         sides=_qwen_norms,
         expected_culprit="transformer_blocks.0.img_norm1",
+        # The qwen_image patch group's classes: every QwenImageTransformerBlock's norm code and
+        # the AdaLayerNormContinuous norm_out.
+        sites=("transformer_blocks.*", "norm_out"),
         record="every norm1/norm2 site, rel ~1.4e-3; fix: the qwen_image group after sgld.",
     ),
     Scenario(
@@ -300,6 +320,8 @@ _SCENARIOS: tuple[Scenario, ...] = (
         family_name="sd3",
         sides=_sd3_fp16,
         expected_culprit="pos_embed.proj",
+        # A global dtype: every module and the root's own code.
+        sites=("*", "<root>"),
         record="forcing the engine's denoising dtype to the model precision fixed a 4-5e-2 "
         "noise_pred drift for the fp16 SD3 recipe.",
     ),
@@ -309,6 +331,9 @@ _SCENARIOS: tuple[Scenario, ...] = (
         family_name="wan2_2",
         sides=_wan_sgld,
         expected_culprit="blocks.0.norm1",
+        # sgld against the wan group: WanTransformerBlock, RMSNorm (inside the blocks) and
+        # the root forward (its scale_shift_table) are patched differently.
+        sites=("blocks.*", "<root>"),
         record="The sgld group is anti-parity for Wan; the wan group runs 'fp32 once'.",
     ),
     Scenario(
@@ -317,6 +342,8 @@ _SCENARIOS: tuple[Scenario, ...] = (
         family_name="wan2_2",
         sides=_wan_root_table,
         expected_culprit="<root>",
+        # No group against the wan group: the same three places as above.
+        sites=("blocks.*", "<root>"),
         record="The wan group promotes the root scale_shift_table to fp32 and re-rounds it to "
         "bf16 on every call; the record's aligned Wan stack reaches mean abs diff exactly 0.",
     ),
@@ -327,6 +354,8 @@ _SCENARIOS: tuple[Scenario, ...] = (
         sides=_qwen_mask,
         inputs=_qwen_mask_inputs,
         expected_culprit="transformer_blocks.0.attn",
+        sites=("transformer_blocks.*.attn",),
+        sites_level=2,
         record="any non-None mask blocks the flash path; fix: drop the mask when it is all True "
         "(a bitwise no-op).",
         needs_gpu=True,
@@ -339,6 +368,8 @@ _SCENARIOS: tuple[Scenario, ...] = (
         family_name="qwen_image",
         sides=_qwen_kernel,
         expected_culprit="transformer_blocks.0.attn",
+        sites=("transformer_blocks.*.attn",),
+        sites_level=2,
         record="attention outputs, max abs ~2.5e-1 on H200 with real weights; fix: pin flash.",
         needs_gpu=True,
         why_gpu="The efficient kernel exists only on CUDA.",
@@ -349,6 +380,7 @@ _SCENARIOS: tuple[Scenario, ...] = (
         family_name="qwen_image",
         sides=_qwen_rope_device,
         expected_culprit="pos_embed",
+        sites=("pos_embed",),
         record="pos embed tables differ by fp32 ULPs; frozen-weight noise_pred mean abs diff "
         "~2e-2. Fix: rebuild the cache on the GPU.",
         needs_gpu=True,
@@ -360,6 +392,7 @@ _SCENARIOS: tuple[Scenario, ...] = (
         family_name="wan2_2",
         sides=_wan_patchify,
         expected_culprit="patch_embedding",
+        sites=("patch_embedding",),
         record="rel 2.7e-3 -> 9e-6 against the engine's patch embed once the trainer uses "
         "reshape + linear.",
         needs_gpu=True,
