@@ -337,9 +337,22 @@ def test_run_reducer_rows_equal_fused_pair_stats_bit_for_bit(side_stream: bool) 
         a = base.to(dtype_a)[i % 2 : i % 2 + n]
         b = (base * (1 + 1e-3 * (i % 5))).to(dtype_b)[i % 2 : i % 2 + n]
         pairs.append((a, b))
+    # Non-contiguous pairs too: their contiguous copies are temporaries a side stream must
+    # not lose to the forward's stream (a queued kernel holding the side stream back, and
+    # every temporary's memory handed out and overwritten right after each pair).
+    square = base[: 512 * 256].reshape(512, 256)
+    for i in range(6):
+        a, b = square.t(), (square * (1 + 1e-3 * i)).t()
+        pairs.append((a.to(torch.bfloat16), b) if i % 2 else (a, b))
     stream = torch.cuda.Stream() if side_stream else None
     reducer = fused.RunReducer(torch.device("cuda"), stream)
-    handles = [reducer.reduce(a, b) for a, b in pairs]
+    handles = []
+    for a, b in pairs:
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(200_000)  # the side stream lags behind the forward's
+        handles.append(reducer.reduce(a, b))
+        torch.full((4096 * 64,), float("nan"), device="cuda")  # reuses freed memory at once
     rows = reducer.rows()
     assert [c * fused.RunReducer.CHUNK + r for c, r in handles] == list(range(len(pairs)))
     assert len(rows) == len(pairs) == reducer.count

@@ -770,8 +770,9 @@ class RunReducer:
     def reduce(self, a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:
         """Queue one pair (same shape, CUDA, numel > 0); returns its (chunk, row).
 
-        The caller keeps `a` and `b` from being freed before the kernels ran (on a side
-        stream: `record_stream`, done here).
+        On a side stream, what the kernel reads (the outputs, or the contiguous copies of
+        non-contiguous ones) is marked as in use there (`record_stream`), so the forward's
+        stream cannot get that memory back before the kernel has read it.
         """
         if self._used == self.CHUNK:
             self._stats.append(
@@ -786,12 +787,17 @@ class RunReducer:
         self.count += 1
         grid, constexprs = self._plan(a, b)
         stream = self.stream
+        # Flattened first, on the forward's stream: a non-contiguous output is copied there,
+        # and the event below (recorded after the copy) makes the side stream wait for it.
+        flat_a, flat_b = _flat(a), _flat(b)
         if stream is not None:
             self._event.record(torch.cuda.current_stream(self.device))
             stream.wait_event(self._event)
-            a.record_stream(stream)
-            b.record_stream(stream)
-        args = (_flat(a), _flat(b), self._partials, a.numel())
+            # The memory the kernel reads (the outputs, or their contiguous copies, freed when
+            # this call returns) is not handed out again before the side stream has read it.
+            flat_a.record_stream(stream)
+            flat_b.record_stream(stream)
+        args = (flat_a, flat_b, self._partials, a.numel())
         finish = (self._partials, self._stats[chunk][row], self._hists[chunk][row], grid)
         _launch(_pair_stats_kernel, grid, args, constexprs, stream)
         _launch(_finish_kernel, 1, finish, self._finish_constexprs, stream)

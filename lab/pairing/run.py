@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import weakref
 from collections.abc import Callable
 from typing import Any, Literal
@@ -227,7 +226,7 @@ def pair(
     for m in training:
         m.training = False
     try:
-        with torch.no_grad(), _gc_paused():
+        with torch.no_grad():
             run = PairRun(
                 model,
                 inputs_a,
@@ -286,24 +285,6 @@ def pair(
     if check_outputs:
         _check_outputs(result, side_a, side_b)
     return result
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Any:
-    """The cyclic garbage collector off while the forwards run, and back on (if it was) after.
-
-    A pair allocates many small objects (hook arguments, records, pending pairs); their count
-    triggers collections, and a full one walks every object of the process (a full-size
-    model's modules and parameters included): ~0.25 s once inside an sd3 full pair on the H200
-    (cProfile). Nothing a pair makes needs the collector before it ends.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 _EDITS_OUTPUTS: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
