@@ -322,15 +322,14 @@ def test_direct_launches_equal_tritons_own_bit_for_bit(monkeypatch: pytest.Monke
 @pytest.mark.gpu
 @pytest.mark.parametrize("side_stream", [False, True])
 def test_run_reducer_rows_equal_fused_pair_stats_bit_for_bit(side_stream: bool) -> None:
-    # RunReducer: one plan per (dtypes, numel), shared partials, rows in preallocated chunks
-    # (more pairs than one chunk), launched on a side stream or the current one; the numbers
-    # must be fused_pair_stats' own, in queue order.
+    # RunReducer: batches grouped by dtype pair, two launches a group, on a side stream or the
+    # current one; every pair's numbers must be fused_pair_stats' own.
     from lab.pairing import _fused_stats as fused
 
     gen = torch.Generator("cuda").manual_seed(2)
     base = torch.randn(4096 * 37 + 5, device="cuda", generator=gen)
     pairs = []
-    for i in range(fused.RunReducer.CHUNK + 40):
+    for i in range(300):
         dtype_a, dtype_b = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
                             (torch.float32, torch.float32)][i % 3]  # fmt: skip
         n = (1, 16, 1000, 4096 * 37)[i % 4]
@@ -339,7 +338,7 @@ def test_run_reducer_rows_equal_fused_pair_stats_bit_for_bit(side_stream: bool) 
         pairs.append((a, b))
     # Non-contiguous pairs too: their contiguous copies are temporaries a side stream must
     # not lose to the forward's stream (a queued kernel holding the side stream back, and
-    # every temporary's memory handed out and overwritten right after each pair).
+    # every temporary's memory handed out and overwritten right after each batch).
     square = base[: 512 * 256].reshape(512, 256)
     for i in range(6):
         a, b = square.t(), (square * (1 + 1e-3 * i)).t()
@@ -347,18 +346,18 @@ def test_run_reducer_rows_equal_fused_pair_stats_bit_for_bit(side_stream: bool) 
     stream = torch.cuda.Stream() if side_stream else None
     reducer = fused.RunReducer(torch.device("cuda"), stream)
     handles = []
-    for a, b in pairs:
+    for start in range(0, len(pairs), 37):
         if stream is not None:
             with torch.cuda.stream(stream):
                 torch.cuda._sleep(200_000)  # the side stream lags behind the forward's
-        handles.append(reducer.reduce(a, b))
+        handles += reducer.reduce_many(pairs[start : start + 37])
         torch.full((4096 * 64,), float("nan"), device="cuda")  # reuses freed memory at once
-    rows = reducer.rows()
-    assert [c * fused.RunReducer.CHUNK + r for c, r in handles] == list(range(len(pairs)))
-    assert len(rows) == len(pairs) == reducer.count
-    for (a, b), (stats, hist) in zip(pairs, rows, strict=True):
+    outs = reducer.rows()
+    assert reducer.count == len(pairs) and reducer.launches <= 2 * 3 * (len(pairs) // 37 + 1)
+    for (a, b), (out, row) in zip(pairs, handles, strict=True):
         want_stats, want_hist = fused.fused_pair_stats(a, b)
-        assert stats == want_stats.cpu().tolist() and hist == want_hist.cpu().tolist()
+        assert torch.equal(outs[out][0][row], want_stats.cpu())
+        assert torch.equal(outs[out][1][row], want_hist.cpu())
 
 
 def test_launch_hooks_are_detected(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -380,14 +380,84 @@ def _pair_stats_kernel(
     VEC: tl.constexpr,
     N_COLS: tl.constexpr,
 ):
-    """One row of partials per program (`_SUM_COLS` then `_MAX_COLS`).
+    """One row of partials per program (`_SUM_COLS` then `_MAX_COLS`): `_pair_program`."""
+    pid = tl.program_id(0)
+    _pair_program(
+        a_ptr, b_ptr, part_ptr + pid.to(tl.int64) * N_COLS, n, pid, tl.num_programs(0),
+        A, B, COARSE, COMPUTE64, THREADS, UNROLL, VEC,
+    )  # fmt: skip
+
+
+@_jit
+def _pointer(address, KIND: tl.constexpr):
+    """An int64 address as a pointer to the kernel's view of a KIND tensor (bf16: int16 bits)."""
+    if KIND == "bf16":
+        return address.to(tl.pointer_type(tl.int16))
+    elif KIND == "fp16":
+        return address.to(tl.pointer_type(tl.float16))
+    elif KIND == "fp32":
+        return address.to(tl.pointer_type(tl.float32))
+    else:
+        return address.to(tl.pointer_type(tl.float64))
+
+
+@_jit
+def _multi_pair_stats_kernel(
+    pairs_ptr,
+    owner_ptr,
+    part_ptr,
+    A: tl.constexpr,
+    B: tl.constexpr,
+    COARSE: tl.constexpr,
+    COMPUTE64: tl.constexpr,
+    THREADS: tl.constexpr,
+    UNROLL: tl.constexpr,
+    VEC: tl.constexpr,
+    N_COLS: tl.constexpr,
+):
+    """`_pair_stats_kernel` for many pairs of one dtype pair in one launch.
+
+    Pair p has a row of `_PAIR_META` int64s in `pairs_ptr` (addresses, numel, its own grid
+    G_p, its first partial row R_p); program R_p + j (`owner_ptr` names p) runs exactly what
+    program j of a single-pair launch of grid G_p runs, so its partial row is that row, bit
+    for bit.
+    """
+    pid = tl.program_id(0)
+    pair = tl.load(owner_ptr + pid).to(tl.int64)
+    meta = pairs_ptr + pair * 5
+    a_ptr = _pointer(tl.load(meta + 0), A)
+    b_ptr = _pointer(tl.load(meta + 1), B)
+    n = tl.load(meta + 2)
+    grid = tl.load(meta + 3)
+    first = tl.load(meta + 4)
+    _pair_program(
+        a_ptr, b_ptr, part_ptr + pid.to(tl.int64) * N_COLS, n, pid - first, grid,
+        A, B, COARSE, COMPUTE64, THREADS, UNROLL, VEC,
+    )  # fmt: skip
+
+
+@_jit
+def _pair_program(
+    a_ptr,
+    b_ptr,
+    row,
+    n,
+    pid,
+    n_programs,
+    A: tl.constexpr,
+    B: tl.constexpr,
+    COARSE: tl.constexpr,
+    COMPUTE64: tl.constexpr,
+    THREADS: tl.constexpr,
+    UNROLL: tl.constexpr,
+    VEC: tl.constexpr,
+):
+    """Program `pid` of `n_programs` over one pair: its row of partials at `row`.
 
     The program folds the full tiles pid, pid + P, pid + 2P, ... and, if it is the first
     program with one full tile fewer than the rest, the partial last tile.
     """
     TILE: tl.constexpr = THREADS * UNROLL * VEC
-    pid = tl.program_id(0)
-    n_programs = tl.num_programs(0)
     # Thread t's elements: UNROLL runs of VEC contiguous ones, a warp's run 32 * VEC long.
     local = (
         tl.arange(0, THREADS)[:, None, None] * VEC
@@ -437,7 +507,6 @@ def _pair_stats_kernel(
     m_diff, m_round, m_ulp, m_a, m_b, nm_a, nm_b = maxima
     c_fin_a, c_fin_b, c_finite, c_bitexact = counts
     finite = tl.sum(c_finite.to(tl.int64))
-    row = part_ptr + pid.to(tl.int64) * N_COLS
     tl.store(row + 0, n_seen.to(tl.float64))
     tl.store(row + 1, finite.to(tl.float64))
     tl.store(row + 2, tl.sum(s_diff))
@@ -496,7 +565,56 @@ def _finish_kernel(
     BINS: tl.constexpr,
     ROWS: tl.constexpr,
 ):
-    """One program: reduce the partial rows, write (stats, hist) in STAT_FIELDS order.
+    """One program: reduce the partial rows, write (stats, hist) in STAT_FIELDS order."""
+    _finish_rows(
+        part_ptr, stats_ptr, hist_ptr, rows,
+        DEST, DEST_DERIVED, SRC_DERIVED, N_SUM, N_COLS, HIST0, BINS, ROWS,
+    )  # fmt: skip
+
+
+@_jit
+def _multi_finish_kernel(
+    pairs_ptr,
+    part_ptr,
+    stats_ptr,
+    hist_ptr,
+    N_STATS: tl.constexpr,
+    DEST: tl.constexpr,
+    DEST_DERIVED: tl.constexpr,
+    SRC_DERIVED: tl.constexpr,
+    N_SUM: tl.constexpr,
+    N_COLS: tl.constexpr,
+    HIST0: tl.constexpr,
+    BINS: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """`_finish_kernel` for pair p = program p: its G_p rows from R_p, into row p of the outputs."""
+    pair = tl.program_id(0).to(tl.int64)
+    meta = pairs_ptr + pair * 5
+    grid = tl.load(meta + 3)
+    first = tl.load(meta + 4)
+    _finish_rows(
+        part_ptr + first * N_COLS, stats_ptr + pair * N_STATS, hist_ptr + pair * BINS, grid,
+        DEST, DEST_DERIVED, SRC_DERIVED, N_SUM, N_COLS, HIST0, BINS, ROWS,
+    )  # fmt: skip
+
+
+@_jit
+def _finish_rows(
+    part_ptr,
+    stats_ptr,
+    hist_ptr,
+    rows,
+    DEST: tl.constexpr,
+    DEST_DERIVED: tl.constexpr,
+    SRC_DERIVED: tl.constexpr,
+    N_SUM: tl.constexpr,
+    N_COLS: tl.constexpr,
+    HIST0: tl.constexpr,
+    BINS: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Reduce `rows` partial rows into (stats, hist).
 
     Sum columns add up in float64 in a fixed order (blocks of ROWS rows), max columns take
     their max; then the derived statistics are computed from the totals.
@@ -708,32 +826,37 @@ def _finish(partials: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # ---- many pairs of one run ---------------------------------------------------------------
 
 
-class RunReducer:
-    """`fused_pair_stats` for every CUDA pair of one run, with the per-pair host work cut down.
+_PAIR_META = 5
+"""int64s per pair in a multi-pair launch: address of a, address of b, numel, grid, first row."""
 
-    The same two kernels on the same arguments as `fused_pair_stats` (so the same numbers),
-    but: the launch plan (grid, tile constants) is worked out once per (dtypes, numel); the
-    partial rows live in one buffer reused by every pair (all launches are on one stream, so
-    pair i + 1's first kernel runs after pair i's fold has read them); each pair's (stats,
-    hist) go into a row of preallocated chunks read back with one transfer per chunk; and on
-    a side stream the launches name that stream directly (no stream context per pair), the
-    forward's stream being waited for through one re-recorded event.
+
+class RunReducer:
+    """`fused_pair_stats` for every CUDA pair of one run, many pairs a launch.
+
+    `reduce_many(pairs)` queues a batch: pairs are grouped by dtype pair, and each group is one
+    launch of `_multi_pair_stats_kernel` (program R_p + j of it runs program j of pair p's own
+    single-pair launch, grid G_p = min(tiles, the cap), so the partial rows are the same
+    numbers) and one of `_multi_finish_kernel` (pair p's G_p rows folded as `_finish_kernel`
+    folds them). So every pair's (stats, hist) equals `fused_pair_stats(a, b)` bit for bit,
+    at two launches a batch instead of two a pair. On a side stream the batch waits for the
+    forward's stream through one re-recorded event, and what the kernels read is marked in
+    use there (`record_stream`, contiguous copies of non-contiguous outputs included).
     """
 
-    CHUNK = 1024
-
     def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None) -> None:
-        """Reduce on `stream` (None: each pair on the stream current when it arrives)."""
+        """Reduce on `stream` (None: on the stream current when a batch is queued)."""
         self.device = device
         self.stream = stream
         self._event = torch.cuda.Event() if stream is not None else None
-        self._programs = _multiprocessors(device) * PROGRAMS_PER_SM
-        self._partials = torch.empty(self._programs, _N_COLS, dtype=torch.float64, device=device)
-        self._stats: list[torch.Tensor] = []
-        self._hists: list[torch.Tensor] = []
-        self._used = self.CHUNK
-        self._plans: dict[tuple, tuple[int, dict[str, Any]]] = {}
+        self._programs = (
+            _multiprocessors(device) * PROGRAMS_PER_SM
+            if device.type == "cuda"
+            else _INTERPRETER_PROGRAMS
+        )
+        self._plans: dict[tuple, tuple[int, int, dict[str, Any]]] = {}
+        self._outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._finish_constexprs = dict(
+            N_STATS=len(STAT_FIELDS),
             DEST=_DEST_COLUMNS,
             DEST_DERIVED=_DEST_DERIVED,
             SRC_DERIVED=_DERIVED_FROM,
@@ -744,71 +867,109 @@ class RunReducer:
             ROWS=64,
         )
         self.count = 0
+        self.launches = 0
 
-    def _plan(self, a: torch.Tensor, b: torch.Tensor) -> tuple[int, dict[str, Any]]:
-        key = (a.dtype, b.dtype, a.numel())
+    def _constexprs(self, dtype_a: torch.dtype, dtype_b: torch.dtype) -> dict[str, Any]:
+        key = (dtype_a, dtype_b)
         plan = self._plans.get(key)
         if plan is None:
-            threads = 32 * NUM_WARPS
-            vec = 16 // max(a.element_size(), b.element_size())
+            size = max(torch.empty((), dtype=dtype_a).element_size(),
+                       torch.empty((), dtype=dtype_b).element_size())  # fmt: skip
+            vec = 16 // size
             per_thread = ELEMENTS_PER_THREAD_FP64 if vec == 2 else ELEMENTS_PER_THREAD
             unroll = max(1, per_thread // vec)
-            tiles = -(-a.numel() // (threads * unroll * vec))
             constexprs = dict(
-                A=_KIND[a.dtype],
-                B=_KIND[b.dtype],
-                COARSE=_KIND[coarser_dtype(a.dtype, b.dtype)],
-                COMPUTE64=torch.float64 in (a.dtype, b.dtype),
-                THREADS=threads,
+                A=_KIND[dtype_a],
+                B=_KIND[dtype_b],
+                COARSE=_KIND[coarser_dtype(dtype_a, dtype_b)],
+                COMPUTE64=torch.float64 in (dtype_a, dtype_b),
+                THREADS=32 * NUM_WARPS,
                 UNROLL=unroll,
                 VEC=vec,
                 N_COLS=_N_COLS,
             )
-            plan = self._plans[key] = (min(tiles, self._programs), constexprs)
-        return plan
+            plan = self._plans[key] = (32 * NUM_WARPS * unroll * vec, 0, constexprs)
+        return plan[2] | {"_tile": plan[0]}
 
     def reduce(self, a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:
-        """Queue one pair (same shape, CUDA, numel > 0); returns its (chunk, row).
+        """One pair (see `reduce_many`)."""
+        return self.reduce_many([(a, b)])[0]
 
-        On a side stream, what the kernel reads (the outputs, or the contiguous copies of
-        non-contiguous ones) is marked as in use there (`record_stream`), so the forward's
-        stream cannot get that memory back before the kernel has read it.
+    def reduce_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[int, int]]:
+        """Queue pairs (same shape, CUDA, numel > 0); returns each one's (output, row).
+
+        The kernels read the tensors after this returns (in stream order): the caller keeps
+        them unedited until then, or compares copies.
         """
-        if self._used == self.CHUNK:
-            self._stats.append(
-                torch.empty(self.CHUNK, len(STAT_FIELDS), dtype=torch.float64, device=self.device)
-            )
-            self._hists.append(
-                torch.empty(self.CHUNK, _BINS, dtype=torch.float64, device=self.device)
-            )
-            self._used = 0
-        chunk, row = len(self._stats) - 1, self._used
-        self._used += 1
-        self.count += 1
-        grid, constexprs = self._plan(a, b)
+        groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
+        for i, (a, b) in enumerate(pairs):
+            groups.setdefault((a.dtype, b.dtype), []).append(i)
+        flats = [(_flat(a), _flat(b)) for a, b in pairs]
         stream = self.stream
-        # Flattened first, on the forward's stream: a non-contiguous output is copied there,
-        # and the event below (recorded after the copy) makes the side stream wait for it.
-        flat_a, flat_b = _flat(a), _flat(b)
         if stream is not None:
+            # After the copies above: the side stream waits for them and for the outputs.
             self._event.record(torch.cuda.current_stream(self.device))
             stream.wait_event(self._event)
-            # The memory the kernel reads (the outputs, or their contiguous copies, freed when
-            # this call returns) is not handed out again before the side stream has read it.
-            flat_a.record_stream(stream)
-            flat_b.record_stream(stream)
-        args = (flat_a, flat_b, self._partials, a.numel())
-        finish = (self._partials, self._stats[chunk][row], self._hists[chunk][row], grid)
-        _launch(_pair_stats_kernel, grid, args, constexprs, stream)
-        _launch(_finish_kernel, 1, finish, self._finish_constexprs, stream)
-        return chunk, row
+            for fa, fb in flats:
+                fa.record_stream(stream)
+                fb.record_stream(stream)
+        handles: list[tuple[int, int]] = [(0, 0)] * len(pairs)
+        # The tables, partial rows and outputs are made on the stream that reads them.
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for (dtype_a, dtype_b), index in groups.items():
+                self._launch_group(flats, index, dtype_a, dtype_b, handles)
+        self.count += len(pairs)
+        return handles
 
-    def rows(self) -> list[tuple[list[float], list[float]]]:
-        """Every queued pair's (stats, hist) as host lists, in order (one transfer a chunk)."""
+    def _launch_group(
+        self,
+        flats: list[tuple[torch.Tensor, torch.Tensor]],
+        index: list[int],
+        dtype_a: torch.dtype,
+        dtype_b: torch.dtype,
+        handles: list[tuple[int, int]],
+    ) -> None:
+        stream = self.stream
+        constexprs = self._constexprs(dtype_a, dtype_b)
+        tile = constexprs.pop("_tile")
+        meta: list[int] = []
+        first = 0
+        for i in index:
+            fa, fb = flats[i]
+            n = fa.numel()
+            grid = min(-(-n // tile), self._programs)
+            meta += (fa.data_ptr(), fb.data_ptr(), n, grid, first)
+            first += grid
+        table = torch.tensor(meta, dtype=torch.int64).to(self.device)
+        counts = table.view(-1, _PAIR_META)[:, 3]
+        owners = torch.repeat_interleave(
+            torch.arange(len(index), device=self.device, dtype=torch.int32), counts,
+            output_size=first,
+        )  # fmt: skip
+        partials = torch.empty(first, _N_COLS, dtype=torch.float64, device=self.device)
+        stats = torch.empty(len(index), len(STAT_FIELDS), dtype=torch.float64,
+                            device=self.device)  # fmt: skip
+        hist = torch.empty(len(index), _BINS, dtype=torch.float64, device=self.device)
+        _launch(_multi_pair_stats_kernel, first, (table, owners, partials), constexprs, stream)
+        _launch(_multi_finish_kernel, len(index), (table, partials, stats, hist),
+                self._finish_constexprs, stream)  # fmt: skip
+        out = len(self._outputs)
+        self._outputs.append((stats, hist))
+        for row, i in enumerate(index):
+            handles[i] = (out, row)
+        self.launches += 2
+
+    def rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each queued batch's (stats, hist) on the host, in queue order (one transfer)."""
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        out: list[tuple[list[float], list[float]]] = []
-        for i, (stats, hists) in enumerate(zip(self._stats, self._hists, strict=True)):
-            n = self._used if i == len(self._stats) - 1 else self.CHUNK
-            out.extend(zip(stats[:n].cpu().tolist(), hists[:n].cpu().tolist(), strict=True))
+        if not self._outputs:
+            return []
+        stats = torch.cat([s for s, _ in self._outputs]).cpu()
+        hists = torch.cat([h for _, h in self._outputs]).cpu()
+        out, start = [], 0
+        for s, _ in self._outputs:
+            n = s.shape[0]
+            out.append((stats[start : start + n], hists[start : start + n]))
+            start += n
         return out

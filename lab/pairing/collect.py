@@ -76,6 +76,10 @@ class Aliases:
 # pair at a time.
 _DEFER_NUMEL = 1 << 20
 _FLUSH_NUMEL = 1 << 24
+# On CUDA, pairs are held and reduced a batch a launch: at most this many pairs, or this many
+# bytes of held outputs (memory the forward could otherwise reuse), a batch.
+_DEVICE_PAIRS = 256
+_DEVICE_BYTES = 512 << 20
 
 
 def metrics_on_side_stream() -> bool:
@@ -122,6 +126,10 @@ class Collector:
         """The CUDA single-pair reduction, chosen at the first CUDA pair (switches read once)."""
         self._reducer: Any = None
         """With the fused kernel: the run's `_fused_stats.RunReducer` (rows in its buffers)."""
+        self._now: Any = None
+        """The reducer on the forward's stream, for models that edit outputs in place."""
+        self._device_batch: list[tuple[_Pending, torch.Tensor, torch.Tensor, int, int]] = []
+        self._device_bytes = 0
 
     def compare(
         self,
@@ -200,8 +208,18 @@ class Collector:
 
                 self._reducer = RunReducer(a.device, self._stream)
         if self._reducer is not None and a.numel():
-            # The fused kernels, launched straight into the run's buffers (same numbers).
-            pending.stats = self._reducer.reduce(a, b)
+            if self.copies:
+                # A forward that edits its outputs in place: reduce now, on its own stream
+                # (queued before any later edit), instead of holding the pair.
+                reducer = self._reducer_now(a.device)
+                pending.stats = (*reducer.reduce(a, b), reducer)
+                return
+            # Held (with their versions) and reduced with the others of the batch: two
+            # launches a batch instead of two a pair, the same numbers.
+            self._device_batch.append((pending, a, b, a._version, b._version))
+            self._device_bytes += a.numel() * a.element_size() + b.numel() * b.element_size()
+            if len(self._device_batch) >= _DEVICE_PAIRS or self._device_bytes >= _DEVICE_BYTES:
+                self._flush_device()
             return
         stream = self._stream
         if stream is None:
@@ -213,12 +231,40 @@ class Collector:
         a.record_stream(stream)
         b.record_stream(stream)
 
+    def _reducer_now(self, device: torch.device) -> Any:
+        """The run's reducer on the forward's stream (for models that edit outputs in place)."""
+        if self._stream is not None:
+            from lab.pairing._fused_stats import RunReducer
+
+            if self._now is None:
+                self._now = RunReducer(device, None)
+            return self._now
+        return self._reducer
+
+    def _flush_device(self) -> None:
+        """Queue the held CUDA pairs on the run's reducer.
+
+        Raises:
+            OutputEdited: A held tensor was edited in place since it arrived.
+        """
+        batch = self._device_batch
+        if not batch:
+            return
+        for pending, a, b, version_a, version_b in batch:
+            if a._version != version_a or b._version != version_b:
+                raise OutputEdited(pending.module, pending.call, pending.output)
+        handles = self._reducer.reduce_many([(a, b) for _, a, b, _, _ in batch])
+        for (pending, *_), handle in zip(batch, handles, strict=True):
+            pending.stats = (*handle, self._reducer)
+        self._device_batch, self._device_bytes = [], 0
+
     def flush(self) -> None:
         """Reduce every deferred pair in one segmented pass.
 
         Raises:
             OutputEdited: A deferred tensor was edited in place since it arrived.
         """
+        self._flush_device()
         if not self._batch:
             return
         for pending, a, b, version_a, version_b in self._batch:
@@ -238,12 +284,13 @@ class Collector:
         """Skip the deferred pairs a forward edited in place (for a partial Result)."""
         edited = {
             id(pending)
-            for pending, a, b, version_a, version_b in self._batch
+            for pending, a, b, version_a, version_b in (*self._batch, *self._device_batch)
             if a._version != version_a or b._version != version_b
         }
         if not edited:
             return
         self._batch = [entry for entry in self._batch if id(entry[0]) not in edited]
+        self._device_batch = [e for e in self._device_batch if id(e[0]) not in edited]
         for pending in self.pending:
             if id(pending.resolved()) in edited:
                 reason = "edited in place by its forward before it was compared"
@@ -258,13 +305,15 @@ class Collector:
         if self._stream is not None:
             torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
         resolved = [p.resolved() for p in self.pending]
-        if self._reducer is not None:
-            # One transfer per chunk of rows for every pair the run's reducer queued.
-            done = self._reducer.rows()
-            chunk = self._reducer.CHUNK
+        for reducer in (self._reducer, self._now):
+            if reducer is None:
+                continue
+            # One transfer for every batch the reducer queued.
+            done = [(s.tolist(), h.tolist()) for s, h in reducer.rows()]
             for p in resolved:
-                if isinstance(p.stats, tuple):
-                    p.stats, p.hist = done[p.stats[0] * chunk + p.stats[1]]
+                if isinstance(p.stats, tuple) and p.stats[2] is reducer:
+                    out, row = p.stats[:2]
+                    p.stats, p.hist = done[out][0][row], done[out][1][row]
         # One host transfer for every pair reduced on a device (the deferred ones are lists).
         tensors = [p for p in resolved if isinstance(p.stats, torch.Tensor)]
         if tensors:

@@ -1,0 +1,84 @@
+"""The multi-pair kernels (`_fused_stats.RunReducer`) equal `fused_pair_stats` bit for bit.
+
+CPU: Triton's interpreter in a subprocess (TRITON_INTERPRET must be set before the kernels are
+decorated). GPU (`gpu`): compiled, on a side stream and the forward's, with non-contiguous
+pairs and memory churn; and through `lab.pair` (tests/test_pairing_paths.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json, warnings
+    import torch
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    from lab.pairing import _fused_stats as fused
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(5000, generator=g)
+    pairs = []
+    dtypes = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+              (torch.float32, torch.float32), (torch.float16, torch.float32),
+              (torch.float32, torch.float64)]
+    for i, (da, db) in enumerate(dtypes * 2):
+        n = (1, 17, 700, 4999, 3000)[i % 5]
+        a, b = base[:n].to(da), (base[:n] * (1 + 1e-3 * i)).to(db)
+        if i == 3:
+            b[5] = float("nan")
+        pairs.append((a, b))
+    square = base[: 64 * 32].reshape(64, 32)
+    pairs.append((square.t(), (square * 1.001).t()))  # non-contiguous
+    pairs.append((base[:900], base[:900].clone()))  # identical
+    reducer = fused.RunReducer(torch.device("cpu"))
+    handles = reducer.reduce_many(pairs[:6]) + reducer.reduce_many(pairs[6:])
+    outs = reducer.rows()
+    same = []
+    for (a, b), (out, row) in zip(pairs, handles):
+        stats, hist = fused.fused_pair_stats(a, b)
+        same.append(torch.equal(outs[out][0][row], stats) and torch.equal(outs[out][1][row], hist))
+    print(json.dumps({"same": same, "launches": reducer.launches, "count": reducer.count,
+                      "handles": handles}))
+    """
+)
+
+
+def test_interpreted_multi_pair_kernels_equal_single_pair_bit_for_bit() -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["same"] == [True] * 12
+    assert got["count"] == 12
+    # Two batches, grouped by dtype pair: 5 groups in the first (6 pairs), 4 in the second
+    # (its three fp32/fp32 pairs share one), two launches each.
+    assert got["launches"] == 2 * (5 + 4)
+    assert sorted({out for out, _ in got["handles"]}) == list(range(9))
+
+
+@pytest.mark.gpu
+def test_pair_reduces_in_batches_with_the_numbers_of_one_pair_at_a_time(monkeypatch) -> None:
+    import lab
+    from lab.pairing import collect
+
+    fam = lab.family("flux")
+    model = fam.build("reduced", 0, device="cuda")
+    inputs = fam.make_inputs("reduced", 0, device="cuda")
+    a, b = lab.Side.rollout(fam, device="cuda"), lab.Side.trainer(fam, device="cuda")
+    batched = lab.pair(model, inputs, a, b)
+    monkeypatch.setattr(collect, "_DEVICE_PAIRS", 1)  # a batch a pair
+    single = lab.pair(model, inputs, a, b)
+    assert [r.metrics for r in batched.rows] == [r.metrics for r in single.rows]
+    assert torch.cuda.is_available()
