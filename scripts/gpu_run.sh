@@ -22,7 +22,7 @@ for stage in "$@"; do
     tests)
         gpu_pytest tests/test_metrics_gpu.py tests/test_lockstep.py >"$out/gpu_tests.log" 2>&1
         ;;
-    fused) gpu_pytest tests/test_fused_stats.py >"$out/fused_gpu.log" 2>&1 ;;
+    fused) gpu_pytest tests/test_fused_stats.py tests/test_multi_pair_stats.py >"$out/fused_gpu.log" 2>&1 ;;
     paths) gpu_pytest -s tests/test_pairing_paths.py >"$out/paths_gpu.log" 2>&1 ;;
     full) gpu_pytest -s tests/test_full_gpu.py >"$out/full_gpu.log" 2>&1 ;;
     sharded) gpu_pytest -s tests/test_fsdp2_sharded_gpu.py >"$out/sharded_gpu.log" 2>&1 ;;
