@@ -32,7 +32,10 @@ for stage in "$@"; do
         gpu_pytest tests/test_dtype_flow.py tests/test_parity_gpu.py \
             tests/test_fsdp2_gpu.py >"$out/parity_gpu.log" 2>&1
         ;;
-    size) python bench/full_size.py "$out/size" >"$out/full_size.log" 2>&1 ;;
+    size)
+        python bench/full_size.py "$out/size" --families "${SIZE_FAMILIES:-flux,sd3,cosmos3,qwen_image,ltx2,wan2_2,minimax_h3}" \
+            >"$out/full_size.log" 2>&1
+        ;;
     profile)
         python bench/pair_profile.py "$out/profile" --families "${PROFILE_FAMILIES:-flux,sd3}" \
             >"$out/pair_profile.log" 2>&1

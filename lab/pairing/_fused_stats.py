@@ -940,7 +940,12 @@ class RunReducer:
             grid = min(-(-n // tile), self._programs)
             meta += (fa.data_ptr(), fb.data_ptr(), n, grid, first)
             first += grid
-        table = torch.tensor(meta, dtype=torch.int64).to(self.device)
+        # From pinned memory, without waiting: a copy from pageable memory synchronizes the
+        # stream, so the host would wait for every queued kernel at every batch (flux full on
+        # the H200: 229 such waits, 0.33 s a pair).
+        pinned = self.device.type == "cuda"
+        table = torch.tensor(meta, dtype=torch.int64, pin_memory=pinned)
+        table = table.to(self.device, non_blocking=pinned)
         counts = table.view(-1, _PAIR_META)[:, 3]
         owners = torch.repeat_interleave(
             torch.arange(len(index), device=self.device, dtype=torch.int32), counts,
