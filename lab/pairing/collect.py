@@ -80,6 +80,13 @@ _FLUSH_NUMEL = 1 << 24
 # bytes of held outputs (memory the forward could otherwise reuse), a batch.
 _DEVICE_PAIRS = 256
 _DEVICE_BYTES = 512 << 20
+# Pairs this large are reduced one at a time, at once, each with its own launch on the side
+# stream (the path Wan2.2 and MiniMax H3 full were measured on at 1.13x and 1.11x): their
+# kernels take milliseconds, so a launch's host time is hidden anyway. Batched, a batch of
+# one such pair cost those two families ~3 ms a pair (1.51x, 1.48x on the H200,
+# data/gpu/full_size_h200.json at 2ec012a). The short-forward families' outputs stay below it
+# (flux full: max 57M elements, qwen_image 50M; Wan2.2 168M, MiniMax H3 median 203M).
+_DEVICE_BATCH_NUMEL = 64 << 20
 
 
 def metrics_on_side_stream() -> bool:
@@ -207,7 +214,7 @@ class Collector:
                 from lab.pairing._fused_stats import RunReducer
 
                 self._reducer = RunReducer(a.device, self._stream)
-        if self._reducer is not None and a.numel():
+        if self._reducer is not None and 0 < a.numel() < _DEVICE_BATCH_NUMEL:
             if self.copies:
                 # A forward that edits its outputs in place: reduce now, on its own stream
                 # (queued before any later edit), instead of holding the pair.
