@@ -85,3 +85,62 @@ def test_pair_reduces_in_batches_with_the_numbers_of_one_pair_at_a_time(monkeypa
     at_once = lab.pair(model, inputs, a, b)
     assert [r.metrics for r in batched.rows] == [r.metrics for r in at_once.rows]
     assert torch.cuda.is_available()
+
+
+@pytest.mark.parametrize(
+    ("kind_a", "kind_b", "vec", "unroll"), [("bf16", "bf16", 8, 2), ("fp32", "fp32", 4, 4)]
+)
+def test_multi_pair_kernel_loads_16_byte_vectors_like_the_single_one(
+    kind_a: str, kind_b: str, vec: int, unroll: int
+) -> None:
+    # Compiled for sm_90 on this machine (Triton's bundled ptxas, no GPU needed): addresses
+    # read from a table carry no alignment, and without ALIGN_A/ALIGN_B the multi-pair kernel
+    # loaded element by element (ld.global.b16), slower than the single-pair kernel's 16-byte
+    # vectors on the same tiles.
+    triton = pytest.importorskip("triton")
+    import re
+    from collections import Counter
+
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:
+        pytest.skip("this triton cannot compile ahead of time")
+    from lab.pairing import _fused_stats as fused
+
+    pointer = {"bf16": "*i16", "fp32": "*fp32"}
+    constexprs = dict(A=kind_a, B=kind_b, COARSE=kind_a, COMPUTE64=False, THREADS=128,
+                      UNROLL=unroll, VEC=vec, N_COLS=fused._N_COLS)  # fmt: skip
+
+    def loads(fn, signature: dict, extra: dict) -> Counter:
+        cx = {**constexprs, **extra}
+        attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(signature))}
+        src = ASTSource(
+            fn=fn, signature={**signature, **dict.fromkeys(cx, "constexpr")}, constexprs=cx,
+            attrs=attrs,
+        )  # fmt: skip
+        try:
+            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        except Exception as err:  # no ptxas / backend on this machine
+            pytest.skip(f"cannot compile for sm_90 here: {type(err).__name__}")
+        return Counter(re.findall(r"ld\.global\.v4\.b32|ld\.global\.b16", kernel.asm["ptx"]))
+
+    table = {"pairs_ptr": "*i64", "owner_ptr": "*i32", "part_ptr": "*fp64"}
+    bases = {"a_base": pointer[kind_a], "b_base": pointer[kind_b]}
+    single = loads(
+        fused._pair_stats_kernel,
+        {"a_ptr": pointer[kind_a], "b_ptr": pointer[kind_b], "part_ptr": "*fp64", "n": "i32"},
+        {},
+    )
+    per_16 = {"bf16": 8, "fp32": 4}  # elements in 16 bytes
+    aligned = loads(
+        fused._multi_pair_stats_kernel, {**bases, **table},
+        {"ALIGN_A": per_16[kind_a], "ALIGN_B": per_16[kind_b]},
+    )  # fmt: skip
+    unaligned = loads(
+        fused._multi_pair_stats_kernel, {**bases, **table}, {"ALIGN_A": 1, "ALIGN_B": 1}
+    )
+    assert single["ld.global.v4.b32"] > 0
+    # The full tiles: as many 16-byte vector loads as the single-pair kernel's full tiles.
+    assert aligned["ld.global.v4.b32"] >= single["ld.global.v4.b32"] // 2 > 0
+    assert unaligned["ld.global.v4.b32"] == 0

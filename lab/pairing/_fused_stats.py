@@ -389,20 +389,9 @@ def _pair_stats_kernel(
 
 
 @_jit
-def _pointer(address, KIND: tl.constexpr):
-    """An int64 address as a pointer to the kernel's view of a KIND tensor (bf16: int16 bits)."""
-    if KIND == "bf16":
-        return address.to(tl.pointer_type(tl.int16))
-    elif KIND == "fp16":
-        return address.to(tl.pointer_type(tl.float16))
-    elif KIND == "fp32":
-        return address.to(tl.pointer_type(tl.float32))
-    else:
-        return address.to(tl.pointer_type(tl.float64))
-
-
-@_jit
 def _multi_pair_stats_kernel(
+    a_base,
+    b_base,
     pairs_ptr,
     owner_ptr,
     part_ptr,
@@ -414,25 +403,34 @@ def _multi_pair_stats_kernel(
     UNROLL: tl.constexpr,
     VEC: tl.constexpr,
     N_COLS: tl.constexpr,
+    ALIGN_A: tl.constexpr,
+    ALIGN_B: tl.constexpr,
 ):
     """`_pair_stats_kernel` for many pairs of one dtype pair in one launch.
 
-    Pair p has a row of `_PAIR_META` int64s in `pairs_ptr` (addresses, numel, its own grid
-    G_p, its first partial row R_p); program R_p + j (`owner_ptr` names p) runs exactly what
-    program j of a single-pair launch of grid G_p runs, so its partial row is that row, bit
-    for bit.
+    Pair p has a row of `_PAIR_META` int64s in `pairs_ptr`: where its a and b start, in
+    elements from `a_base` and `b_base` (the first pair's tensors, typed pointers), its numel,
+    its own grid G_p and its first partial row R_p. Program R_p + j (`owner_ptr` names p) runs
+    exactly what program j of a single-pair launch of grid G_p runs, so its partial row is
+    that row, bit for bit. ALIGN_A / ALIGN_B > 1: every a (b) of the launch, and its base,
+    starts on 16 bytes = that many elements (checked on the host, as Triton specializes a
+    single launch's pointers), so the loads are 16-byte vectors as there.
     """
     pid = tl.program_id(0)
     pair = tl.load(owner_ptr + pid).to(tl.int64)
     meta = pairs_ptr + pair * 5
-    a_ptr = _pointer(tl.load(meta + 0), A)
-    b_ptr = _pointer(tl.load(meta + 1), B)
+    offset_a = tl.load(meta + 0)
+    offset_b = tl.load(meta + 1)
+    if ALIGN_A > 1:
+        offset_a = tl.multiple_of(offset_a, ALIGN_A)
+    if ALIGN_B > 1:
+        offset_b = tl.multiple_of(offset_b, ALIGN_B)
     n = tl.load(meta + 2)
     grid = tl.load(meta + 3)
     first = tl.load(meta + 4)
     _pair_program(
-        a_ptr, b_ptr, part_ptr + pid.to(tl.int64) * N_COLS, n, pid - first, grid,
-        A, B, COARSE, COMPUTE64, THREADS, UNROLL, VEC,
+        a_base + offset_a, b_base + offset_b, part_ptr + pid.to(tl.int64) * N_COLS, n,
+        pid - first, grid, A, B, COARSE, COMPUTE64, THREADS, UNROLL, VEC,
     )  # fmt: skip
 
 
@@ -934,12 +932,23 @@ class RunReducer:
         tile = constexprs.pop("_tile")
         meta: list[int] = []
         first = 0
+        base_a, base_b = flats[index[0]]
+        origin_a, origin_b = base_a.data_ptr(), base_b.data_ptr()
+        size_a, size_b = base_a.element_size(), base_b.element_size()
+        aligned_a = aligned_b = True
         for i in index:
             fa, fb = flats[i]
             n = fa.numel()
             grid = min(-(-n // tile), self._programs)
-            meta += (fa.data_ptr(), fb.data_ptr(), n, grid, first)
+            address_a, address_b = fa.data_ptr(), fb.data_ptr()
+            aligned_a &= address_a % 16 == 0
+            aligned_b &= address_b % 16 == 0
+            # Element offsets from the bases (every tensor sits on its element size).
+            meta += ((address_a - origin_a) // size_a, (address_b - origin_b) // size_b, n,
+                     grid, first)  # fmt: skip
             first += grid
+        constexprs["ALIGN_A"] = 16 // size_a if aligned_a else 1
+        constexprs["ALIGN_B"] = 16 // size_b if aligned_b else 1
         # From pinned memory, without waiting: a copy from pageable memory synchronizes the
         # stream, so the host would wait for every queued kernel at every batch (flux full on
         # the H200: 229 such waits, 0.33 s a pair).
@@ -955,7 +964,8 @@ class RunReducer:
         stats = torch.empty(len(index), len(STAT_FIELDS), dtype=torch.float64,
                             device=self.device)  # fmt: skip
         hist = torch.empty(len(index), _BINS, dtype=torch.float64, device=self.device)
-        _launch(_multi_pair_stats_kernel, first, (table, owners, partials), constexprs, stream)
+        args = (base_a, base_b, table, owners, partials)
+        _launch(_multi_pair_stats_kernel, first, args, constexprs, stream)
         _launch(_multi_finish_kernel, len(index), (table, partials, stats, hist),
                 self._finish_constexprs, stream)  # fmt: skip
         out = len(self._outputs)
