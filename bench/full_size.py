@@ -10,6 +10,8 @@ autotuning are never timed):
 - `every_module`: `lab.pair` with every module output compared (streamed, lockstep);
 - `blocks_only`: the same, comparing only the outputs of the family's blocks;
 - the first (cold) `every_module` run separately, as `every_module_cold_s`.
+Then the sharded MiniMax H3 case (`--sharded on`, the default; it runs when the machine has
+two GPUs): its trained master, which one GPU refuses, paired with `lab.fsdp.pair_sharded`.
 Writes OUT_DIR/full_size.json after every family (a run cut short keeps its figures), with the
 ratios (`every_module_vs_plain`, `blocks_only_vs_plain`, `peak_vs_plain`), the pair counts and
 `meta["timings_s"]` of the paired runs. An out-of-memory or other failure is recorded in the row
@@ -105,11 +107,53 @@ def measure(name: str, repeat: int) -> dict[str, Any]:
     return row
 
 
+def measure_sharded(nproc: int = 2) -> dict[str, Any]:
+    """MiniMax H3 full with its trained (off-grid) master, paired sharded across `nproc` GPUs.
+
+    One GPU refuses it before building a side (`check_master_fits`: the fp32 master and the
+    casts leave no room for two forwards); `lab.fsdp.pair_sharded` runs each side as an FSDP2
+    job (one fully_shard per block) on `nproc` ranks and pairs the block outputs. Recorded: the
+    wall time, each side's build/shard/forward seconds and per-rank peaks (the jobs' meta), the
+    pairing time, the block pairs and the model output's rel_max. With fewer GPUs the row says
+    so and why.
+    """
+    row: dict[str, Any] = {"family": "minimax_h3", "preset": "full", "init": "trained",
+                           "case": f"sharded_{nproc}gpu"}  # fmt: skip
+    found = torch.cuda.device_count()
+    if found < nproc:
+        row["skipped"] = (
+            f"needs {nproc} GPUs, found {found}: MiniMax H3 full with an fp32 master off the "
+            "bf16 grid (trained init) does not fit one H200 next to two forwards, and one-GPU "
+            "pairing refuses it before building a side (tests/test_compact_master.py)."
+        )
+        return row
+    from lab.fsdp import pair_sharded
+
+    start = time.perf_counter()
+    result = pair_sharded("minimax_h3", "full", nproc=nproc, capture_depth=1)
+    row["wall_s"] = time.perf_counter() - start
+    for key in ("fsdp2_a", "fsdp2_b"):
+        job = result.meta.get(key, {})
+        row[key] = {
+            k: job.get(k)
+            for k in ("build_s", "shard_s", "forward_s", "peak_memory_gib_per_rank", "world_size")
+        }
+    row["timings_s"] = result.meta.get("timings_s")
+    row["pairs"] = len(result.rows)
+    row["model_output_rel_max"] = result.output_metrics()["model_output_rel_max"]
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("out_dir")
     parser.add_argument("--families", default=",".join(lab.families()))
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--sharded", choices=("on", "off"), default="on",
+        help="MiniMax H3 full (trained master) paired sharded on 2 GPUs when two exist (the row "
+        "says why not otherwise); off: leave it out",
+    )  # fmt: skip
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/full_size.py measures on CUDA; this machine has no GPU.")
@@ -133,6 +177,17 @@ def main() -> None:
         (out / "full_size.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         gc.collect()
         torch.cuda.empty_cache()
+    if args.sharded == "off":
+        row = {"family": "minimax_h3", "case": "sharded_2gpu", "skipped": "--sharded off"}
+    else:
+        try:
+            row = measure_sharded(2)  # says why it skips with fewer than two GPUs
+        except Exception as err:
+            row = {"family": "minimax_h3", "case": "sharded_2gpu", "error": repr(err)[:400]}
+            traceback.print_exc()
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    (out / "full_size.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
