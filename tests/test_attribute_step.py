@@ -101,6 +101,12 @@ def test_bad_steps_and_metrics_are_refused(sd3_traj) -> None:
         attribute_step(bare, 0)
 
 
+def test_a_trajectory_read_back_from_json_says_it_holds_no_tensors(sd3_traj, tmp_path) -> None:
+    back = lab.Trajectory.from_json(sd3_traj.to_json(tmp_path / "traj.json"))
+    with pytest.raises(ValueError, match=r"read back with Trajectory\.from_json"):
+        attribute_step(back, 1)
+
+
 def test_plot_names_the_step_drift_and_shows_every_bar_whole(sd3_traj) -> None:
     from lab.views.plots import plot_attribution
 

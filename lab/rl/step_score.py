@@ -130,8 +130,9 @@ class StepScore:
         meta = traj.meta
         if not traj.steps:
             raise ValueError(
-                "StepScore.from_trajectory: the trajectory kept no tensors; run "
-                "lab.trajectory(..., keep_tensors=True) (the default)."
+                "StepScore.from_trajectory: the trajectory holds no tensors (it ran with "
+                "keep_tensors=False, or was read back with Trajectory.from_json, which writes "
+                "none); run lab.trajectory(..., keep_tensors=True) (the default) in this session."
             )
         if not 0 <= step < len(traj.steps):
             raise ValueError(
