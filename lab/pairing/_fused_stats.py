@@ -43,6 +43,7 @@ than ~7% faster).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Any
 
@@ -691,7 +692,7 @@ def fused_pair_stats(
         raise ValueError(f"fused_pair_stats: shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}.")
     if a.device != b.device:
         raise ValueError(f"fused_pair_stats: devices differ: {a.device} vs {b.device}.")
-    coarse = coarser_dtype(a.dtype, b.dtype)
+    coarser_dtype(a.dtype, b.dtype)  # raises on a dtype the lab does not compare
     device = a.device
     if a.numel() == 0:
         stats = torch.zeros(len(STAT_FIELDS), dtype=torch.float64, device=device)
@@ -700,11 +701,8 @@ def fused_pair_stats(
         return stats, torch.zeros(_BINS, dtype=torch.float64, device=device)
     if not available(device):
         raise RuntimeError(f"fused_pair_stats: needs triton and a CUDA device, got {device}.")
-    threads = threads or 32 * NUM_WARPS
-    vec = 16 // max(a.element_size(), b.element_size())  # 16-byte loads of the wider input
-    per_thread = ELEMENTS_PER_THREAD_FP64 if vec == 2 else ELEMENTS_PER_THREAD
-    unroll = max(1, per_thread // vec)
-    tiles = -(-a.numel() // (threads * unroll * vec))
+    tile, constexprs = _launch_plan(a.dtype, b.dtype, threads or 32 * NUM_WARPS)
+    tiles = -(-a.numel() // tile)
     if max_programs is None:
         if device.type == "cuda":
             max_programs = _multiprocessors(device) * PROGRAMS_PER_SM
@@ -712,21 +710,37 @@ def fused_pair_stats(
             max_programs = _INTERPRETER_PROGRAMS
     grid = min(tiles, max_programs)
     partials = torch.empty(grid, _N_COLS, dtype=torch.float64, device=device)
-    constexprs = dict(
-        A=_KIND[a.dtype],
-        B=_KIND[b.dtype],
-        COARSE=_KIND[coarse],
-        COMPUTE64=torch.float64 in (a.dtype, b.dtype),
-        THREADS=threads,
-        UNROLL=unroll,
-        VEC=vec,
-        N_COLS=_N_COLS,
-    )
     # Triton launches on the current CUDA device: make it the inputs' one.
     switch = device.type == "cuda" and device.index != torch.cuda.current_device()
     with torch.cuda.device(device) if switch else contextlib.nullcontext():
         _launch(_pair_stats_kernel, grid, (_flat(a), _flat(b), partials, a.numel()), constexprs)
         return _finish(partials)
+
+
+@functools.cache
+def _launch_plan(
+    dtype_a: torch.dtype, dtype_b: torch.dtype, threads: int
+) -> tuple[int, dict[str, Any]]:
+    """(elements a tile, the pair kernel's constexprs) for a dtype pair.
+
+    A single-pair launch and a multi-pair group use the same, so their programs are the same.
+    Callers copy the dict before adding keys.
+    """
+    size = max(torch.empty((), dtype=d).element_size() for d in (dtype_a, dtype_b))
+    vec = 16 // size  # 16-byte loads of the wider input
+    per_thread = ELEMENTS_PER_THREAD_FP64 if vec == 2 else ELEMENTS_PER_THREAD
+    unroll = max(1, per_thread // vec)
+    constexprs = dict(
+        A=_KIND[dtype_a],
+        B=_KIND[dtype_b],
+        COARSE=_KIND[coarser_dtype(dtype_a, dtype_b)],
+        COMPUTE64=torch.float64 in (dtype_a, dtype_b),
+        THREADS=threads,
+        UNROLL=unroll,
+        VEC=vec,
+        N_COLS=_N_COLS,
+    )
+    return threads * unroll * vec, constexprs
 
 
 _SMS: dict[int | None, int] = {}
@@ -851,7 +865,6 @@ class RunReducer:
             if device.type == "cuda"
             else _INTERPRETER_PROGRAMS
         )
-        self._plans: dict[tuple, tuple[int, int, dict[str, Any]]] = {}
         self._outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._finish_constexprs = dict(
             N_STATS=len(STAT_FIELDS),
@@ -866,32 +879,6 @@ class RunReducer:
         )
         self.count = 0
         self.launches = 0
-
-    def _constexprs(self, dtype_a: torch.dtype, dtype_b: torch.dtype) -> dict[str, Any]:
-        key = (dtype_a, dtype_b)
-        plan = self._plans.get(key)
-        if plan is None:
-            size = max(torch.empty((), dtype=dtype_a).element_size(),
-                       torch.empty((), dtype=dtype_b).element_size())  # fmt: skip
-            vec = 16 // size
-            per_thread = ELEMENTS_PER_THREAD_FP64 if vec == 2 else ELEMENTS_PER_THREAD
-            unroll = max(1, per_thread // vec)
-            constexprs = dict(
-                A=_KIND[dtype_a],
-                B=_KIND[dtype_b],
-                COARSE=_KIND[coarser_dtype(dtype_a, dtype_b)],
-                COMPUTE64=torch.float64 in (dtype_a, dtype_b),
-                THREADS=32 * NUM_WARPS,
-                UNROLL=unroll,
-                VEC=vec,
-                N_COLS=_N_COLS,
-            )
-            plan = self._plans[key] = (32 * NUM_WARPS * unroll * vec, 0, constexprs)
-        return plan[2] | {"_tile": plan[0]}
-
-    def reduce(self, a: torch.Tensor, b: torch.Tensor) -> tuple[int, int]:
-        """One pair (see `reduce_many`)."""
-        return self.reduce_many([(a, b)])[0]
 
     def reduce_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[int, int]]:
         """Queue pairs (same shape, CUDA, numel > 0); returns each one's (output, row).
@@ -928,8 +915,8 @@ class RunReducer:
         handles: list[tuple[int, int]],
     ) -> None:
         stream = self.stream
-        constexprs = self._constexprs(dtype_a, dtype_b)
-        tile = constexprs.pop("_tile")
+        tile, plan = _launch_plan(dtype_a, dtype_b, 32 * NUM_WARPS)
+        constexprs = dict(plan)
         meta: list[int] = []
         first = 0
         base_a, base_b = flats[index[0]]

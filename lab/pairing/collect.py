@@ -133,8 +133,6 @@ class Collector:
         """The CUDA single-pair reduction, chosen at the first CUDA pair (switches read once)."""
         self._reducer: Any = None
         """With the fused kernel: the run's `_fused_stats.RunReducer` (rows in its buffers)."""
-        self._now: Any = None
-        """The reducer on the forward's stream, for models that edit outputs in place."""
         self._device_batch: list[tuple[_Pending, torch.Tensor, torch.Tensor, int, int]] = []
         self._device_bytes = 0
 
@@ -180,7 +178,7 @@ class Collector:
         if a.device.type == "cuda":
             # On the GPU one fused kernel per pair, queued behind the forward, costs less than
             # copies for a batch.
-            self._reduce_on_device(pending, a, b)
+            self._reduce_on_device(pending, a, b, a_owned)
             return
         if a.numel() >= _DEFER_NUMEL:
             # Called from inside a side's forward: the metrics must not run under its autocast.
@@ -196,13 +194,17 @@ class Collector:
         if self._batch_numel >= _FLUSH_NUMEL:
             self.flush()
 
-    def _reduce_on_device(self, pending: _Pending, a: torch.Tensor, b: torch.Tensor) -> None:
-        """One pair's kernel, on a side stream (default) or the forward's (LAB_METRICS_STREAM=0).
+    def _reduce_on_device(
+        self, pending: _Pending, a: torch.Tensor, b: torch.Tensor, a_owned: bool = False
+    ) -> None:
+        """One CUDA pair: held for the run's batched fused kernels, or reduced at once.
 
-        On a side stream the metric kernels overlap the forward's next kernels (Wan2.2-A14B
-        full, 1020 pairs on an H200: 7.37 s against 8.18 s on the forward's stream, the same
-        peak memory). The two tensors are marked as in use by that stream, so the caching
-        allocator does not hand their memory out again before the kernel has read them.
+        Below _DEVICE_BATCH_NUMEL with the fused kernel, the pair joins the batch `RunReducer`
+        launches; otherwise its own kernels run now. On a side stream (the default;
+        LAB_METRICS_STREAM=0: the forward's) the metric kernels overlap the forward's next
+        kernels (Wan2.2-A14B full, 1020 pairs on an H200: 7.37 s against 8.18 s on the forward's
+        stream, the same peak memory). What they read is marked as in use by that stream, so
+        the caching allocator does not hand its memory out again before the kernel has read it.
         """
         reduce = self._reduce
         if reduce is None:
@@ -210,19 +212,17 @@ class Collector:
             reduce = self._reduce = _device_reduction(a.device)
             if metrics_on_side_stream():
                 self._stream = torch.cuda.Stream(device=a.device)
-            if getattr(reduce, "fused", False):
+            if _fused_available(a.device):
                 from lab.pairing._fused_stats import RunReducer
 
                 self._reducer = RunReducer(a.device, self._stream)
         if self._reducer is not None and 0 < a.numel() < _DEVICE_BATCH_NUMEL:
+            # Held (with their versions; cloned for a forward that edits its outputs in place,
+            # as the CPU batch does) and reduced with the others of the batch: two launches a
+            # batch instead of two a pair, the same numbers.
             if self.copies:
-                # A forward that edits its outputs in place: reduce now, on its own stream
-                # (queued before any later edit), instead of holding the pair.
-                reducer = self._reducer_now(a.device)
-                pending.stats = (*reducer.reduce(a, b), reducer)
-                return
-            # Held (with their versions) and reduced with the others of the batch: two
-            # launches a batch instead of two a pair, the same numbers.
+                a = a.detach() if a_owned else a.detach().clone()
+                b = b.detach().clone()
             self._device_batch.append((pending, a, b, a._version, b._version))
             self._device_bytes += a.numel() * a.element_size() + b.numel() * b.element_size()
             if len(self._device_batch) >= _DEVICE_PAIRS or self._device_bytes >= _DEVICE_BYTES:
@@ -238,16 +238,6 @@ class Collector:
         a.record_stream(stream)
         b.record_stream(stream)
 
-    def _reducer_now(self, device: torch.device) -> Any:
-        """The run's reducer on the forward's stream (for models that edit outputs in place)."""
-        if self._stream is not None:
-            from lab.pairing._fused_stats import RunReducer
-
-            if self._now is None:
-                self._now = RunReducer(device, None)
-            return self._now
-        return self._reducer
-
     def _flush_device(self) -> None:
         """Queue the held CUDA pairs on the run's reducer.
 
@@ -262,7 +252,7 @@ class Collector:
                 raise OutputEdited(pending.module, pending.call, pending.output)
         handles = self._reducer.reduce_many([(a, b) for _, a, b, _, _ in batch])
         for (pending, *_), handle in zip(batch, handles, strict=True):
-            pending.stats = (*handle, self._reducer)
+            pending.stats = handle
         self._device_batch, self._device_bytes = [], 0
 
     def flush(self) -> None:
@@ -312,14 +302,12 @@ class Collector:
         if self._stream is not None:
             torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
         resolved = [p.resolved() for p in self.pending]
-        for reducer in (self._reducer, self._now):
-            if reducer is None:
-                continue
-            # One transfer for every batch the reducer queued.
-            done = [(s.tolist(), h.tolist()) for s, h in reducer.rows()]
+        if self._reducer is not None:
+            # One transfer for every batch the reducer queued; a pair holds its (batch, row).
+            done = [(s.tolist(), h.tolist()) for s, h in self._reducer.rows()]
             for p in resolved:
-                if isinstance(p.stats, tuple) and p.stats[2] is reducer:
-                    out, row = p.stats[:2]
+                if isinstance(p.stats, tuple):
+                    out, row = p.stats
                     p.stats, p.hist = done[out][0][row], done[out][1][row]
         # One host transfer for every pair reduced on a device (the deferred ones are lists).
         tensors = [p for p in resolved if isinstance(p.stats, torch.Tensor)]
@@ -361,9 +349,8 @@ def _device_reduction(device: torch.device) -> Any:
     (Triton and `torch.empty` ignore autocast); the other cores run with autocast off.
     """
     from lab.pairing import _fused_stats
-    from lab.pairing.metrics import metrics_kernel
 
-    if metrics_kernel() == "fused" and _fused_stats.available(device):
+    if _fused_available(device):
         fused = _fused_stats.fused_pair_stats
 
         def reduce(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -371,8 +358,6 @@ def _device_reduction(device: torch.device) -> Any:
                 return pair_stats(a, b)
             return fused(a, b)
 
-        # A run on CUDA queues its pairs on a `RunReducer` (the same kernels, batched buffers).
-        reduce.fused = device.type == "cuda"  # type: ignore[attr-defined]
         return reduce
 
     def reduce_off_autocast(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -380,6 +365,14 @@ def _device_reduction(device: torch.device) -> Any:
             return pair_stats(a, b)
 
     return reduce_off_autocast
+
+
+def _fused_available(device: torch.device) -> bool:
+    """The fused Triton kernels reduce this device's pairs (LAB_METRICS_KERNEL and the device)."""
+    from lab.pairing import _fused_stats
+    from lab.pairing.metrics import metrics_kernel
+
+    return metrics_kernel() == "fused" and _fused_stats.available(device)
 
 
 def why_not_comparable(a: Any, b: Any) -> str | None:
