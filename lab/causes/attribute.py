@@ -253,10 +253,10 @@ class _Grafter:
         out_a = self._forward("a", capture=True)
         self.leaves_a = _output_leaves(out_a)
         self.flat_a = _flat64(self.leaves_a) if self.leaves_a else None
-        self.negative: dict[str, Any] = {"a": None, "b": None}
+        self.negative = self._negative_outputs(inputs)
         self.velocity_a: torch.Tensor | None = None
         if step is not None:
-            self.velocity_a = self._step_velocity("a", out_a, inputs)
+            self.velocity_a = step.velocity(out_a, self.negative["a"])
         # Side B's own forward: the dtypes it hands each unit call and gets back.
         self.b_in_dtypes: dict[tuple[str, int], tuple[Any, Any]] = {}
         self.b_out_dtypes: dict[tuple[str, int], Any] = {}
@@ -426,7 +426,7 @@ class _Grafter:
             )
         log_ratio = math.nan
         if self.step is not None:
-            v_b = self._step_velocity("b", out_b)
+            v_b = self.step.velocity(out_b, self.negative["b"])
             v_old, v_new = (
                 (self.velocity_a, v_b) if self.rollout_is_source else (v_b, self.velocity_a)
             )
@@ -436,29 +436,29 @@ class _Grafter:
             log_ratio=log_ratio,
         )  # fmt: skip
 
-    def _step_velocity(
-        self, side_key: str, output: Any, inputs: Inputs | None = None
-    ) -> torch.Tensor:
-        """The guided velocity of a side's output on the step.
+    def _negative_outputs(self, inputs: Inputs) -> dict[str, Any]:
+        """Each side's own negative-branch output where the step's CFG layout is "separate".
 
-        The negative branch (separate CFG layout) is each side's own forward, run once (when
-        `inputs` is given) and held: no graft reaches it.
+        Run once and held: no graft reaches the negative forward, so its drift stays in the
+        residual. None for both sides otherwise (the batched layout carries both branches).
         """
-        step = self.step
-        assert step is not None
-        if inputs is not None and step.cfg_scale > 1.0 and inputs.negative is not None:
-            from lab.families import family as get_family
+        from lab.families import family as get_family
 
-            if get_family(step.family_name).cfg_layout == "separate":
-                for key, side in (("a", self.source), ("b", self.target)):
-                    cast = side_inputs(inputs.negative, side, self.device)
-                    with (
-                        torch.no_grad(),
-                        self.views[key].applied(),
-                        side_context(side, self.device, self.model),
-                    ):
-                        self.negative[key] = self.model(**cast.kwargs)
-        return step.velocity(output, self.negative[side_key])
+        step = self.step
+        out: dict[str, Any] = {"a": None, "b": None}
+        if step is None or not step.cfg_scale > 1.0 or inputs.negative is None:
+            return out
+        if get_family(step.family_name).cfg_layout != "separate":
+            return out
+        for key, side in (("a", self.source), ("b", self.target)):
+            cast = side_inputs(inputs.negative, side, self.device)
+            with (
+                torch.no_grad(),
+                self.views[key].applied(),
+                side_context(side, self.device, self.model),
+            ):
+                out[key] = self.model(**cast.kwargs)
+        return out
 
 
 # ---- the result ----------------------------------------------------------------------------
