@@ -6,9 +6,10 @@ For each family, in one process, warm (one untimed run of each case first): the 
 forwards (`lab.forward_side` with a streamed view on CUDA), `lab.pair` capturing nothing
 (`names_filter` rejecting every module: views, contexts, lockstep hand-overs, Result), and
 `lab.pair` on every module (metric kernels on a side stream, the default, and on the forward's
-stream, LAB_METRICS_STREAM=0); then one every-module pair under cProfile. Writes
-OUT_DIR/pair_profile.json (the times and ratios) and OUT_DIR/pair_profile.txt (the top functions
-by own time and by cumulative time, per family), both after every family.
+stream, LAB_METRICS_STREAM=0); then one capture-nothing and one every-module pair under
+cProfile. Writes OUT_DIR/pair_profile.json (the times and ratios) and OUT_DIR/pair_profile.txt
+(the top functions by own time and by cumulative time, per case and family), both after every
+family.
 """
 
 from __future__ import annotations
@@ -98,17 +99,19 @@ def measure(name: str, preset: str, device: str, repeat: int) -> tuple[dict[str,
     result = cases["every_module"]()
     row["pairs"] = len(result.rows)
     row["timings_s"] = result.meta.get("timings_s", {})
-    profile = cProfile.Profile()
-    _sync(device)
-    profile.enable()
-    cases["every_module"]()
-    _sync(device)
-    profile.disable()
     text = io.StringIO()
     text.write(f"===== {name} {preset} {device}: {json.dumps(row)}\n")
-    for order in ("tottime", "cumulative"):
-        stats = pstats.Stats(profile, stream=text)
-        stats.sort_stats(order).print_stats(40)
+    for case in ("nothing", "every_module"):
+        profile = cProfile.Profile()
+        _sync(device)
+        profile.enable()
+        cases[case]()
+        _sync(device)
+        profile.disable()
+        text.write(f"----- {case}\n")
+        for order in ("tottime", "cumulative"):
+            stats = pstats.Stats(profile, stream=text)
+            stats.sort_stats(order).print_stats(40)
     cases.clear()
     return row, text.getvalue()
 
