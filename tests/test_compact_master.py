@@ -261,6 +261,11 @@ def test_off_grid_master_too_large_is_refused_before_any_side_is_built(
     elements = sum(p.numel() for p in trained.parameters())
     assert held_parameters(trained) == {}, "trained init is off the bf16 grid by design"
 
+    casts = []
+    cast = weights_module.WeightView.cast
+    monkeypatch.setattr(
+        weights_module.WeightView, "cast", lambda self, *a: casts.append(a) or cast(self, *a)
+    )
     with pytest.raises(ValueError) as err:
         lab.pair(trained, inputs, a, b)
     message = str(err.value)
@@ -268,7 +273,9 @@ def test_off_grid_master_too_large_is_refused_before_any_side_is_built(
     assert f"fp32 master {elements * 4 / 2**30:.1f} GiB" in message
     assert "estimated peak" in message and "two forwards' activations" in message
     assert "lab.fsdp.pair_sharded('minimax_h3', 'tiny', nproc=2)" in message
-    assert trained not in weights_module._SHARED, "a side's weight view was built"
+    assert casts == [], "a side cast a weight before the refusal"
+    with pytest.raises(ValueError, match="estimated peak"):  # a refusal is never remembered
+        lab.pair(trained, inputs, a, b)
 
     # The same budget pairs the compact master of a bf16-shipped build...
     shipped = fam.build("tiny", 0, init="bf16_shipped", master="compact")

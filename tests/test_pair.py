@@ -320,6 +320,48 @@ def test_weight_views_reuse_their_plan_until_the_model_changes(built: dict) -> N
     assert WeightView(model, side).layout is not view.layout  # the tree changed twice
 
 
+def test_pair_guards_run_again_only_when_a_tensor_changes_kind(
+    built: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lab.pairing import run as run_module
+
+    fam, model, inputs = _model_inputs(built, "sd3")
+    a, b = lab.Side.rollout(fam), lab.Side.trainer(fam)
+    calls: dict[str, int] = {}
+    for name in ("check_master_fits", "check_fp32_master", "master_summary"):
+        real = getattr(run_module, name)
+
+        def counted(*args: object, _real=real, _name=name, **kwargs: object) -> object:
+            calls[_name] = calls.get(_name, 0) + 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(run_module, name, counted)
+    monkeypatch.setenv("LAB_MEMORY_BUDGET_GIB", "64")  # so the fit check runs on CPU too
+    first = lab.pair(model, inputs, a, b)
+    second = lab.pair(model, inputs, a, b)
+    once = {"check_master_fits": 1, "check_fp32_master": 1, "master_summary": 1}
+    assert calls == once, "nothing changed: the guards ran once for both pairs"
+    assert second.meta["master"] == first.meta["master"]
+    second.meta["master"]["held"]["fp32"] = -1  # each Result owns its summary
+    assert first.meta["master"]["held"]["fp32"] > 0
+    # Another budget, or another side dtype: the fit is checked again, nothing else.
+    monkeypatch.setenv("LAB_MEMORY_BUDGET_GIB", "32")
+    lab.pair(model, inputs, a, b)
+    lab.pair(model, inputs, a, b.replace(param_dtype="bf16"))
+    assert calls == {**once, "check_master_fits": 3}
+    # A parameter that changes kind (here a bf16 tensor in the fp32 master) is refused.
+    weight = model.proj_out.weight
+    original = weight.data
+    try:
+        weight.data = original.bfloat16()
+        with pytest.raises(ValueError, match="must be the fp32 master"):
+            lab.pair(model, inputs, a, b)
+    finally:
+        weight.data = original
+    assert lab.pair(model, inputs, a, b).meta["master"] == first.meta["master"]
+    assert calls["check_fp32_master"] == 3 and calls["master_summary"] == 2
+
+
 def test_a_paired_model_is_freed_with_its_last_reference() -> None:
     import gc
     import weakref

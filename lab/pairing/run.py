@@ -22,6 +22,7 @@ from lab.pairing.guards import (
     check_fp32_master,
     check_inputs,
     check_master_fits,
+    device_memory_bytes,
     dtype_mismatch_fix,
     failing_module,
     inputs_mismatch_hint,
@@ -178,16 +179,26 @@ def pair(
             f"{type(model).__name__} declares no _no_split_modules. Set "
             "side.replace(fsdp_wrap_classes=(...)) on one side."
         )
-    check_master_fits(model, inputs, (side_a, side_b), blocks, "pair")
-    # The views plan without casting; their cached layout lists the parameters, so the fp32
-    # check and the master summary walk no module tree.
-    view_a = WeightView.shared(model, side_a, stream_classes=blocks)
-    if mode == "local":
-        view_b = WeightView(model, side_b, cache=True, stream_classes=blocks)
-    else:
-        view_b = WeightView.shared(model, side_b, stream_classes=blocks)
+    # The views plan without casting (one module-tree check for both); their cached layout
+    # lists the parameters, so the guards and the master summary walk no module tree, and
+    # while no tensor changed kind since the last pair of this model they are not run again
+    # (`WeightView.memo`).
+    view_a, view_b = WeightView.both(
+        model, side_a, side_b, stream_classes=blocks, cache_b=mode == "local"
+    )
     params = view_a.parameters()
-    check_fp32_master(model, "pair", [p for _, p in params])
+    memo = view_a.memo()
+    fits = ("fits", (side_a.param_torch_dtype, side_b.param_torch_dtype), blocks,
+            device_memory_bytes(device))  # fmt: skip
+    if fits not in memo:
+        check_master_fits(model, inputs, (side_a, side_b), blocks, "pair")
+        memo[fits] = True
+    if "fp32_master" not in memo:
+        check_fp32_master(model, "pair", [p for _, p in params])
+        memo["fp32_master"] = True
+    if "master_summary" not in memo:
+        memo["master_summary"] = master_summary(model, params)
+    summary = memo["master_summary"]
     inputs_a = side_inputs(inputs, side_a, device)
     inputs_b = side_inputs(inputs, side_b, device)
     collector = Collector(view_a.module_classes, copies=model in _EDITS_OUTPUTS)
@@ -202,7 +213,7 @@ def pair(
         "param_dtypes_b": view_b.plan.dtype_counts(),
         "versions": dict(_versions()),
         "stream": stream,
-        "master": master_summary(model, params),
+        "master": {**summary, "held": dict(summary["held"])},
     }
     if lockstep is None:
         lockstep = mode == "propagated" and (stream or device.type == "cuda")

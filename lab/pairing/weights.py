@@ -185,16 +185,19 @@ class WeightView:
         *,
         cache: bool = False,
         stream_classes: tuple[str, ...] = (),
+        tree: tuple[_Tree, list[torch.nn.Module]] | None = None,
     ) -> None:
         """Plan the side's dtypes for `model` (validating its rules) without casting yet.
 
         The plan and the model's names are read once per (model, side, stream_classes) and
         reused while the model's module tree is the same (`_Layout`); the tensors are taken
         now, so a parameter whose `.data` was replaced since is cast from its new tensor.
+        `tree`: `_Tree.current(model)` when the caller checked it already (`WeightView.both`).
         """
         self.model = model
         self.side = side
-        self.layout, params = _Layout.of(model, side, stream_classes)
+        self.tree, modules = tree if tree is not None else _Tree.current(model)
+        self.layout, params = _Layout.of(model, side, stream_classes, (self.tree, modules))
         layout = self.layout
         self.plan = layout.plan
         self.cache = cache
@@ -240,6 +243,39 @@ class WeightView:
         takes the tensors afresh.
         """
         return cls(model, side, stream_classes=stream_classes)
+
+    @classmethod
+    def both(
+        cls,
+        model: torch.nn.Module,
+        side_a: Side,
+        side_b: Side,
+        *,
+        stream_classes: tuple[str, ...] = (),
+        cache_b: bool = False,
+    ) -> tuple[WeightView, WeightView]:
+        """The two views of a pair, with the module tree checked once for both (`_Tree`)."""
+        tree = _Tree.current(model)
+        view_a = cls(model, side_a, stream_classes=stream_classes, tree=tree)
+        view_b = cls(model, side_b, cache=cache_b, stream_classes=stream_classes, tree=tree)
+        return view_a, view_b
+
+    def memo(self) -> dict[Any, Any]:
+        """A dict for what is read off the model's tensors' kinds alone (guards, summaries).
+
+        It lasts while the module tree and every parameter's and buffer's tensor keep their
+        address, dtype and shape (what a compact master's guard checks, too) and the model
+        keeps its master record; any change, or a view of another state, starts an empty one.
+        Costs one pass over the tensors (~0.5 ms for ~1000 parameters), not a module walk.
+        """
+        record = getattr(self.model, "lab_master", None)
+        state = (
+            tuple((m.data_ptr(), m.dtype, m.shape) for _, m in self._slots),
+            tuple((t.data_ptr(), t.dtype, t.shape) for _, _, t in self._buffer_slots),
+            id(record),
+            len(record.guards) if record is not None else 0,
+        )
+        return self.tree.memo(state)
 
     def parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The model's parameters, each once under its first name (`canonical_parameters`).
@@ -439,11 +475,15 @@ class _Layout:
     and persistent: one flat pass, no recursion through `named_modules`.
     """
 
-    def __init__(self, model: torch.nn.Module, side: Side, stream_classes: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        side: Side,
+        stream_classes: tuple[str, ...],
+        every: list[tuple[str, torch.nn.Module]],
+    ) -> None:
+        """`every`: the model's `named_modules(remove_duplicate=False)`, as its `_Tree` holds."""
         self.plan = plan_weights(model, side)
-        every = list(model.named_modules(remove_duplicate=False))
-        self._refs = [weakref.ref(m) for _, m in every]
-        self._signatures = [_signature(m) for _, m in every]
         # Each parameter once, under its first name, as `_unique_named(named_parameters(
         # remove_duplicate=False))` meets them: (position in `every`, local name).
         seen: set[int] = set()
@@ -470,20 +510,53 @@ class _Layout:
 
     @classmethod
     def of(
-        cls, model: torch.nn.Module, side: Side, stream_classes: tuple[str, ...]
+        cls,
+        model: torch.nn.Module,
+        side: Side,
+        stream_classes: tuple[str, ...],
+        tree: tuple[_Tree, list[torch.nn.Module]] | None = None,
     ) -> tuple[_Layout, list[torch.nn.Parameter]]:
         """The layout of (model, side, stream_classes) and the parameters it names now.
 
-        Planned again only if the module tree changed (see `_signature`).
+        Planned again only if the module tree changed (see `_Tree`). `tree`:
+        `_Tree.current(model)` when the caller checked it already.
         """
-        layouts = _SHARED.setdefault(model, {})
+        checked, modules = tree if tree is not None else _Tree.current(model)
         key = (repr(side), stream_classes)
-        layout = layouts.get(key)
-        modules = layout._modules() if layout is not None else None
-        if modules is None:
-            layout = layouts[key] = cls(model, side, stream_classes)
-            modules = [ref() for ref in layout._refs]
+        layout = checked.layouts.get(key)
+        if layout is None:
+            every = list(zip(checked.paths, modules, strict=True))
+            layout = checked.layouts[key] = cls(model, side, stream_classes, every)
         return layout, [modules[i]._parameters[local] for i, local in layout._params]
+
+
+class _Tree:
+    """A model's module tree as its layouts read it, and the layouts planned on it.
+
+    `current` checks it in one flat pass (`_signature` per module, no recursion through
+    `named_modules`) and starts a new tree, with no layouts, when anything changed. A pair
+    checks it once for both sides' views (`WeightView.both`).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        every = list(model.named_modules(remove_duplicate=False))
+        self.paths = [path for path, _ in every]
+        self._refs = [weakref.ref(m) for _, m in every]
+        self._signatures = [_signature(m) for _, m in every]
+        self.layouts: dict[Any, _Layout] = {}
+        """(repr(side), stream classes) -> its `_Layout`."""
+        self._state: Any = None
+        self._memo: dict[Any, Any] = {}
+
+    @classmethod
+    def current(cls, model: torch.nn.Module) -> tuple[_Tree, list[torch.nn.Module]]:
+        """The model's tree (the cached one while unchanged) and its modules, in walk order."""
+        tree = _SHARED.get(model)
+        modules = tree._modules() if tree is not None else None
+        if tree is None or modules is None:
+            tree = _SHARED[model] = cls(model)
+            modules = [ref() for ref in tree._refs]
+        return tree, modules
 
     def _modules(self) -> list[torch.nn.Module] | None:
         """Every module (named_modules(remove_duplicate=False) order); None if any changed."""
@@ -494,6 +567,12 @@ class _Layout:
                 return None
             modules.append(module)
         return modules
+
+    def memo(self, state: Any) -> dict[Any, Any]:
+        """The memo dict of `state` (`WeightView.memo`): a new, empty one when it changed."""
+        if state != self._state:
+            self._state, self._memo = state, {}
+        return self._memo
 
 
 def _signature(module: torch.nn.Module) -> tuple[Any, ...]:
@@ -519,10 +598,8 @@ def _signature(module: torch.nn.Module) -> tuple[Any, ...]:
     )
 
 
-_SHARED: weakref.WeakKeyDictionary[torch.nn.Module, dict[Any, _Layout]] = (
-    weakref.WeakKeyDictionary()
-)
-"""Each model's `_Layout`s, per (side, stream classes) (dropped with the model)."""
+_SHARED: weakref.WeakKeyDictionary[torch.nn.Module, _Tree] = weakref.WeakKeyDictionary()
+"""Each model's `_Tree` and, on it, its `_Layout`s (dropped with the model)."""
 
 
 class PairedWeights:

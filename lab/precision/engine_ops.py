@@ -141,9 +141,16 @@ def ops_dispatched(
     _load_definitions()
     saved: list[tuple[torch.nn.Module, Any]] = []
     missing = object()
+    # What each side runs depends on the module's class only: looked up once a class (a
+    # full-size model has ~1000 modules of ~30 classes).
+    by_class: dict[type, dict[str, ForwardFactory | None]] = {}
     try:
         for module in root.modules():
-            factories = {k: _forward_for(module, g, s) for k, (g, s) in per_side.items()}
+            factories = by_class.get(type(module))
+            if factories is None:
+                factories = by_class[type(module)] = {
+                    k: _forward_for(module, g, s) for k, (g, s) in per_side.items()
+                }
             current_forward = module.__dict__.get("forward", missing)
             if all(f is None for f in factories.values()) and current_forward is missing:
                 continue
