@@ -53,7 +53,7 @@ def _timed(fn, device: str, repeat: int = 1) -> tuple[float, float]:
     return statistics.median(times), peak
 
 
-def _dump_then_compare(model, inputs, a, b, device, names_filter, root: Path) -> float:
+def dump_then_compare(model, inputs, a, b, device, names_filter, root: Path) -> float:
     """Write every captured output of each side to disk, then compare the files."""
     start = time.perf_counter()
     for side in (a, b):
@@ -189,7 +189,7 @@ def measure(
     if dump:
         root = Path(tempfile.mkdtemp(prefix="lab-dump-"))
         try:
-            row["dump_s"] = _dump_then_compare(model, inputs, a, b, device, names_filter, root)
+            row["dump_s"] = dump_then_compare(model, inputs, a, b, device, names_filter, root)
             row["dump_vs_propagated"] = row["dump_s"] / row["propagated_s"]
         except Exception as err:
             row["dump_error"] = repr(err)[:300]

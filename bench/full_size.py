@@ -1,6 +1,6 @@
 """Every family at full size on one H200: paired forwards against two plain forwards (issue 16).
 
-    python bench/full_size.py OUT_DIR [--families flux,sd3,...] [--repeat 3]
+    python bench/full_size.py OUT_DIR [--families flux,sd3,sd3:large,...] [--dump sd3] [--repeat 3]
 
 For each family's `full` preset (seeded weights, the lab's own inputs), measured side by side in
 one process, warm (one untimed run of each case first, so one-off kernel compilation and
@@ -9,7 +9,10 @@ autotuning are never timed):
   the limit pairing is measured against; peak memory of each;
 - `every_module`: `lab.pair` with every module output compared (streamed, lockstep);
 - `blocks_only`: the same, comparing only the outputs of the family's blocks;
-- the first (cold) `every_module` run separately, as `every_module_cold_s`.
+- the first (cold) `every_module` run separately, as `every_module_cold_s`;
+- for the families in `--dump` (default sd3): the block outputs dumped to disk per side and
+  compared afterwards (`bench/full_pair.py`'s `dump_then_compare`), against `blocks_only`.
+A family may name a variant, `sd3:large`.
 Then the sharded MiniMax H3 case (`--sharded on`, the default; it runs when the machine has
 two GPUs): its trained master, which one GPU refuses, paired with `lab.fsdp.pair_sharded`.
 Writes OUT_DIR/full_size.json after every family (a run cut short keeps its figures), with the
@@ -23,13 +26,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import shutil
 import statistics
+import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
+from full_pair import dump_then_compare  # bench/ is this script's folder
 
 import lab
 from lab.pairing.weights import WeightView
@@ -54,17 +60,26 @@ def _timed(fn: Any, repeat: int) -> tuple[float, float, Any]:
 # bf16, held there). With the default `trained` init one-GPU pairing refuses before building a
 # side (tests/test_compact_master.py, gpu, prints the message).
 INIT = {"minimax_h3": "bf16_shipped"}
+FAMILIES_AFTER = ("cosmos3", "qwen_image", "ltx2", "wan2_2", "minimax_h3")
+"""The default order after flux and sd3 (both variants): the forwards of seconds come last."""
 
 
-def measure(name: str, repeat: int) -> dict[str, Any]:
+def measure(name: str, repeat: int, dump: bool = False) -> dict[str, Any]:
+    """One family (`name` or `name:variant`) at full; `dump`: add the dump-then-compare case."""
+    name, _, variant = name.partition(":")
+    variant = variant or None
     fam = lab.family(name)
-    row: dict[str, Any] = {"family": name, "preset": "full", "init": INIT.get(name, "trained")}
+    row: dict[str, Any] = {"family": name, "variant": variant, "preset": "full",
+                           "init": INIT.get(name, "trained")}  # fmt: skip
     start = time.perf_counter()
-    model = fam.build("full", 0, device="cuda", expert=fam.expert_for_sigma(0.75), init=row["init"])
+    model = fam.build(
+        "full", 0, variant=variant, device="cuda", expert=fam.expert_for_sigma(0.75),
+        init=row["init"],
+    )  # fmt: skip
     row["build_s"] = time.perf_counter() - start
     row["params_b"] = sum(p.numel() for p in model.parameters()) / 1e9
     row["resident_gib"] = torch.cuda.memory_allocated() / 2**30
-    inputs = fam.make_inputs("full", 0, device="cuda")
+    inputs = fam.make_inputs("full", 0, variant=variant, device="cuda")
     a, b = lab.Side.rollout(fam, device="cuda"), lab.Side.trainer(fam, device="cuda")
     blocks = fam.block_classes
     views = {s.name: WeightView(model, s, stream_classes=blocks) for s in (a, b)}
@@ -104,6 +119,16 @@ def measure(name: str, repeat: int) -> dict[str, Any]:
             row["model_output_rel_max"] = result.output_metrics()["model_output_rel_max"]
             row["master"] = result.meta.get("master")
         del result
+    if dump:
+        # Block outputs only: every module's outputs of a full forward are tens of GB a side.
+        root = Path(tempfile.mkdtemp(prefix="lab-dump-"))
+        try:
+            row["dump_blocks_s"] = dump_then_compare(
+                model, inputs, a, b, "cuda", block_names.__contains__, root
+            )
+            row["dump_vs_blocks_only"] = row["dump_blocks_s"] / row["blocks_only_s"]
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
     return row
 
 
@@ -147,7 +172,11 @@ def measure_sharded(nproc: int = 2) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("out_dir")
-    parser.add_argument("--families", default=",".join(lab.families()))
+    parser.add_argument(
+        "--families", default=",".join(["flux", "sd3", "sd3:large", *FAMILIES_AFTER]),
+        help="families in order (name or name:variant); short forwards first",
+    )  # fmt: skip
+    parser.add_argument("--dump", default="sd3", help="families that also dump-then-compare")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument(
         "--sharded", choices=("on", "off"), default="on",
@@ -168,7 +197,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for name in args.families.split(","):
         try:
-            row = measure(name, args.repeat)
+            row = measure(name, args.repeat, dump=name in args.dump.split(","))
         except Exception as err:  # keep the other families' figures
             row = {"family": name, "preset": "full", "error": repr(err)[:400]}
             traceback.print_exc()

@@ -33,7 +33,7 @@ for stage in "$@"; do
             tests/test_fsdp2_gpu.py >"$out/parity_gpu.log" 2>&1
         ;;
     size)
-        python bench/full_size.py "$out/size" --families "${SIZE_FAMILIES:-flux,sd3,cosmos3,qwen_image,ltx2,wan2_2,minimax_h3}" \
+        python bench/full_size.py "$out/size" --families "${SIZE_FAMILIES:-flux,sd3,sd3:large,cosmos3,qwen_image,ltx2,wan2_2,minimax_h3}" \
             >"$out/full_size.log" 2>&1
         ;;
     profile)
