@@ -320,12 +320,29 @@ def test_weight_views_reuse_their_plan_until_the_model_changes(built: dict) -> N
     assert WeightView(model, side).layout is not view.layout  # the tree changed twice
 
 
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_pair_hands_back_the_forwards_it_ran(built: dict, lockstep: bool) -> None:
+    fam, model, inputs = _model_inputs(built, "flux")
+    a, b = lab.Side.rollout(fam), lab.Side.trainer(fam)
+    outs: dict = {}
+    result = lab.pair(model, inputs, a, b, lockstep=lockstep, outputs=outs)
+    assert set(outs) == {"a", "b"}
+    for key, side in (("a", a), ("b", b)):
+        plain = lab.forward_side(model, inputs, side)
+        assert torch.equal(outs[key][0], plain[0]), key
+    root = result.root_rows()[0].metrics
+    assert root.max_abs_diff == (outs["a"][0].float() - outs["b"][0].float()).abs().max()
+    with pytest.raises(ValueError, match="outputs= needs mode='propagated'"):
+        lab.pair(model, inputs, a, b, mode="local", outputs={})
+
+
 def test_pair_guards_run_again_only_when_a_tensor_changes_kind(
-    built: dict, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from lab.pairing import run as run_module
 
-    fam, model, inputs = _model_inputs(built, "sd3")
+    fam = lab.family("sd3")
+    model, inputs = fam.build("tiny", 0), fam.make_inputs("tiny", 0)  # its own: nothing cached
     a, b = lab.Side.rollout(fam), lab.Side.trainer(fam)
     calls: dict[str, int] = {}
     for name in ("check_master_fits", "check_fp32_master", "master_summary"):

@@ -80,6 +80,50 @@ def test_wan_switches_experts_at_its_boundary(monkeypatch: pytest.MonkeyPatch) -
     assert alive_at_build == [[], []]
 
 
+@pytest.mark.parametrize(
+    ("family_name", "kwargs"),
+    [
+        ("sd3", dict(cfg_scale=2.0)),  # CFG batched: the pair's forward holds both branches
+        ("qwen_image", dict(cfg_scale=2.0)),  # separate CFG: the negatives still run apart
+        ("wan2_2", dict(cfg_scale=2.0)),  # both experts, each captured
+        ("flux", dict(stream=True)),  # streamed: the pair runs in lockstep
+    ],
+)
+def test_captured_steps_reuse_the_pairs_forwards_bit_for_bit(
+    family_name: str, kwargs: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lab.rl import trajectory as trajectory_module
+
+    plain = trajectory(family_name, steps=3, samples=2, progress=False, **kwargs)
+    calls: list[str] = []
+    real = trajectory_module.forward_side
+    monkeypatch.setattr(
+        trajectory_module,
+        "forward_side",
+        lambda *args, **kw: calls.append(args[2].name) or real(*args, **kw),
+    )
+    captured = trajectory(
+        family_name, steps=3, samples=2, capture_steps=(0, 1, 2), progress=False, **kwargs
+    )
+    assert sorted(captured.captures) == [0, 1, 2]
+    assert all(c.rows for c in captured.captures.values())
+    for a, b in zip(plain.steps, captured.steps, strict=True):
+        for name in ("noise_pred_old", "noise_pred_new", "x_prev", "log_prob_old", "log_prob_new"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert (x is None and y is None) or torch.equal(x, y), (a.step, name)
+    # Each step's positive forwards came from its pair: plain forwards ran only for the
+    # negative branch of a separate CFG layout.
+    separate = lab.family(family_name).cfg_layout == "separate" and "cfg_scale" in kwargs
+    assert len(calls) == (3 * 2 if separate else 0), calls
+    # The pair compared the very forwards the step used: its root row is the step's velocity
+    # difference when CFG does not mix the branches in.
+    if "cfg_scale" not in kwargs:
+        root = captured.captures[1].root_rows()[0].metrics
+        step = captured.steps[1]
+        assert root.max_abs_diff > 0
+        assert (step.noise_pred_old != step.noise_pred_new).any()
+
+
 def test_columns_window_capture_and_json(tmp_path: Path) -> None:
     traj = trajectory(
         "sd3",

@@ -284,7 +284,9 @@ class _Lockstep:
                 stack.enter_context(side_autocast(side, device))
                 self._resume(key)
                 try:
-                    self.run.model(**self.inputs[key].kwargs)
+                    out = self.run.model(**self.inputs[key].kwargs)
+                    if self.run.outputs is not None:
+                        self.run.outputs[key] = out
                     if self.segments:
                         self._check_parked(key)  # the other side compares them after we end
                 finally:

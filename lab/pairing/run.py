@@ -115,6 +115,7 @@ def pair(
     meta: dict[str, Any] | None = None,
     stream: bool = False,
     lockstep: bool | None = None,
+    outputs: dict[str, Any] | None = None,
 ) -> Result:
     """Run the same weights and inputs under two sides and compare every module output.
 
@@ -146,6 +147,9 @@ def pair(
             output until side B reaches it (cheaper per module when tensors are tiny). None
             (default): lockstep on CUDA or when streaming, two passes otherwise. Both give
             identical Results.
+        outputs: Propagated mode only. A dict that receives each side's model output, as
+            `forward_side` would return it, under "a" and "b" (the same tensors, bit for bit:
+            a caller that needs both the outputs and the Result runs the forwards once).
 
     Returns:
         The Result, rows in forward completion order.
@@ -159,6 +163,11 @@ def pair(
     """
     if mode not in MODES:
         raise ValueError(f"pair: unknown mode {mode!r}. Known: {', '.join(MODES)}.")
+    if outputs is not None and mode != "propagated":
+        raise ValueError(
+            "pair: outputs= needs mode='propagated'; local mode runs side B module by module, "
+            "with no whole forward of its own to hand back."
+        )
     if lockstep and mode != "propagated":
         raise ValueError(
             "pair: lockstep=True pairs propagated forwards; local mode re-runs each module "
@@ -252,6 +261,7 @@ def pair(
                 timings,
                 phase,
                 recorder,
+                outputs,
             )
             try:
                 _run_strategy(run, mode, lockstep, stream)

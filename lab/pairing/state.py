@@ -6,6 +6,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -42,6 +43,8 @@ class PairRun:
     phase: dict[str, str]
     flow: FlowRecorder
     """Input dtypes (and side A's producers) of every captured call, for `lab.pairing.why`."""
+    outputs: dict[str, Any] | None = None
+    """When set, each side's model output lands here under "a" and "b" (`pair(outputs=)`)."""
 
     def forward(self, which: str, hooks: ModuleHooks | None) -> None:
         """Run side `which` ("a" or "b") over the whole model with `hooks`, timed.
@@ -57,6 +60,8 @@ class PairRun:
         start = time.perf_counter()
         attached = hooks.attached() if hooks is not None else contextlib.nullcontext()
         with attached, view.applied(), side_context(side, self.device, self.model):
-            self.model(**inputs.kwargs)
+            out = self.model(**inputs.kwargs)
+        if self.outputs is not None:
+            self.outputs[which] = out
         sync(self.device)
         self.timings[f"{which}_s"] = time.perf_counter() - start

@@ -354,9 +354,14 @@ def _guided_velocity(
     cfg_scale: float,
     like: Sequence[torch.Tensor],
     batch: int,
+    out: Any = None,
 ) -> torch.Tensor:
-    """One side's guided velocity, flattened (B, N) fp32, diffusers sign convention."""
-    out = forward_side(model, inputs, side, view=view)
+    """One side's guided velocity, flattened (B, N) fp32, diffusers sign convention.
+
+    `out`: the side's model output on `inputs` when a `pair` already ran that forward.
+    """
+    if out is None:
+        out = forward_side(model, inputs, side, view=view)
     negative = None
     if cfg_scale > 1.0 and fam.cfg_layout == "separate":
         if inputs.negative is None:
@@ -569,11 +574,24 @@ def trajectory(
                 device=device,
             )
             like = [torch.empty(s, device="meta") for s in stream_shapes[p]]
+            outs: dict[str, Any] = {}
+            if i in capture_steps and p == 0:
+                # The pair's two forwards are the step's own (the same outputs, bit for bit:
+                # tests/test_trajectory.py): a captured step costs no extra forward.
+                captures[i] = pair(
+                    model,
+                    inputs,
+                    side_a,
+                    side_b,
+                    meta=dict(family=family_name, preset=preset, step=i, sigma=sigma),
+                    stream=stream,
+                    outputs=outs,
+                )
             v_old = _guided_velocity(
-                fam, model, views[(expert, 0)], side_a, inputs, cfg_scale, like, n
+                fam, model, views[(expert, 0)], side_a, inputs, cfg_scale, like, n, outs.get("a")
             )
             v_new = _guided_velocity(
-                fam, model, views[(expert, 1)], side_b, inputs, cfg_scale, like, n
+                fam, model, views[(expert, 1)], side_b, inputs, cfg_scale, like, n, outs.get("b")
             )
             if in_window:
                 x_prev, lp_old, _, std = sde_step_with_logprob(
@@ -590,15 +608,6 @@ def trajectory(
                 std_f = math.nan
             per_prompt.append((x, x_prev, v_old, v_new, lp_old, lp_new))
             states[p] = x_prev
-            if i in capture_steps and p == 0:
-                captures[i] = pair(
-                    model,
-                    inputs,
-                    side_a,
-                    side_b,
-                    meta=dict(family=family_name, preset=preset, step=i, sigma=sigma),
-                    stream=stream,
-                )
         x_t, x_prev, v_old, v_new = (torch.cat([r[k] for r in per_prompt]).cpu() for k in range(4))
         lp_old = torch.cat([r[4] for r in per_prompt]).cpu() if in_window else None
         lp_new = torch.cat([r[5] for r in per_prompt]).cpu() if in_window else None
