@@ -142,3 +142,15 @@ def test_multi_pair_kernel_loads_16_byte_vectors_like_the_single_one(
     # The full tiles: as many 16-byte vector loads as the single-pair kernel's full tiles.
     assert aligned["ld.global.v4.b32"] >= single["ld.global.v4.b32"] // 2 > 0
     assert unaligned["ld.global.v4.b32"] == 0
+
+
+def test_cuda_batches_hold_a_share_of_the_master() -> None:
+    from lab.pairing.collect import DEVICE_BATCH_SHARE, Collector
+
+    floor, ceiling = 512 << 20, 4 << 30
+    assert Collector({}).batch_bytes == floor  # no size given
+    assert Collector({}, master_bytes=9 << 30).batch_bytes == floor  # sd3 full: 2.5 % is less
+    flux = int(44.3 * 2**30)  # flux full as held
+    assert Collector({}, master_bytes=flux).batch_bytes == int(DEVICE_BATCH_SHARE * flux)
+    assert floor < int(DEVICE_BATCH_SHARE * flux) < ceiling
+    assert Collector({}, master_bytes=400 << 30).batch_bytes == ceiling

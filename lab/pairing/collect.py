@@ -80,6 +80,12 @@ _FLUSH_NUMEL = 1 << 24
 # bytes of held outputs (memory the forward could otherwise reuse), a batch.
 _DEVICE_PAIRS = 256
 _DEVICE_BYTES = 512 << 20
+_DEVICE_BYTES_MAX = 4 << 30
+DEVICE_BATCH_SHARE = 0.025
+"""A batch holds at most this share of the master's bytes (at least _DEVICE_BYTES, at most
+_DEVICE_BYTES_MAX): each flush costs host time (tables, launches; ~0.3 ms), and a
+full-size model's outputs are large (flux full: 67 MB a pair on average, so a flush every 7
+pairs at 512 MiB). What a batch holds adds to the peak: at most 2.5 % of the master."""
 # Pairs this large are reduced one at a time, at once, each with its own launch on the side
 # stream (the path Wan2.2 and MiniMax H3 full were measured on at 1.13x and 1.11x): their
 # kernels take milliseconds, so a launch's host time is hidden anyway. Batched, a batch of
@@ -112,9 +118,19 @@ class Collector:
     `copies=True` (each deferred tensor cloned when it arrives, as the batch always did).
     """
 
-    def __init__(self, module_classes: dict[str, str], *, copies: bool = False) -> None:
+    def __init__(
+        self, module_classes: dict[str, str], *, copies: bool = False, master_bytes: int = 0
+    ) -> None:
+        """Compare into `module_classes`' rows; `master_bytes` sizes the CUDA batches.
+
+        `master_bytes`: the model's weights as held; a CUDA batch holds up to
+        `DEVICE_BATCH_SHARE` of it.
+        """
         self.module_classes = module_classes
         self.copies = copies
+        self.batch_bytes = min(
+            max(_DEVICE_BYTES, int(DEVICE_BATCH_SHARE * master_bytes)), _DEVICE_BYTES_MAX
+        )
         self.reset()
 
     def reset(self, *, copies: bool | None = None) -> None:
@@ -225,7 +241,7 @@ class Collector:
                 b = b.detach().clone()
             self._device_batch.append((pending, a, b, a._version, b._version))
             self._device_bytes += a.numel() * a.element_size() + b.numel() * b.element_size()
-            if len(self._device_batch) >= _DEVICE_PAIRS or self._device_bytes >= _DEVICE_BYTES:
+            if len(self._device_batch) >= _DEVICE_PAIRS or self._device_bytes >= self.batch_bytes:
                 self._flush_device()
             return
         stream = self._stream

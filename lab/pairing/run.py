@@ -210,7 +210,11 @@ def pair(
     summary = memo["master_summary"]
     inputs_a = side_inputs(inputs, side_a, device)
     inputs_b = side_inputs(inputs, side_b, device)
-    collector = Collector(view_a.module_classes, copies=model in _EDITS_OUTPUTS)
+    collector = Collector(
+        view_a.module_classes,
+        copies=model in _EDITS_OUTPUTS,
+        master_bytes=int(summary["held_gib"] * 2**30),
+    )
     recorder = FlowRecorder()
     timings: dict[str, float] = {}
     result_meta = {
