@@ -8,7 +8,8 @@
 # host time goes, PROFILE_FAMILIES), master (MiniMax H3 full: compact master pairs, trained
 # refused), causes (checks + attribution at reduced, figures under OUT_DIR/causes; streamed
 # trajectories at reduced; pairing paths), trajfull (Qwen-Image and Wan2.2 full trajectories),
-# traj (bench/full_traj.py: full trajectories against their plain forwards, TRAJ_FAMILIES).
+# traj (bench/full_traj.py: full trajectories against their plain forwards, TRAJ_FAMILIES),
+# breakdown (bench/pair_breakdown.py: host vs GPU time of a full pair, BREAKDOWN_FAMILIES).
 # Each stage logs to OUT_DIR and a failing stage does not stop the
 # next one. Expects torch with CUDA installed and the other wheels on PYTHONPATH.
 set -uo pipefail
@@ -51,6 +52,10 @@ for stage in "$@"; do
         ;;
     trajfull)
         gpu_pytest -m "gpu and slow" -s tests/test_trajectory.py -k full_size >"$out/trajfull_gpu.log" 2>&1
+        ;;
+    breakdown)
+        python bench/pair_breakdown.py "$out/breakdown" --families "${BREAKDOWN_FAMILIES:-sd3,cosmos3,qwen_image,flux}" \
+            >"$out/pair_breakdown.log" 2>&1
         ;;
     traj)
         python bench/full_traj.py "$out/traj" --families "${TRAJ_FAMILIES:-qwen_image,wan2_2}" >"$out/full_traj.log" 2>&1
