@@ -191,7 +191,7 @@ class Collector:
                 self.repeats += 1
                 return
             self._by_names[names] = pending
-        if a.device.type == "cuda":
+        if a.is_cuda:
             # On the GPU one fused kernel per pair, queued behind the forward, costs less than
             # copies for a batch.
             self._reduce_on_device(pending, a, b, a_owned)

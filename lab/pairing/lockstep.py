@@ -345,12 +345,11 @@ class _Lockstep:
 
     # ---- hooks (run in the side's thread) ---------------------------------------------------
 
-    def _on_output(self, label: str, args: tuple, kwargs: dict, output: Any) -> None:
+    def _on_output(self, key: str, label: str, args: tuple, kwargs: dict, output: Any) -> None:
         """Pair, park or skip each leaf of one captured output.
 
         Runs without the autocast emulation's torch-function mode (see `_run_once`).
         """
-        key = _current_key()
         other = "b" if key == "a" else "a"
         calls = self.calls[key]
         call = calls.get(label, 0)
@@ -499,7 +498,7 @@ def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -
                 if block:
                     weights.exit_block(key, mod)
                 if captured:
-                    on_output(label, args, kwargs, output)
+                    on_output(key, label, args, kwargs, output)
                 if block and segments:
                     step.boundary(key)
 
