@@ -11,7 +11,7 @@ import torch
 
 from lab.base.dtypes import dtype_name
 from lab.base.switches import env_choice
-from lab.pairing.metrics import decode_stats, pair_stats, segment_stats
+from lab.pairing.metrics import built, decode_stats, pair_stats, segment_stats
 from lab.pairing.result import LayerDivergence, Skipped
 
 Leaf = tuple[str, int, str, Any]
@@ -341,16 +341,19 @@ class Collector:
                 if dtype not in names:
                     names[dtype] = dtype_name(dtype)
         rows = [
-            LayerDivergence(
-                order=p.order,
-                module=p.module,
-                call=p.call,
-                output=p.output,
-                module_class=p.module_class,
-                dtype_a=names[p.dtype_a],
-                dtype_b=names[p.dtype_b],
-                shape=p.shape,
-                metrics=decode_stats(r.stats, r.hist, p.dtype_a, p.dtype_b),
+            built(
+                LayerDivergence,
+                {
+                    "order": p.order,
+                    "module": p.module,
+                    "call": p.call,
+                    "output": p.output,
+                    "module_class": p.module_class,
+                    "dtype_a": names[p.dtype_a],
+                    "dtype_b": names[p.dtype_b],
+                    "shape": p.shape,
+                    "metrics": decode_stats(r.stats, r.hist, p.dtype_a, p.dtype_b),
+                },
             )
             for p, r in zip(self.pending, resolved, strict=True)
         ]

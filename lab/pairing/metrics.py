@@ -15,7 +15,7 @@ import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -767,6 +767,21 @@ class PairMetrics:
     max_abs_b: float
 
 
+_new = object.__new__
+T = TypeVar("T")
+
+
+def built(cls: type[T], fields: dict[str, Any]) -> T:
+    """`cls(**fields)` for a frozen dataclass without `__post_init__`, every field given.
+
+    The same object, built without the per-field `object.__setattr__` of a frozen dataclass's
+    `__init__` (3.7 of PairMetrics' ~9 us a row; a full-size Result builds 1000-3600 rows).
+    """
+    obj = _new(cls)
+    obj.__dict__.update(fields)
+    return obj
+
+
 def decode_stats(
     stats: torch.Tensor | Sequence[float],
     hist: torch.Tensor | Sequence[float],
@@ -785,25 +800,30 @@ def decode_stats(
     finite = max(finite, 1.0)
     denom = norm2_a + norm2_b
     cosine = sum_sq_diff / denom if denom > 0 else 0.0
-    return PairMetrics(
-        numel=int(numel),
-        mean_abs_diff=sum_abs_diff / finite,
-        max_abs_diff=max_abs_diff,
-        rel_max=max_abs_diff / (max_abs_a + 1e-30),
-        max_ulp=max_ulp,
-        bitexact_frac=bitexact / numel if numel else 1.0,
-        cosine_dist=max(cosine, 0.0),
-        rounding_only=bool(dtype_a != dtype_b and max_abs_diff > 0 and max_abs_diff_rounded == 0),
-        max_abs_diff_rounded=max_abs_diff_rounded,
-        nonfinite_a=int(nonfinite_a),
-        nonfinite_b=int(nonfinite_b),
-        # One element is trivially constant: only larger tensors can be degenerate.
-        degenerate=bool(numel > 1 and degenerate_a and degenerate_b),
-        ulp_hist=tuple(map(int, hist)),
-        mean_a=mean_a,
-        mean_b=mean_b,
-        max_abs_a=max_abs_a,
-        max_abs_b=max_abs_b,
+    return built(
+        PairMetrics,
+        {
+            "numel": int(numel),
+            "mean_abs_diff": sum_abs_diff / finite,
+            "max_abs_diff": max_abs_diff,
+            "rel_max": max_abs_diff / (max_abs_a + 1e-30),
+            "max_ulp": max_ulp,
+            "bitexact_frac": bitexact / numel if numel else 1.0,
+            "cosine_dist": max(cosine, 0.0),
+            "rounding_only": bool(
+                dtype_a != dtype_b and max_abs_diff > 0 and max_abs_diff_rounded == 0
+            ),
+            "max_abs_diff_rounded": max_abs_diff_rounded,
+            "nonfinite_a": int(nonfinite_a),
+            "nonfinite_b": int(nonfinite_b),
+            # One element is trivially constant: only larger tensors can be degenerate.
+            "degenerate": bool(numel > 1 and degenerate_a and degenerate_b),
+            "ulp_hist": tuple(map(int, hist)),
+            "mean_a": mean_a,
+            "mean_b": mean_b,
+            "max_abs_a": max_abs_a,
+            "max_abs_b": max_abs_b,
+        },
     )
 
 
