@@ -336,6 +336,22 @@ def test_pair_hands_back_the_forwards_it_ran(built: dict, lockstep: bool) -> Non
         lab.pair(model, inputs, a, b, mode="local", outputs={})
 
 
+def test_weight_view_lists_the_modules_as_named_modules_does(built: dict) -> None:
+    from lab.pairing.weights import WeightView
+
+    fam, model, _ = _model_inputs(built, "flux")
+    view = WeightView(model, lab.Side.rollout(fam))
+    assert [(n, id(m)) for n, m in view.named_modules] == [
+        (n, id(m)) for n, m in model.named_modules()
+    ]
+    # A module reachable twice (shared) is listed once, under its first path.
+    shared = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    outer = torch.nn.ModuleDict({"a": shared, "b": torch.nn.Identity(), "c": shared})
+    view = WeightView(outer, lab.Side.rollout(fam))
+    assert [n for n, _ in view.named_modules] == [n for n, _ in outer.named_modules()]
+    assert [n for n, _ in view.named_modules] == ["", "a", "a.0", "b"]
+
+
 def test_pair_guards_run_again_only_when_a_tensor_changes_kind(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -504,7 +504,7 @@ def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -
 
         return post
 
-    for name, module in model.named_modules():
+    for name, module in run.view_a.named_modules:
         label = name or ROOT
         captured = run.names_filter is None or run.names_filter(label)
         block = id(module) in blocks
@@ -519,7 +519,8 @@ def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(step.weights.applied())
-            stack.enter_context(ops_dispatched(model, per_side, _current_key))
+            modules = (m for _, m in run.view_a.named_modules)
+            stack.enter_context(ops_dispatched(model, per_side, _current_key, modules))
             if not step.sdpa_per_turn:
                 stack.enter_context(sdpa_context(run.side_a.attention_backend))
             _run_sides(step)

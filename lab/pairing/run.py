@@ -246,7 +246,7 @@ def pair(
     phase = {"side": side_a.name}
     # Eval mode for the pair, and back: only the modules that were training are touched (a
     # recursive model.eval()/train() walk costs as much as a tiny model's module).
-    training = [m for m in model.modules() if m.training]
+    training = [m for _, m in view_a.named_modules if m.training]
     for m in training:
         m.training = False
     try:

@@ -198,6 +198,8 @@ class WeightView:
         self.side = side
         self.tree, modules = tree if tree is not None else _Tree.current(model)
         self.layout, params = _Layout.of(model, side, stream_classes, (self.tree, modules))
+        self._tree_modules = modules
+        self._named_modules: list[tuple[str, torch.nn.Module]] | None = None
         layout = self.layout
         self.plan = layout.plan
         self.cache = cache
@@ -259,6 +261,14 @@ class WeightView:
         view_a = cls(model, side_a, stream_classes=stream_classes, tree=tree)
         view_b = cls(model, side_b, cache=cache_b, stream_classes=stream_classes, tree=tree)
         return view_a, view_b
+
+    @property
+    def named_modules(self) -> list[tuple[str, torch.nn.Module]]:
+        """`model.named_modules()` as of this view, from its checked tree (no walk)."""
+        if self._named_modules is None:
+            paths, modules = self.tree.paths, self._tree_modules
+            self._named_modules = [(paths[i], modules[i]) for i in self.tree.unique]
+        return self._named_modules
 
     def memo(self) -> dict[Any, Any]:
         """A dict for what is read off the model's tensors' kinds alone (guards, summaries).
@@ -543,6 +553,11 @@ class _Tree:
         self.paths = [path for path, _ in every]
         self._refs = [weakref.ref(m) for _, m in every]
         self._signatures = [_signature(m) for _, m in every]
+        first: dict[int, int] = {}
+        for i, (_, m) in enumerate(every):
+            first.setdefault(id(m), i)
+        self.unique = sorted(first.values())
+        """Positions of each module's first visit: `named_modules()` (no duplicates) in order."""
         self.layouts: dict[Any, _Layout] = {}
         """(repr(side), stream classes) -> its `_Layout`."""
         self._state: Any = None
@@ -636,8 +651,9 @@ class PairedWeights:
         self._block_cache: dict[int, dict[tuple[Any, ...], torch.Tensor]] = {}
         self._current: dict[tuple[int, str | None], torch.Tensor] = {}
         self._originals: dict[tuple[int, str | None], tuple[Entry, torch.Tensor]] = {}
+        first = next(iter(views.values()))
         self.block_modules = {
-            id(m): m for m in self.model.modules() if id(m) in blocks and m is not self.model
+            id(m): m for _, m in first.named_modules if id(m) in blocks and m is not self.model
         }
 
     def _resolve(

@@ -11,7 +11,7 @@ restored on exit, so nothing leaks into the other side, a nested re-run, or the 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -126,6 +126,7 @@ def ops_dispatched(
     root: torch.nn.Module,
     per_side: Mapping[str, tuple[tuple[str, ...], Mapping[str, Any]]],
     current: Callable[[], str],
+    modules: Iterable[torch.nn.Module] | None = None,
 ) -> Iterator[None]:
     """Several sides' forwards on one model at once, chosen per call by `current()`.
 
@@ -137,6 +138,7 @@ def ops_dispatched(
         root: The model.
         per_side: Side key -> (patch groups, switches) of that side.
         current: Returns the key of the side whose forward is running now.
+        modules: `root.modules()`, when the caller has them already (no walk).
     """
     _load_definitions()
     saved: list[tuple[torch.nn.Module, Any]] = []
@@ -145,7 +147,7 @@ def ops_dispatched(
     # full-size model has ~1000 modules of ~30 classes).
     by_class: dict[type, dict[str, ForwardFactory | None]] = {}
     try:
-        for module in root.modules():
+        for module in root.modules() if modules is None else modules:
             factories = by_class.get(type(module))
             if factories is None:
                 factories = by_class[type(module)] = {
