@@ -634,3 +634,23 @@ def test_unknown_metrics_kernel_names_the_known_ones(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("LAB_METRICS_KERNEL", "fast")
     with pytest.raises(ValueError, match=r"'fast' is not a metrics kernel\. Known: fused"):
         metrics._single_stats(torch.device("cuda"))
+
+
+def test_built_rows_equal_constructed_ones_and_refuse_a_missing_field() -> None:
+    import dataclasses
+
+    from lab.pairing.metrics import PairMetrics, built, decode_stats
+    from lab.pairing.result import LayerDivergence
+
+    stats = [float(i + 1) for i in range(len(metrics.STAT_FIELDS))]
+    hist = [1.0] * len(metrics.ULP_BIN_EDGES)
+    fast = decode_stats(stats, hist, torch.bfloat16, torch.float32)
+    slow = PairMetrics(**dataclasses.asdict(fast))
+    assert fast == slow and hash(fast) == hash(slow) and repr(fast) == repr(slow)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.numel = 0  # type: ignore[misc]
+    row = dict(order=0, module="m", call=0, output="", module_class="Linear", dtype_a="bf16",
+               dtype_b="fp32", shape=(2, 3), metrics=fast)  # fmt: skip
+    assert built(LayerDivergence, row) == LayerDivergence(**row)
+    with pytest.raises(TypeError, match=r"missing \['metrics'\], unknown \['metric'\]"):
+        built(LayerDivergence, {**{k: v for k, v in row.items() if k != "metrics"}, "metric": 1})

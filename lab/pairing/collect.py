@@ -192,8 +192,8 @@ class Collector:
                 return
             self._by_names[names] = pending
         if a.is_cuda:
-            # On the GPU one fused kernel per pair, queued behind the forward, costs less than
-            # copies for a batch.
+            # On the GPU the pair joins a batch of fused kernels queued behind the forward (or,
+            # if very large, is reduced at once): no host copy, no host wait.
             self._reduce_on_device(pending, a, b, a_owned)
             return
         if a.numel() >= _DEFER_NUMEL:
