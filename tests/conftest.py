@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import importlib.util
 import os
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -16,3 +20,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def load_bench() -> Callable[[str], ModuleType]:
+    """Import `bench/<name>.py` (a script folder, not a package) as a module."""
+    folder = Path(__file__).resolve().parents[1] / "bench"
+
+    def load(name: str) -> ModuleType:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", folder / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

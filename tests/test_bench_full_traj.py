@@ -3,26 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-from pathlib import Path
+from collections.abc import Callable
+from types import ModuleType
 
 import pytest
 
 import lab
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "full_traj.py"
 
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_full_traj", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_wan2_2_row_counts_the_trajectorys_own_forwards_across_both_experts() -> None:
-    bench = _bench()
+def test_wan2_2_row_counts_the_trajectorys_own_forwards_across_both_experts(
+    load_bench: Callable[[str], ModuleType],
+) -> None:
+    bench = load_bench("full_traj")
     fam = lab.family("wan2_2")
     row = bench.measure("wan2_2", preset="tiny", device="cpu", steps=2, cfg_scale=4.5)
 
@@ -54,8 +47,8 @@ def test_wan2_2_row_counts_the_trajectorys_own_forwards_across_both_experts() ->
     assert "build" not in vars(fam), "the build timer left its wrapper on the registry's Family"
 
 
-def test_forward_counter_counts_root_calls_only() -> None:
-    bench = _bench()
+def test_forward_counter_counts_root_calls_only(load_bench: Callable[[str], ModuleType]) -> None:
+    bench = load_bench("full_traj")
     fam = lab.family("sd3")
     model = fam.build("tiny", 0)
     inputs = fam.make_inputs("tiny", 0)
@@ -68,8 +61,8 @@ def test_forward_counter_counts_root_calls_only() -> None:
     assert count == [2]
 
 
-def test_steps_reaching_every_expert() -> None:
-    bench = _bench()
+def test_steps_reaching_every_expert(load_bench: Callable[[str], ModuleType]) -> None:
+    bench = load_bench("full_traj")
     wan, sd3 = lab.family("wan2_2"), lab.family("sd3")
 
     steps, sigmas = bench.steps_reaching_every_expert(wan, 2, "tiny")

@@ -2,23 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import SimpleNamespace
+from collections.abc import Callable
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
 
 from lab.pairing.metrics import STAT_FIELDS, ULP_BIN_EDGES
-
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "pair_breakdown.py"
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_pair_breakdown", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _event(name: str, start: float, end: float, device: str = "CUDA") -> SimpleNamespace:
@@ -29,8 +19,8 @@ def _event(name: str, start: float, end: float, device: str = "CUDA") -> SimpleN
     )
 
 
-def test_gpu_time_is_the_union_of_kernel_intervals() -> None:
-    bench = _bench()
+def test_gpu_time_is_the_union_of_kernel_intervals(load_bench: Callable[[str], ModuleType]) -> None:
+    bench = load_bench("pair_breakdown")
     events = [
         _event("_multi_finish_kernel", 30.0, 40.0),
         _event("ampere_bf16_gemm", 0.0, 10.0),
@@ -48,8 +38,10 @@ def test_gpu_time_is_the_union_of_kernel_intervals() -> None:
     assert empty == {"busy_s": 0.0, "metric_s": 0.0, "span_s": 0.0, "kernels": 0}
 
 
-def test_no_reduction_stub_gives_rows_of_the_real_width() -> None:
-    bench = _bench()
+def test_no_reduction_stub_gives_rows_of_the_real_width(
+    load_bench: Callable[[str], ModuleType],
+) -> None:
+    bench = load_bench("pair_breakdown")
     pending = SimpleNamespace(stats=None, hist=None)
     a = torch.ones(3, 4)
     bench._no_reduction(None, pending, a, a.clone())
