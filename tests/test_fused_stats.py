@@ -343,19 +343,32 @@ def test_run_reducer_rows_equal_fused_pair_stats_bit_for_bit(side_stream: bool) 
     for i in range(6):
         a, b = square.t(), (square * (1 + 1e-3 * i)).t()
         pairs.append((a.to(torch.bfloat16), b) if i % 2 else (a, b))
+    wants = [fused.fused_pair_stats(a, b) for a, b in pairs]
     stream = torch.cuda.Stream() if side_stream else None
     reducer = fused.RunReducer(torch.device("cuda"), stream)
-    handles = []
+    handles, own = [], []
     for start in range(0, len(pairs), 37):
         if stream is not None:
             with torch.cuda.stream(stream):
                 torch.cuda._sleep(200_000)  # the side stream lags behind the forward's
-        handles += reducer.reduce_many(pairs[start : start + 37])
+        # Contiguous outputs the forward drops right after they are queued (read in place:
+        # only the reducer keeps them alive until its kernels have read them).
+        a = (base[:4096] * (start + 1)).to(torch.bfloat16)
+        b = base[:4096] * (start + 1)
+        own.append(fused.fused_pair_stats(a, b))
+        handles += reducer.reduce_many([*pairs[start : start + 37], (a, b)])
+        del a, b
         torch.full((4096 * 64,), float("nan"), device="cuda")  # reuses freed memory at once
+    if stream is not None:
+        assert reducer._inflight  # the lagging side stream has not read the last batch yet
     outs = reducer.rows()
-    assert reducer.count == len(pairs) and reducer.launches <= 2 * 3 * (len(pairs) // 37 + 1)
-    for (a, b), (out, row) in zip(pairs, handles, strict=True):
-        want_stats, want_hist = fused.fused_pair_stats(a, b)
+    assert not reducer._inflight  # rows() waited for every batch: nothing is held any more
+    batches = -(-len(pairs) // 37)
+    assert reducer.count == len(pairs) + batches and reducer.launches <= 2 * 3 * batches
+    wanted = []
+    for start in range(0, len(pairs), 37):
+        wanted += [*wants[start : start + 37], own[start // 37]]
+    for (want_stats, want_hist), (out, row) in zip(wanted, handles, strict=True):
         assert torch.equal(outs[out][0][row], want_stats.cpu())
         assert torch.equal(outs[out][1][row], want_hist.cpu())
 
