@@ -8,6 +8,7 @@ afterwards. The model object, its hooks and its parameters stay the same objects
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import warnings
 import weakref
@@ -58,10 +59,9 @@ class WeightPlan:
 
     def dtype_counts(self) -> dict[str, int]:
         """How many parameters run at each dtype (for summaries)."""
-        counts: dict[str, int] = {}
-        for d in self.param_dtypes.values():
-            counts[dtype_name(d)] = counts.get(dtype_name(d), 0) + 1
-        return counts
+        # Counted by dtype in C, named once a dtype (first-seen order, as before).
+        counts = collections.Counter(self.param_dtypes.values())
+        return {dtype_name(d): n for d, n in counts.items()}
 
 
 def _component(name: str, components: tuple[str, ...]) -> str | None:
