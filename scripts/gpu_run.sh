@@ -9,7 +9,8 @@
 # refused), causes (checks + attribution at reduced, figures under OUT_DIR/causes; streamed
 # trajectories at reduced; pairing paths), trajfull (Qwen-Image and Wan2.2 full trajectories),
 # traj (bench/full_traj.py: full trajectories against their plain forwards, TRAJ_FAMILIES),
-# breakdown (bench/pair_breakdown.py: host vs GPU time of a full pair, BREAKDOWN_FAMILIES).
+# breakdown (bench/pair_breakdown.py: host vs GPU time of a full pair, BREAKDOWN_FAMILIES),
+# host (bench/pair_host.py: a full pair's host time function by function, HOST_FAMILIES).
 # Each stage logs to OUT_DIR and a failing stage does not stop the
 # next one. Expects torch with CUDA installed and the other wheels on PYTHONPATH.
 set -uo pipefail
@@ -56,6 +57,10 @@ for stage in "$@"; do
     breakdown)
         python bench/pair_breakdown.py "$out/breakdown" --families "${BREAKDOWN_FAMILIES:-sd3,cosmos3,qwen_image,flux}" \
             >"$out/pair_breakdown.log" 2>&1
+        ;;
+    host)
+        python bench/pair_host.py "$out/host" --families "${HOST_FAMILIES:-sd3,cosmos3,qwen_image,flux}" \
+            >"$out/pair_host.log" 2>&1
         ;;
     traj)
         python bench/full_traj.py "$out/traj" --families "${TRAJ_FAMILIES:-qwen_image,wan2_2}" >"$out/full_traj.log" 2>&1

@@ -1,0 +1,224 @@
+"""Where a paired forward's host time goes, function by function (issue 16).
+
+    python bench/pair_host.py OUT_DIR [--families sd3,qwen_image] [--device cuda] [--repeat 5]
+
+A short forward is host-bound (sd3 full on an H200: the GPU is busy half of its plain forward),
+so what a pair adds is host time, and cProfile, which taxes every call, distorts exactly that.
+Here each function of the pairing path is wrapped once (two clock reads a call) and its
+inclusive host time added up over one pair; the wall times of the cases come from unwrapped
+runs. For each family, in one process:
+- wall time, median of --repeat interleaved rounds after one untimed run of each: `plain` (both
+  sides' `lab.forward_side` with streamed views), and `lab.pair(stream=True)` capturing
+  `nothing`, the `blocks` and `every` module;
+- per case, one wrapped pair: calls and milliseconds a function (`functions`) and the pair's
+  phases (`phases_ms`: set-up before the strategy, the lockstep run, the Result after it).
+Inclusive times nest (`compare` holds `_reduce_on_device`, which holds `_flush_device`), and a
+side's `_pause` holds its wait for the other side (`wait`), which is the other side's forward.
+
+On CUDA the family's `full` preset is used. On CPU it is a deep tiny model: the tiny preset's
+widths with the full preset's layer counts (every `*layers*` key), so the module tree and the
+pair count are full size's while the forward stays cheap (sd3: 1217 pairs, as at full).
+Writes OUT_DIR/pair_host.json after every family.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import lab
+from lab.pairing import _fused_stats, collect, dtype_flow, lockstep, weights
+from lab.pairing import run as run_module
+from lab.pairing.weights import WeightView
+
+WRAPPED: tuple[tuple[Any, str], ...] = (
+    (lockstep._Lockstep, "_on_output"),
+    (lockstep._Lockstep, "_pause"),
+    (lockstep._Lockstep, "_check_parked"),
+    (lockstep._Lockstep, "leftovers"),
+    (lockstep._Baton, "wait"),
+    (dtype_flow.FlowRecorder, "record"),
+    (dtype_flow.FlowRecorder, "note_output"),
+    (collect.Aliases, "name"),
+    (collect.Collector, "compare"),
+    (collect.Collector, "_reduce_on_device"),
+    (collect.Collector, "_flush_device"),
+    (collect.Collector, "flush"),
+    (collect.Collector, "rows"),
+    (_fused_stats.RunReducer, "reduce_many"),
+    (weights.PairedWeights, "enter_block"),
+    (weights.PairedWeights, "exit_block"),
+    (weights.PairedWeights, "activate"),
+    (lockstep, "_run_sides"),
+)
+"""(owner, attribute) of each function whose inclusive host time is added up."""
+
+
+def deep_tiny(fam: Any) -> Any:
+    """`fam` with its tiny preset given the full preset's layer counts (every `*layers*` key)."""
+    full = fam.config("full")
+    tiny = {**fam.presets["tiny"], **{k: v for k, v in full.items() if "layers" in k}}
+    return dataclasses.replace(fam, presets={**fam.presets, "tiny": tiny})
+
+
+@contextlib.contextmanager
+def timed_functions(counts: Counter, millis: Counter) -> Iterator[None]:
+    """Wrap every WRAPPED function to add its calls and inclusive host ms; unwrap on exit."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name in WRAPPED]
+    clock = time.perf_counter_ns
+
+    def wrap(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                millis[name] += (clock() - start) / 1e6
+                counts[name] += 1
+
+        return timed
+
+    try:
+        for owner, name, fn in saved:
+            setattr(owner, name, wrap(fn, name))
+        yield
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
+@contextlib.contextmanager
+def phase_marks(marks: dict[str, float]) -> Iterator[None]:
+    """Record when `pair` hands over to its strategy and gets control back."""
+    strategy = run_module._run_strategy
+
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        marks["strategy_start"] = time.perf_counter()
+        try:
+            return strategy(*args, **kwargs)
+        finally:
+            marks["strategy_end"] = time.perf_counter()
+
+    run_module._run_strategy = marked
+    try:
+        yield
+    finally:
+        run_module._run_strategy = strategy
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def breakdown(fn: Callable[[], Any], device: str) -> dict[str, Any]:
+    """One wrapped run of `fn`: its wall ms, its phases and its functions' calls and ms."""
+    counts: Counter = Counter()
+    millis: Counter = Counter()
+    marks: dict[str, float] = {}
+    with timed_functions(counts, millis), phase_marks(marks):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        end = time.perf_counter()
+    phases = {}
+    if marks:
+        phases = {
+            "setup": (marks["strategy_start"] - start) * 1e3,
+            "strategy": (marks["strategy_end"] - marks["strategy_start"]) * 1e3,
+            "result": (end - marks["strategy_end"]) * 1e3,
+        }
+    return {
+        "wall_ms": (end - start) * 1e3,
+        "phases_ms": {k: round(v, 3) for k, v in phases.items()},
+        "functions": {k: {"calls": counts[k], "ms": round(millis[k], 3)} for k in counts},
+    }
+
+
+def measure(name: str, device: str, repeat: int) -> dict[str, Any]:
+    """The wall times and host breakdowns of one family (see the module docstring)."""
+    fam = lab.family(name)
+    if device == "cuda":
+        preset = "full"
+        model = fam.build("full", 0, device="cuda", expert=fam.expert_for_sigma(0.75))
+        inputs = fam.make_inputs("full", 0, device="cuda")
+    else:
+        preset = "tiny (full layer counts)"
+        fam = deep_tiny(fam)
+        model = fam.build("tiny", 0, expert=fam.expert_for_sigma(0.75))
+        inputs = fam.make_inputs("tiny", 0)
+    a, b = lab.Side.rollout(fam, device=device), lab.Side.trainer(fam, device=device)
+    views = {s.name: WeightView(model, s, stream_classes=fam.block_classes) for s in (a, b)}
+    block_names = {
+        n
+        for n, m in model.named_modules()
+        if type(m).__name__ in fam.block_classes and n.count(".") <= 1
+    }
+
+    def plain() -> None:
+        for side in (a, b):
+            lab.forward_side(model, inputs, side, view=views[side.name])
+
+    def paired(names_filter: Callable[[str], bool] | None) -> Callable[[], Any]:
+        return lambda: lab.pair(
+            model, inputs, a, b, stream=True, names_filter=names_filter, check_outputs=False
+        )
+
+    cases = {
+        "plain": plain,
+        "nothing": paired(lambda n: False),
+        "blocks": paired(block_names.__contains__),
+        "every": paired(None),
+    }
+    for fn in cases.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(repeat):
+        for key, fn in cases.items():
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            times[key].append(time.perf_counter() - start)
+    pairs = len(cases["every"]().rows)
+    row: dict[str, Any] = {"family": name, "preset": preset, "device": device, "pairs": pairs,
+                           "repeat": repeat}  # fmt: skip
+    plain_s = statistics.median(times["plain"])
+    for key, values in times.items():
+        row[f"{key}_s"] = statistics.median(values)
+        row[f"{key}_vs_plain"] = row[f"{key}_s"] / plain_s
+    row["every_us_per_pair_over_nothing"] = (row["every_s"] - row["nothing_s"]) / pairs * 1e6
+    for key in ("nothing", "blocks", "every"):
+        row[f"host_{key}"] = breakdown(cases[key], device)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("out")
+    parser.add_argument("--families", default="sd3,cosmos3,qwen_image,flux")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in args.families.split(","):
+        rows.append(measure(name, args.device, args.repeat))
+        print(json.dumps({k: v for k, v in rows[-1].items() if not k.startswith("host_")}))
+        (out / "pair_host.json").write_text(json.dumps({"rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""bench/pair_host.py: its deep tiny models, its per-function host times and its clean-up (CPU)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+
+import lab
+from lab.pairing import collect, lockstep
+
+
+def test_deep_tiny_keeps_tiny_widths_with_full_layer_counts(
+    load_bench: Callable[[str], ModuleType],
+) -> None:
+    bench = load_bench("pair_host")
+    for name in ("sd3", "flux", "cosmos3"):
+        fam = lab.family(name)
+        deep = bench.deep_tiny(fam)
+        full, tiny, got = fam.config("full"), fam.config("tiny"), deep.config("tiny")
+        layers = [k for k in full if "layers" in k]
+        assert layers, name
+        assert {k: got[k] for k in layers} == {k: full[k] for k in layers}
+        assert {k: v for k, v in got.items() if k not in layers} == {
+            k: v for k, v in tiny.items() if k not in layers
+        }
+        assert fam.config("tiny") == tiny  # the registry's family is left as it was
+
+
+def test_breakdown_counts_every_pairing_call_and_unwraps(
+    load_bench: Callable[[str], ModuleType],
+) -> None:
+    bench = load_bench("pair_host")
+    fam = lab.family("sd3")
+    model, inputs = fam.build("tiny", 0), fam.make_inputs("tiny", 0)
+    a, b = lab.Side.rollout(fam), lab.Side.trainer(fam)
+    originals = {(owner, name): getattr(owner, name) for owner, name in bench.WRAPPED}
+    results = []
+
+    def run() -> None:
+        results.append(lab.pair(model, inputs, a, b, lockstep=True, stream=True))
+
+    got = bench.breakdown(run, "cpu")
+    result = results[0]
+    functions = got["functions"]
+    # One compare a pair of leaves (repeated pairs included), one _on_output a module call a side.
+    compared = len(result.rows)
+    assert functions["compare"]["calls"] == compared
+    calls = {(r.module, r.call) for r in result.rows} | {(s.module, s.call) for s in result.skipped}
+    assert functions["_on_output"]["calls"] >= 2 * len({m for m, _ in calls})
+    assert functions["_run_sides"]["calls"] == 1
+    assert functions["rows"]["calls"] == 1
+    assert all(v["ms"] >= 0 for v in functions.values())
+    # The lockstep run holds the forwards and every hook; it is no longer than the pair.
+    assert functions["_run_sides"]["ms"] <= got["phases_ms"]["strategy"] <= got["wall_ms"]
+    assert sum(got["phases_ms"].values()) <= got["wall_ms"] * 1.001
+    assert set(got["phases_ms"]) == {"setup", "strategy", "result"}
+    # Every wrapper is gone again, and the pair's numbers are those of an unwrapped pair.
+    assert {(o, n): getattr(o, n) for o, n in bench.WRAPPED} == originals
+    assert lockstep._Lockstep._on_output is originals[(lockstep._Lockstep, "_on_output")]
+    assert collect.Collector.compare is originals[(collect.Collector, "compare")]
+    again = lab.pair(model, inputs, a, b, lockstep=True, stream=True)
+    assert [r.metrics for r in again.rows] == [r.metrics for r in result.rows]
