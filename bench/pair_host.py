@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import json
 import statistics
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -76,6 +77,7 @@ def timed_functions(counts: Counter, millis: Counter) -> Iterator[None]:
     """Wrap every WRAPPED function to add its calls and inclusive host ms; unwrap on exit."""
     saved = [(owner, name, getattr(owner, name)) for owner, name in WRAPPED]
     clock = time.perf_counter_ns
+    lock = threading.Lock()  # the side threads hand over mid-call: no lost updates
 
     def wrap(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -83,8 +85,10 @@ def timed_functions(counts: Counter, millis: Counter) -> Iterator[None]:
             try:
                 return fn(*args, **kwargs)
             finally:
-                millis[name] += (clock() - start) / 1e6
-                counts[name] += 1
+                elapsed = (clock() - start) / 1e6
+                with lock:
+                    millis[name] += elapsed
+                    counts[name] += 1
 
         return timed
 

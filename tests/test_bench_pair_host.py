@@ -52,8 +52,8 @@ def test_breakdown_counts_every_pairing_call_and_unwraps(
     assert all(v["ms"] >= 0 for v in functions.values())
     # The lockstep run holds the forwards and every hook; it is no longer than the pair.
     assert functions["_run_sides"]["ms"] <= got["phases_ms"]["strategy"] <= got["wall_ms"]
-    assert sum(got["phases_ms"].values()) <= got["wall_ms"] * 1.001
     assert set(got["phases_ms"]) == {"setup", "strategy", "result"}
+    assert all(v > 0 for v in got["phases_ms"].values())
     # Every wrapper is gone again, and the pair's numbers are those of an unwrapped pair.
     assert {(o, n): getattr(o, n) for o, n in bench.WRAPPED} == originals
     assert lockstep._Lockstep._on_output is originals[(lockstep._Lockstep, "_on_output")]

@@ -358,7 +358,11 @@ def test_run_reducer_rows_equal_fused_pair_stats_bit_for_bit(side_stream: bool) 
         own.append(fused.fused_pair_stats(a, b))
         handles += reducer.reduce_many([*pairs[start : start + 37], (a, b)])
         del a, b
+        # Blocks of their sizes are handed out again at once if nothing holds them back.
+        churn = [torch.full((4096,), float("nan"), device="cuda", dtype=d)
+                 for d in (torch.bfloat16, torch.float32)]  # fmt: skip
         torch.full((4096 * 64,), float("nan"), device="cuda")  # reuses freed memory at once
+        del churn
     outs = reducer.rows()
     batches = -(-len(pairs) // 37)
     assert reducer.count == len(pairs) + batches and reducer.launches <= 2 * 3 * batches

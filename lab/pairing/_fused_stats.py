@@ -814,8 +814,7 @@ def _hooked() -> bool:
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """Contiguous 1-D view; bf16 as its int16 bits (the kernel widens them itself)."""
-    x = x.detach().reshape(-1).contiguous()
-    return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+    return _bits(x.detach().reshape(-1).contiguous())
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
