@@ -1,6 +1,7 @@
 """Where a paired forward's host time goes, function by function (issue 16).
 
     python bench/pair_host.py OUT_DIR [--families sd3,qwen_image] [--device cuda] [--repeat 5]
+        [--ablate]
 
 A short forward is host-bound (sd3 full on an H200: the GPU is busy half of its plain forward),
 so what a pair adds is host time, and cProfile, which taxes every call, distorts exactly that.
@@ -14,6 +15,10 @@ runs. For each family, in one process:
   phases (`phases_ms`: set-up before the strategy, the lockstep run, the Result after it).
 Inclusive times nest (`compare` holds `_reduce_on_device`, which holds `_flush_device`), and a
 side's `_pause` holds its wait for the other side (`wait`), which is the other side's forward.
+With --ablate, three more every-module cases (wall time only; their numbers are not a Result
+to read): `every_noreduce` (the metric reduction replaced by constants), `every_noflow` (no
+dtype-flow record) and `every_hooksonly` (the pairing hook returns at once: no parking, no
+hand-overs), so each part's share is the difference to `every`.
 
 On CUDA the family's `full` preset is used. On CPU it is a deep tiny model: the tiny preset's
 widths with the full preset's layer counts (every `*layers*` key), so the module tree and the
@@ -150,7 +155,48 @@ def breakdown(fn: Callable[[], Any], device: str) -> dict[str, Any]:
     }
 
 
-def measure(name: str, device: str, repeat: int) -> dict[str, Any]:
+@contextlib.contextmanager
+def replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """`owner.name` set to `value` for the block."""
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+def ablations(run: Callable[[], Any], device: str) -> dict[str, Callable[[], Any]]:
+    """The every-module pair `run` with one part of its host work taken out (see --ablate)."""
+    from lab.pairing.metrics import STAT_FIELDS, ULP_BIN_EDGES
+
+    stats = torch.zeros(len(STAT_FIELDS), dtype=torch.float64, device=device)
+    hist = torch.zeros(len(ULP_BIN_EDGES), dtype=torch.float64, device=device)
+
+    def constant(self: Any, pending: Any, *args: Any) -> None:
+        pending.stats, pending.hist = stats, hist
+
+    def nothing(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    def under(*swaps: tuple[Any, str, Any]) -> Callable[[], Any]:
+        def ablated() -> Any:
+            with contextlib.ExitStack() as stack:
+                for swap in swaps:
+                    stack.enter_context(replaced(*swap))
+                return run()
+
+        return ablated
+
+    flow = dtype_flow.FlowRecorder
+    return {
+        "every_noreduce": under((collect.Collector, "_reduce_on_device", constant)),
+        "every_noflow": under((flow, "record", nothing), (flow, "note_output", nothing)),
+        "every_hooksonly": under((lockstep._Lockstep, "_on_output", nothing)),
+    }
+
+
+def measure(name: str, device: str, repeat: int, ablate: bool = False) -> dict[str, Any]:
     """The wall times and host breakdowns of one family (see the module docstring)."""
     fam = lab.family(name)
     if device == "cuda":
@@ -185,6 +231,8 @@ def measure(name: str, device: str, repeat: int) -> dict[str, Any]:
         "blocks": paired(block_names.__contains__),
         "every": paired(None),
     }
+    if ablate:
+        cases.update(ablations(cases["every"], device))
     for fn in cases.values():
         fn()
     times: dict[str, list[float]] = {k: [] for k in cases}
@@ -202,7 +250,11 @@ def measure(name: str, device: str, repeat: int) -> dict[str, Any]:
     for key, values in times.items():
         row[f"{key}_s"] = statistics.median(values)
         row[f"{key}_vs_plain"] = row[f"{key}_s"] / plain_s
-    row["every_us_per_pair_over_nothing"] = (row["every_s"] - row["nothing_s"]) / pairs * 1e6
+    for key in times:
+        if key.startswith("every"):
+            row[f"{key}_us_per_pair_over_nothing"] = (
+                (row[f"{key}_s"] - row["nothing_s"]) / pairs * 1e6
+            )
     for key in ("nothing", "blocks", "every"):
         row[f"host_{key}"] = breakdown(cases[key], device)
     return row
@@ -214,12 +266,13 @@ def main() -> None:
     parser.add_argument("--families", default="sd3,cosmos3,qwen_image,flux")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--ablate", action="store_true", help="add the ablated every-module cases")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in args.families.split(","):
-        rows.append(measure(name, args.device, args.repeat))
+        rows.append(measure(name, args.device, args.repeat, args.ablate))
         print(json.dumps({k: v for k, v in rows[-1].items() if not k.startswith("host_")}))
         (out / "pair_host.json").write_text(json.dumps({"rows": rows}, indent=1))
 

@@ -59,7 +59,7 @@ for stage in "$@"; do
             >"$out/pair_breakdown.log" 2>&1
         ;;
     host)
-        python bench/pair_host.py "$out/host" --families "${HOST_FAMILIES:-sd3,cosmos3,qwen_image,flux}" \
+        python bench/pair_host.py "$out/host" --ablate --families "${HOST_FAMILIES:-sd3,cosmos3,qwen_image,flux}" \
             >"$out/pair_host.log" 2>&1
         ;;
     traj)

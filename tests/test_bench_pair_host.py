@@ -60,3 +60,35 @@ def test_breakdown_counts_every_pairing_call_and_unwraps(
     assert collect.Collector.compare is originals[(collect.Collector, "compare")]
     again = lab.pair(model, inputs, a, b, lockstep=True, stream=True)
     assert [r.metrics for r in again.rows] == [r.metrics for r in result.rows]
+
+
+def test_ablations_take_out_one_part_each_and_put_it_back(
+    load_bench: Callable[[str], ModuleType],
+) -> None:
+    bench = load_bench("pair_host")
+    fam = lab.family("sd3")
+    model, inputs = fam.build("tiny", 0), fam.make_inputs("tiny", 0)
+    a, b = lab.Side.rollout(fam), lab.Side.trainer(fam)
+
+    def every() -> lab.Result:
+        return lab.pair(model, inputs, a, b, lockstep=True, stream=True, check_outputs=False)
+
+    full = every()
+    cases = bench.ablations(every, "cpu")
+    assert set(cases) == {"every_noreduce", "every_noflow", "every_hooksonly"}
+    hooks_only = cases["every_hooksonly"]()
+    assert hooks_only.rows == [] and hooks_only.skipped == []  # nothing parked, nothing paired
+    no_flow = cases["every_noflow"]()
+    assert no_flow.flow.inputs_a == {} and no_flow.flow.inputs_b == {}
+    assert [r.metrics for r in no_flow.rows] == [r.metrics for r in full.rows]
+    no_reduce = cases["every_noreduce"]()
+    assert len(no_reduce.rows) == len(full.rows)
+    # On CPU only the pairs of 1M elements or more are reduced on arrival; tiny ones are batched.
+    assert [r.metrics for r in no_reduce.rows] == [r.metrics for r in full.rows]
+    again = every()
+    assert [r.metrics for r in again.rows] == [r.metrics for r in full.rows]
+
+    def recorded(result: lab.Result) -> dict:  # tensor ids differ from run to run
+        return {k: tuple(e[:3] for e in v) for k, v in result.flow.inputs_a.items()}
+
+    assert recorded(again) == recorded(full) and recorded(full)
