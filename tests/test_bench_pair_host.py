@@ -4,9 +4,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
+
+import pytest
 
 import lab
 from lab.pairing import collect, lockstep
+
+
+@pytest.fixture(scope="module")
+def sd3_tiny() -> tuple[Any, Any, lab.Side, lab.Side]:
+    """The sd3 tiny model, its inputs and the two default sides (both pairing tests use them)."""
+    fam = lab.family("sd3")
+    return (
+        fam.build("tiny", 0),
+        fam.make_inputs("tiny", 0),
+        lab.Side.rollout(fam),
+        lab.Side.trainer(fam),
+    )
 
 
 def test_deep_tiny_keeps_tiny_widths_with_full_layer_counts(
@@ -27,12 +42,10 @@ def test_deep_tiny_keeps_tiny_widths_with_full_layer_counts(
 
 
 def test_breakdown_counts_every_pairing_call_and_unwraps(
-    load_bench: Callable[[str], ModuleType],
+    load_bench: Callable[[str], ModuleType], sd3_tiny: tuple
 ) -> None:
     bench = load_bench("pair_host")
-    fam = lab.family("sd3")
-    model, inputs = fam.build("tiny", 0), fam.make_inputs("tiny", 0)
-    a, b = lab.Side.rollout(fam), lab.Side.trainer(fam)
+    model, inputs, a, b = sd3_tiny
     originals = {(owner, name): getattr(owner, name) for owner, name in bench.WRAPPED}
     results = []
 
@@ -63,12 +76,10 @@ def test_breakdown_counts_every_pairing_call_and_unwraps(
 
 
 def test_ablations_take_out_one_part_each_and_put_it_back(
-    load_bench: Callable[[str], ModuleType],
+    load_bench: Callable[[str], ModuleType], sd3_tiny: tuple
 ) -> None:
     bench = load_bench("pair_host")
-    fam = lab.family("sd3")
-    model, inputs = fam.build("tiny", 0), fam.make_inputs("tiny", 0)
-    a, b = lab.Side.rollout(fam), lab.Side.trainer(fam)
+    model, inputs, a, b = sd3_tiny
 
     def every() -> lab.Result:
         return lab.pair(model, inputs, a, b, lockstep=True, stream=True, check_outputs=False)
