@@ -176,6 +176,12 @@ def ablations(run: Callable[[], Any], device: str) -> dict[str, Callable[[], Any
     def constant(self: Any, pending: Any, *args: Any) -> None:
         pending.stats, pending.hist = stats, hist
 
+    def constant_pair(a: Any, b: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return stats, hist
+
+    def constant_segments(pairs: list) -> tuple[torch.Tensor, torch.Tensor]:
+        return stats.expand(len(pairs), -1), hist.expand(len(pairs), -1)
+
     def nothing(*args: Any, **kwargs: Any) -> None:
         return None
 
@@ -190,7 +196,13 @@ def ablations(run: Callable[[], Any], device: str) -> dict[str, Callable[[], Any
 
     flow = dtype_flow.FlowRecorder
     return {
-        "every_noreduce": under((collect.Collector, "_reduce_on_device", constant)),
+        # CUDA pairs go through `_reduce_on_device`; CPU pairs are batched (`segment_stats`)
+        # or, from 1M elements on, reduced on arrival (`pair_stats`).
+        "every_noreduce": under(
+            (collect.Collector, "_reduce_on_device", constant),
+            (collect, "pair_stats", constant_pair),
+            (collect, "segment_stats", constant_segments),
+        ),
         "every_noflow": under((flow, "record", nothing), (flow, "note_output", nothing)),
         "every_hooksonly": under((lockstep._Lockstep, "_on_output", nothing)),
     }
