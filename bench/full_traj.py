@@ -301,8 +301,8 @@ def measure(
             row["log_prob_mean_abs_diff"] = traj.overall()["log_prob_mean_abs_diff"]
         else:
             row["every_module_pairs"] = sum(len(r.rows) for r in traj.captures.values())
-            # Each capture is a `pair` on the step's (positive) inputs: forwards on top of the
-            # trajectory's own, which the target ratio has to absorb.
+            # A capture pairs the step's own forwards (`pair(outputs=)`): this stays 0 unless
+            # a capture runs forwards of its own again.
             row["every_module_capture_forwards"] = got["forwards"] - plain["forwards"]
         del traj, got
         _free(device)

@@ -459,3 +459,27 @@ def test_view_parameters_are_the_canonical_parameters_and_feed_the_guards() -> N
     model.tied.bias.data = model.tied.bias.data.bfloat16()
     with pytest.raises(ValueError, match=r"1 bf16 parameter\(s\).*tied.bias"):
         check_fp32_master(model, "test", [p for _, p in WeightView(model, side).parameters()])
+
+
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_repeated_pairs_share_their_earlier_pairs_metrics(built: dict, lockstep: bool) -> None:
+    # A module handing on a tensor another module returned (a container's last child, an
+    # identity) repeats a pair of the same two tensors: reduced once, decoded once.
+    fam, model, inputs = _model_inputs(built, "sd3")
+    result = lab.pair(
+        model, inputs, lab.Side.rollout(fam), lab.Side.trainer(fam), lockstep=lockstep
+    )
+    repeated = result.meta["repeated_pairs"]
+    assert repeated > 0
+    first: dict[int, object] = {}
+    shared = [r for r in result.rows if first.setdefault(id(r.metrics), r) is not r]
+    assert len(shared) == repeated
+    # Each shares a pair whose tensors are its own: equal numbers, dtypes and shape.
+    for row in shared:
+        earlier = first[id(row.metrics)]
+        assert (row.dtype_a, row.dtype_b, row.shape) == (
+            earlier.dtype_a,
+            earlier.dtype_b,
+            earlier.shape,
+        )
+        assert earlier.order < row.order

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -58,8 +59,13 @@ class WeightPlan:
     """Cast buffer name -> ("cast_buffers", None) or ("keep_fp32_modules", component)."""
 
     def dtype_counts(self) -> dict[str, int]:
-        """How many parameters run at each dtype (for summaries)."""
-        # Counted by dtype in C, named once a dtype (first-seen order, as before).
+        """How many parameters run at each dtype (for summaries; a fresh dict each call)."""
+        return dict(self._dtype_counts)
+
+    @functools.cached_property
+    def _dtype_counts(self) -> dict[str, int]:
+        # Counted once a plan (plans are kept between pairs), by dtype in C, named once a dtype
+        # (first-seen order).
         counts = collections.Counter(self.param_dtypes.values())
         return {dtype_name(d): n for d, n in counts.items()}
 
