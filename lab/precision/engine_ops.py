@@ -145,19 +145,23 @@ def ops_dispatched(
     missing = object()
     # What each side runs depends on the module's class only: looked up once a class (a
     # full-size model has ~1000 modules of ~30 classes).
-    by_class: dict[type, dict[str, ForwardFactory | None]] = {}
+    # Class -> (each side's factory, whether no side patches the class).
+    by_class: dict[type, tuple[dict[str, ForwardFactory | None], bool]] = {}
     try:
         for module in root.modules() if modules is None else modules:
-            factories = by_class.get(type(module))
-            if factories is None:
-                factories = by_class[type(module)] = {
-                    k: _forward_for(module, g, s) for k, (g, s) in per_side.items()
-                }
+            looked_up = by_class.get(type(module))
+            if looked_up is None:
+                factories = {k: _forward_for(module, g, s) for k, (g, s) in per_side.items()}
+                looked_up = by_class[type(module)] = (
+                    factories,
+                    all(f is None for f in factories.values()),
+                )
+            factories, unpatched = looked_up
             current_forward = module.__dict__.get("forward", missing)
-            if all(f is None for f in factories.values()) and current_forward is missing:
+            if unpatched and current_forward is missing:
                 continue
             saved.append((module, current_forward))
-            if all(f is None for f in factories.values()):
+            if unpatched:
                 # An outer side's patch: every side here runs the class's own forward.
                 del module.__dict__["forward"]
                 continue
