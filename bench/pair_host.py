@@ -1,7 +1,7 @@
 """Where a paired forward's host time goes, function by function (issue 16).
 
     python bench/pair_host.py OUT_DIR [--families sd3,qwen_image] [--device cuda] [--repeat 5]
-        [--ablate]
+        [--ablate] [--gpu-profile]
 
 A short forward is host-bound (sd3 full on an H200: the GPU is busy half of its plain forward),
 so what a pair adds is host time, and cProfile, which taxes every call, distorts exactly that.
@@ -19,6 +19,12 @@ With --ablate, three more every-module cases (wall time only; their numbers are 
 to read): `every_noreduce` (the metric reduction replaced by constants), `every_noflow` (no
 dtype-flow record) and `every_hooksonly` (the pairing hook returns at once: no parking, no
 hand-overs), so each part's share is the difference to `every`.
+
+With --gpu-profile (CUDA), one more run of `plain`, `nothing`, `every` (and `every_noreduce`
+with --ablate) under `torch.profiler`, CUDA activity only: the GPU's busy time (union of kernel
+intervals), the metric kernels' share and the span from the first kernel to the last
+(`{case}_gpu_*`). A case whose wall time exceeds its GPU busy time waits for the host. (This
+was bench/pair_breakdown.py.)
 
 On CUDA the family's `full` preset is used. On CPU it is a deep tiny model: the tiny preset's
 widths with the full preset's layer counts (every `*layers*` key), so the module tree and the
@@ -68,6 +74,34 @@ WRAPPED: tuple[tuple[Any, str], ...] = (
     (lockstep, "_run_sides"),
 )
 """(owner, attribute) of each function whose inclusive host time is added up."""
+
+METRIC_KERNELS = ("multi_pair", "pair_stats", "finish")
+"""Name parts of the metric kernels (the fused kernels and their finishing launches)."""
+
+
+def gpu_time(prof: Any) -> dict[str, float]:
+    """Busy seconds (union of kernel intervals), metric-kernel seconds, first-to-last span."""
+    intervals, metric = [], 0.0
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            start, end = event.time_range.start, event.time_range.end
+            intervals.append((start, end))
+            if any(k in event.name for k in METRIC_KERNELS):
+                metric += end - start
+    intervals.sort()
+    busy, open_start, open_end = 0.0, None, None
+    for start, end in intervals:
+        if open_end is None or start > open_end:
+            if open_end is not None:
+                busy += open_end - open_start
+            open_start, open_end = start, end
+        else:
+            open_end = max(open_end, end)
+    if open_end is not None:
+        busy += open_end - open_start
+    span = intervals[-1][1] - intervals[0][0] if intervals else 0.0
+    return {"busy_s": busy / 1e6, "metric_s": metric / 1e6, "span_s": span / 1e6,
+            "kernels": len(intervals)}  # fmt: skip
 
 
 def deep_tiny(fam: Any) -> Any:
@@ -208,7 +242,9 @@ def ablations(run: Callable[[], Any], device: str) -> dict[str, Callable[[], Any
     }
 
 
-def measure(name: str, device: str, repeat: int, ablate: bool = False) -> dict[str, Any]:
+def measure(
+    name: str, device: str, repeat: int, ablate: bool = False, gpu_profile: bool = False
+) -> dict[str, Any]:
     """The wall times and host breakdowns of one family (see the module docstring)."""
     fam = lab.family(name)
     if device == "cuda":
@@ -269,6 +305,17 @@ def measure(name: str, device: str, repeat: int, ablate: bool = False) -> dict[s
             )
     for key in ("nothing", "blocks", "every"):
         row[f"host_{key}"] = breakdown(cases[key], device)
+    if gpu_profile:
+        for key in ("plain", "nothing", "every", "every_noreduce"):
+            if key not in cases:
+                continue
+            _sync(device)
+            activity = [torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=activity) as prof:
+                cases[key]()
+                _sync(device)
+            for field, value in gpu_time(prof).items():
+                row[f"{key}_gpu_{field}"] = value
     return row
 
 
@@ -279,12 +326,17 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--ablate", action="store_true", help="add the ablated every-module cases")
+    parser.add_argument(
+        "--gpu-profile", action="store_true", help="add each case's GPU busy time (CUDA only)"
+    )
     args = parser.parse_args()
+    if args.gpu_profile and args.device != "cuda":
+        parser.error(f"--gpu-profile reads CUDA kernel times; --device is {args.device!r}.")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in args.families.split(","):
-        rows.append(measure(name, args.device, args.repeat, args.ablate))
+        rows.append(measure(name, args.device, args.repeat, args.ablate, args.gpu_profile))
         print(json.dumps({k: v for k, v in rows[-1].items() if not k.startswith("host_")}))
         (out / "pair_host.json").write_text(json.dumps({"rows": rows}, indent=1))
 

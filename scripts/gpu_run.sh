@@ -9,8 +9,8 @@
 # refused), causes (checks + attribution at reduced, figures under OUT_DIR/causes; streamed
 # trajectories at reduced; pairing paths), trajfull (Qwen-Image and Wan2.2 full trajectories),
 # traj (bench/full_traj.py: full trajectories against their plain forwards, TRAJ_FAMILIES),
-# breakdown (bench/pair_breakdown.py: host vs GPU time of a full pair, BREAKDOWN_FAMILIES),
-# host (bench/pair_host.py: a full pair's host time function by function, HOST_FAMILIES).
+# host (bench/pair_host.py: a full pair's host time function by function, ablations and each
+# case's GPU busy time, HOST_FAMILIES).
 # Each stage logs to OUT_DIR and a failing stage does not stop the
 # next one. Expects torch with CUDA installed and the other wheels on PYTHONPATH.
 set -uo pipefail
@@ -55,12 +55,8 @@ for stage in "$@"; do
     trajfull)
         gpu_pytest -m "gpu and slow" -s tests/test_trajectory.py -k full_size >"$out/trajfull_gpu.log" 2>&1
         ;;
-    breakdown)
-        python bench/pair_breakdown.py "$out/breakdown" --families "${BREAKDOWN_FAMILIES:-sd3,cosmos3,qwen_image,flux}" \
-            >"$out/pair_breakdown.log" 2>&1
-        ;;
     host)
-        python bench/pair_host.py "$out/host" --ablate --families "${HOST_FAMILIES:-sd3,cosmos3,qwen_image,flux}" \
+        python bench/pair_host.py "$out/host" --ablate --gpu-profile --families "${HOST_FAMILIES:-sd3,cosmos3,qwen_image,flux}" \
             >"$out/pair_host.log" 2>&1
         ;;
     traj)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 import lab
 from lab.pairing import collect, lockstep
@@ -108,3 +109,41 @@ def test_ablations_take_out_one_part_each_and_put_it_back(
         return {k: tuple(e[:3] for e in v) for k, v in result.flow.inputs_a.items()}
 
     assert recorded(again) == recorded(full) and recorded(full)
+
+
+def _event(name: str, start: float, end: float, device: str = "CUDA") -> SimpleNamespace:
+    return SimpleNamespace(
+        name=name,
+        device_type=getattr(torch.autograd.DeviceType, device),
+        time_range=SimpleNamespace(start=start, end=end),
+    )
+
+
+def test_gpu_time_is_the_union_of_kernel_intervals(load_bench: Callable[[str], ModuleType]) -> None:
+    bench = load_bench("pair_host")
+    events = [
+        _event("_multi_finish_kernel", 30.0, 40.0),
+        _event("ampere_bf16_gemm", 0.0, 10.0),
+        _event("_multi_pair_stats_kernel", 5.0, 20.0),  # overlaps the gemm: counted once
+        _event("aten::linear", 0.0, 50.0, device="CPU"),  # host events are not GPU time
+    ]
+    got = bench.gpu_time(SimpleNamespace(events=lambda: events))
+    assert got == {
+        "busy_s": pytest.approx(30e-6),
+        "metric_s": pytest.approx(25e-6),
+        "span_s": pytest.approx(40e-6),
+        "kernels": 3,
+    }
+    empty = bench.gpu_time(SimpleNamespace(events=list))
+    assert empty == {"busy_s": 0.0, "metric_s": 0.0, "span_s": 0.0, "kernels": 0}
+
+
+def test_gpu_profile_needs_cuda(
+    load_bench: Callable[[str], ModuleType], monkeypatch, capsys
+) -> None:
+    bench = load_bench("pair_host")
+    monkeypatch.setattr("sys.argv", ["pair_host.py", "out", "--device", "cpu", "--gpu-profile"])
+    with pytest.raises(SystemExit) as exc:
+        bench.main()
+    assert exc.value.code == 2
+    assert "--gpu-profile reads CUDA kernel times; --device is 'cpu'" in capsys.readouterr().err
