@@ -138,6 +138,8 @@ def measure(name: str, repeat: int, dump: bool = False) -> dict[str, Any]:
                 model, inputs, a, b, "cuda", block_names.__contains__, root
             )
             row["dump_vs_blocks_only"] = row["dump_blocks_s"] / row["blocks_only_s"]
+        except Exception as err:  # keep the family's measured cases
+            row["dump_error"] = repr(err)[:300]
         finally:
             shutil.rmtree(root, ignore_errors=True)
     return row

@@ -23,9 +23,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture
-def load_bench() -> Callable[[str], ModuleType]:
-    """Import `bench/<name>.py` (a script folder, not a package) as a module."""
+def load_bench(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], ModuleType]:
+    """Import `bench/<name>.py` (a script folder, not a package) as a module.
+
+    With `bench/` on sys.path for the test, as a script run from it has: a bench may import
+    its siblings (bench/full_size.py imports bench/full_pair.py).
+    """
     folder = Path(__file__).resolve().parents[1] / "bench"
+    monkeypatch.syspath_prepend(str(folder))
 
     def load(name: str) -> ModuleType:
         spec = importlib.util.spec_from_file_location(f"bench_{name}", folder / f"{name}.py")

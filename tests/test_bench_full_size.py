@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from types import ModuleType
-
-import pytest
 
 
 def test_one_run_only_where_both_warm_forwards_take_seconds(
-    load_bench: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch
+    load_bench: Callable[[str], ModuleType],
 ) -> None:
-    # The script imports its sibling bench/full_pair.py, as a run from bench/ would.
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
-    bench = load_bench("full_size")
+    bench = load_bench("full_size")  # it imports its sibling bench/full_pair.py
     assert bench.runs_for([3.35, 3.36], 3) == 1  # wan2_2 full: steady, one run a case
     # sd3 first in a process: its first side's warm-up paid CUDA's set-up. Before, that one
     # slow warm-up left every case of the family (and of side b) at one run.

@@ -859,8 +859,9 @@ class RunReducer:
     forward's stream through one re-recorded event, and what the kernels read is marked in
     use there (`record_stream`), so the caching allocator hands that memory out again only
     once they have read it. (Keeping the tensors alive until an event recorded after the
-    kernels had completed, checked at each batch, raised sd3 full's peak from 1.07x to 1.13x
-    of a plain forward's on the H200: memory came back a batch later.) Contiguous outputs are
+    kernels had completed, checked at each batch, was measured once with sd3 full's peak at
+    1.13x of a plain forward's on the H200, against 1.07x before: likely memory coming back a
+    batch later, not isolated, as another change went in with it.) Contiguous outputs are
     read where they are (their address and length go in the batch's table); only
     non-contiguous ones are copied.
     """

@@ -76,8 +76,9 @@ class Aliases:
 # pair at a time.
 _DEFER_NUMEL = 1 << 20
 _FLUSH_NUMEL = 1 << 24
-# On CUDA, pairs are held and reduced a batch a launch: at most this many pairs, or this many
-# bytes of held outputs (memory the forward could otherwise reuse), a batch.
+# On CUDA, pairs are held and reduced a batch a launch: at most this many pairs, or about this
+# many bytes of held outputs (memory the forward could otherwise reuse; the floor of the byte
+# limit, see DEVICE_BATCH_SHARE), a batch.
 _DEVICE_PAIRS = 256
 _DEVICE_BYTES = 512 << 20
 _DEVICE_BYTES_MAX = 4 << 30
@@ -85,7 +86,9 @@ DEVICE_BATCH_SHARE = 0.025
 """A batch holds at most this share of the master's bytes (at least _DEVICE_BYTES, at most
 _DEVICE_BYTES_MAX): each flush costs host time (tables, launches; ~0.3 ms), and a
 full-size model's outputs are large (flux full: 67 MB a pair on average, so a flush every 7
-pairs at 512 MiB). What a batch holds adds to the peak: at most 2.5 % of the master."""
+pairs at 512 MiB). What a batch holds adds to the peak: this share of the master, or the 512 MiB
+floor where that is more (any master under 20 GiB: sd3 full's 9 GiB, ~5.6 %), plus the one pair
+that crosses the limit (below _DEVICE_BATCH_NUMEL elements a side)."""
 # Pairs this large are reduced one at a time, at once, each with its own launch on the side
 # stream (the path Wan2.2 and MiniMax H3 full were measured on at 1.13x and 1.11x): their
 # kernels take milliseconds, so a launch's host time is hidden anyway. Batched, a batch of
