@@ -30,12 +30,8 @@ import torch
 import lab
 from lab.pairing.capture import ROOT, ModuleHooks, depth_filter, flatten_output
 from lab.pairing.metrics import compare
+from lab.pairing.state import sync
 from lab.pairing.weights import WeightView
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def _timed(fn, device: str, repeat: int = 1) -> tuple[float, float]:
@@ -44,10 +40,10 @@ def _timed(fn, device: str, repeat: int = 1) -> tuple[float, float]:
     for _ in range(repeat):
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
     return statistics.median(times), peak
@@ -78,7 +74,7 @@ def dump_then_compare(model, inputs, a, b, device, names_filter, root: Path) -> 
         ta = torch.load(root / a.name / name).to(device)
         tb = torch.load(root / b.name / index_b[key]).to(device)
         compare(ta, tb)
-    _sync(device)
+    sync(device)
     return time.perf_counter() - start
 
 

@@ -41,13 +41,9 @@ import torch
 import lab
 from lab.families import Family
 from lab.pairing.run import block_classes
+from lab.pairing.state import sync
 from lab.pairing.weights import WeightView
 from lab.rl.flow_grpo import sigma_schedule
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def _free(device: str) -> None:
@@ -89,10 +85,10 @@ def _timing_builds(fam: Family, device: str) -> Iterator[list[float]]:
     build = fam.build
 
     def timed_build(*args: Any, **kwargs: Any) -> torch.nn.Module:
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         model = build(*args, **kwargs)
-        _sync(device)
+        sync(device)
         seconds.append(time.perf_counter() - start)
         return model
 
@@ -153,10 +149,10 @@ def _plain(
     forwards = 0
     for expert in dict.fromkeys(step_experts):
         _reset_peak(device)
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         model = fam.build(preset, 0, expert=expert, device=device)
-        _sync(device)
+        sync(device)
         build_s += time.perf_counter() - start
         blocks = block_classes(model, a, b) if stream else ()
         views = {s.name: WeightView(model, s, stream_classes=blocks) for s in (a, b)}
@@ -173,13 +169,13 @@ def _plain(
                     lab.forward_side(model, inputs, side, view=views[side.name])
                     if use_cfg and fam.cfg_layout == "separate":
                         lab.forward_side(model, inputs.negative, side, view=views[side.name])
-            _sync(device)
+            sync(device)
 
         with _counting_forwards(fam) as count:
             run()  # warm-up, counted
         forwards += count[0]
         for r in range(repeat):
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             run()
             totals[r] += time.perf_counter() - start
@@ -203,10 +199,10 @@ def _trajectory(fam: Family, kwargs: dict[str, Any], *, device: str, repeat: int
         _free(device)
         _reset_peak(device)
         with _timing_builds(fam, device) as build_s:
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             traj = lab.trajectory(fam.name, **kwargs)
-            _sync(device)
+            sync(device)
             total = time.perf_counter() - start
         times.append(total - sum(build_s))
         builds.append(sum(build_s))

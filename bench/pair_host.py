@@ -51,6 +51,7 @@ import torch
 import lab
 from lab.pairing import _fused_stats, collect, dtype_flow, lockstep, weights
 from lab.pairing import run as run_module
+from lab.pairing.state import sync
 from lab.pairing.weights import WeightView
 
 WRAPPED: tuple[tuple[Any, str], ...] = (
@@ -159,21 +160,16 @@ def phase_marks(marks: dict[str, float]) -> Iterator[None]:
         run_module._run_strategy = strategy
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def breakdown(fn: Callable[[], Any], device: str) -> dict[str, Any]:
     """One wrapped run of `fn`: its wall ms, its phases and its functions' calls and ms."""
     counts: Counter = Counter()
     millis: Counter = Counter()
     marks: dict[str, float] = {}
     with timed_functions(counts, millis), phase_marks(marks):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         end = time.perf_counter()
     phases = {}
     if marks:
@@ -286,10 +282,10 @@ def measure(
     times: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(repeat):
         for key, fn in cases.items():
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             fn()
-            _sync(device)
+            sync(device)
             times[key].append(time.perf_counter() - start)
     pairs = len(cases["every"]().rows)
     row: dict[str, Any] = {"family": name, "preset": preset, "device": device, "pairs": pairs,
@@ -309,11 +305,11 @@ def measure(
         for key in ("plain", "nothing", "every", "every_noreduce"):
             if key not in cases:
                 continue
-            _sync(device)
+            sync(device)
             activity = [torch.profiler.ProfilerActivity.CUDA]
             with torch.profiler.profile(activities=activity) as prof:
                 cases[key]()
-                _sync(device)
+                sync(device)
             for field, value in gpu_time(prof).items():
                 row[f"{key}_gpu_{field}"] = value
     return row

@@ -28,21 +28,17 @@ from typing import Any
 import torch
 
 import lab
+from lab.pairing.state import sync
 from lab.pairing.weights import WeightView
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def _timed(fn: Any, repeat: int, device: str) -> float:
     times = []
     for _ in range(repeat):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -103,10 +99,10 @@ def measure(name: str, preset: str, device: str, repeat: int) -> tuple[dict[str,
     text.write(f"===== {name} {preset} {device}: {json.dumps(row)}\n")
     for case in ("nothing", "every_module"):
         profile = cProfile.Profile()
-        _sync(device)
+        sync(device)
         profile.enable()
         cases[case]()
-        _sync(device)
+        sync(device)
         profile.disable()
         text.write(f"----- {case}\n")
         for order in ("tottime", "cumulative"):

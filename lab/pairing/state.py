@@ -19,9 +19,9 @@ from lab.pairing.sides import Side
 from lab.pairing.weights import WeightView
 
 
-def sync(device: torch.device) -> None:
-    """Wait for the device's queued work (a no-op on CPU)."""
-    if device.type == "cuda":
+def sync(device: torch.device | str) -> None:
+    """Wait for the device's queued work (a no-op on CPU); `device` may be a name ("cuda:0")."""
+    if (device.type if isinstance(device, torch.device) else device.split(":")[0]) == "cuda":
         torch.cuda.synchronize(device)
 
 
