@@ -483,3 +483,34 @@ def test_repeated_pairs_share_their_earlier_pairs_metrics(built: dict, lockstep:
             earlier.shape,
         )
         assert earlier.order < row.order
+
+
+def test_streamed_blocks_swap_their_weights_out_of_sight_of_the_autocast_emulation(
+    built: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The block hooks of a streamed view run inside the forward; their casts and swaps are no
+    # part of it, so the emulation (a Python torch-function mode, ~5 us a call on CPU) sees the
+    # very calls of an unstreamed forward, and the output is the same bit for bit.
+    from lab.pairing.weights import WeightView
+    from lab.precision.autocast import CudaAutocastEmulation
+
+    fam, model, inputs = _model_inputs(built, "sd3")
+    side = lab.Side.trainer(fam)
+    real = CudaAutocastEmulation.__torch_function__
+    seen: list[str] = []
+
+    def counted(self, func, types, args=(), kwargs=None):
+        seen.append(getattr(func, "__name__", str(func)))
+        return real(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(CudaAutocastEmulation, "__torch_function__", counted)
+    calls, outs = {}, {}
+    for stream in (False, True):
+        view = WeightView(model, side, stream_classes=fam.block_classes if stream else ())
+        assert bool(view.streamed_ids) is stream
+        seen.clear()
+        outs[stream] = lab.forward_side(model, inputs, side, view=view)
+        calls[stream] = list(seen)
+    assert calls[False], "the trainer side runs under the emulation on CPU"
+    assert calls[True] == calls[False]
+    assert torch.equal(outs[True][0], outs[False][0])

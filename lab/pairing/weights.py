@@ -431,12 +431,19 @@ class WeightView:
         block_undo: list[list[tuple[Any, ...]]] = []
         handles = []
 
+        # The block hooks run inside the side's forward, where the autocast emulation's
+        # torch-function mode would see each of their tensor calls (`data_ptr`, casts, `.data`
+        # swaps; ~5 us each on a tiny CPU model): none of them is the forward's arithmetic.
+        no_function_mode = torch._C.DisableTorchFunction
+
         def pre(module: torch.nn.Module, args: Any) -> None:
             block_undo.append([])
-            self._swap_in(module, set(), block_undo[-1])
+            with no_function_mode():
+                self._swap_in(module, set(), block_undo[-1])
 
         def post(module: torch.nn.Module, args: Any, output: Any) -> None:
-            self._undo(block_undo.pop())
+            with no_function_mode():
+                self._undo(block_undo.pop())
 
         try:
             self._swap_in(root, {id(m) for m in streamed}, undo)
