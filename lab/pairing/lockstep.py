@@ -156,7 +156,11 @@ _WORKERS = _Workers()
 KEEP_WORKERS_ON: tuple[str, ...] = ("cuda",)
 """Device types whose pairs keep the two side threads between pairs. Not CPU: an idle side thread
 keeps its OpenMP team, which on a small machine slows every later CPU forward of the process
-(flux tiny's plain forwards took 2x as long after one kept-thread pair on 2 cores)."""
+(flux tiny's plain forwards took 2x as long after one kept-thread pair on 2 cores). libgomp
+spins between parallel regions only while its teams hold no more threads than there are CPUs
+(`do_spin`: `gomp_managed_threads > gomp_available_cpus` throttles the spin); past that, idle
+team threads sleep and every short op pays a wake-up. While a CPU pair runs, its two side
+threads' teams put it past that too (`bench/cpu_threads.py`)."""
 
 
 def _run_sides(step: _Lockstep) -> None:
