@@ -6,7 +6,9 @@ machine's noise is one-sided: other work only ever adds time):
 - plain: `forward_side` of each side with a prebuilt WeightView (the issue's baseline);
 - setup: `pair` capturing nothing (names_filter rejects every module): views, contexts, meta;
 - hooks: both plain forwards with a no-op forward hook on every module;
-- copies: both forwards copying every floating module output (what two-pass pairing holds);
+- held: both forwards holding every floating module output with its `_version`, as two-pass
+  pairing holds side A's (kept alive, so the allocator cannot reuse their memory; until 5ffa80d
+  the pair cloned them, and this stage was `copies`);
 - metrics: `segment_stats` over every (a, b) output pair of the two sides, one batch;
 - pair: `lab.pair(...)` (two-pass, the CPU default) and `lab.pair(..., lockstep=True)`.
 Prints one JSON row per family and writes them all to OUT.json.
@@ -57,10 +59,10 @@ def measure(name: str, repeat: int) -> dict[str, Any]:
 
         return run
 
-    copies: list[torch.Tensor] = []
+    held: list[tuple[torch.Tensor, int]] = []
 
     def keep(label: str, call: int, module: Any, args: Any, kwargs: Any, out: Any) -> None:
-        copies.extend(t.detach().clone() for t in _floating(out))
+        held.extend((t, t._version) for t in _floating(out))
 
     outputs: dict[str, list[torch.Tensor]] = {}
     for side in (a, b):
@@ -80,7 +82,7 @@ def measure(name: str, repeat: int) -> dict[str, Any]:
         "plain": plain,
         "setup": lambda: lab.pair(model, inputs, a, b, names_filter=nothing, check_outputs=False),
         "hooks": with_hooks(lambda *x: None),
-        "copies": with_hooks(keep),
+        "held": with_hooks(keep),
         "metrics": lambda: segment_stats(pairs),
         "pair": lambda: lab.pair(model, inputs, a, b),
         "pair_lockstep": lambda: lab.pair(model, inputs, a, b, lockstep=True),
@@ -90,7 +92,7 @@ def measure(name: str, repeat: int) -> dict[str, Any]:
         fn()  # warm-up
     for _ in range(repeat):
         for key, fn in stages.items():
-            copies.clear()
+            held.clear()
             start = time.perf_counter()
             fn()
             best[key] = min(best[key], time.perf_counter() - start)
@@ -101,13 +103,13 @@ def measure(name: str, repeat: int) -> dict[str, Any]:
     row["pair_lockstep_vs_plain"] = ms["pair_lockstep_ms"] / plain_ms
     # Incremental costs over the two plain forwards, each as a fraction of them.
     row["share_hooks"] = (ms["hooks_ms"] - plain_ms) / plain_ms
-    row["share_copies"] = (ms["copies_ms"] - ms["hooks_ms"]) / plain_ms
+    row["share_held"] = (ms["held_ms"] - ms["hooks_ms"]) / plain_ms
     row["share_metrics"] = ms["metrics_ms"] / plain_ms
     row["share_setup"] = ms["setup_ms"] / plain_ms - 1.0
     row["share_rest"] = (
         row["pair_vs_plain"]
         - 1.0
-        - sum(row[k] for k in ("share_hooks", "share_copies", "share_metrics", "share_setup"))
+        - sum(row[k] for k in ("share_hooks", "share_held", "share_metrics", "share_setup"))
     )
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
     return row
