@@ -362,6 +362,16 @@ def test_hover_reads_the_module_and_click_shows_its_detail(panel: Any) -> None:
         page.mouse.click(x, y)
         detail = page.locator(".lab-detail")
         detail.locator("b", has_text=f"selected: {label}").wait_for(timeout=30_000)
+        # The picker follows the selection: its own widget message, which may land after the
+        # detail's on a loaded machine (one CI run read it a moment too early).
+        page.wait_for_function(
+            """([label]) => {
+                const s = document.querySelector('.lab-module select');
+                return s && s.value === label;
+            }""",
+            arg=[label],
+            timeout=30_000,
+        )
         assert page.locator(".lab-module select").input_value() == label
         params = detail.locator("table.lab-param-dtypes").inner_text()
         assert "class: Linear" in text, "a point of the linear trace"

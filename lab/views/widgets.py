@@ -563,7 +563,7 @@ class ControlPanel:
         )
         self.selected = detail
         self._outputs["detail"].value = detail.html()
-        _show_plotly(self._outputs["detail_plot"], detail.ulp_figure)
+        # The picker follows at once, before the (slower) histogram figure is sent.
         picker = self._outputs["module"]
         if module in picker.options:
             self._selecting = True
@@ -571,6 +571,7 @@ class ControlPanel:
                 picker.value = module
             finally:
                 self._selecting = False
+        _show_plotly(self._outputs["detail_plot"], detail.ulp_figure)
         return detail
 
     def export(self, out_dir: str | Path | None = None) -> Path | None:
