@@ -21,7 +21,7 @@ from lab.pairing.weights import WeightView
 
 def sync(device: torch.device | str) -> None:
     """Wait for the device's queued work (a no-op on CPU); `device` may be a name ("cuda:0")."""
-    if (device.type if isinstance(device, torch.device) else device.split(":")[0]) == "cuda":
+    if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
 
