@@ -38,7 +38,8 @@ import lab
 
 
 def best_of(fn: Callable[[], Any], repeat: int, inner: int = 1) -> float:
-    """Minimum seconds of `inner` calls of `fn` over `repeat` rounds, after one warm-up round."""
+    """Seconds a call of `fn`: the fastest of `repeat` + 1 rounds of `inner` calls (the first
+    round warms up; being the slowest, the minimum leaves it out)."""
     best = float("inf")
     for _ in range(repeat + 1):
         start = time.perf_counter()

@@ -16,7 +16,10 @@ def test_fresh_thread_runs_elsewhere_and_hands_back(
     bench = load_bench("cpu_threads")
     caller = threading.get_ident()
     assert bench.in_fresh_thread(lambda: float(threading.get_ident())) != caller
-    assert bench.best_of(lambda: None, repeat=2, inner=3) >= 0
+    calls: list[int] = []
+    seconds = bench.best_of(lambda: calls.append(1), repeat=2, inner=3)
+    assert len(calls) == (2 + 1) * 3  # a warm-up round, then `repeat` rounds of `inner` calls
+    assert 0 < seconds < 1.0
 
 
 def test_measure_gives_every_case_and_restores_threads(
