@@ -180,6 +180,52 @@ def test_paired_weights_share_equal_casts_and_stream_blocks(built: dict) -> None
     assert model.proj_out.weight.dtype == torch.float32
 
 
+def _cast_counts(view: WeightView, roots: list[torch.nn.Module], skip: set[int]) -> list[int]:
+    """How many distinct casts (not the master itself) `view` makes for each of `roots`."""
+    counts = []
+    for root in roots:
+        keys = {view.cast_key(e.master, e.dtype) for e in view.entries(root, skip)}
+        counts.append(sum(len(k) > 1 for k in keys))
+    return counts
+
+
+@pytest.mark.parametrize("family_name", ["flux", "sd3"])
+def test_streamed_lockstep_casts_each_block_once_for_both_sides(
+    built: dict, family_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Lockstep hands over at block boundaries: the side that leaves a block first keeps its
+    # casts, and the other side runs that block next with them. A plain streamed forward per
+    # side casts every block twice in all.
+    fam, model, inputs = _model_inputs(built, family_name)
+    side = lab.Side.rollout(fam)
+    seen: list[PairedWeights] = []
+
+    class Recorded(PairedWeights):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            seen.append(self)
+
+    monkeypatch.setattr("lab.pairing.lockstep.PairedWeights", Recorded)
+    view = WeightView(model, side, stream_classes=fam.block_classes)
+    blocks = [m for m in model.modules() if id(m) in view.streamed_ids]
+    (outside,) = _cast_counts(view, [model], set(view.streamed_ids))
+    per_block = _cast_counts(view, blocks, set())
+    assert len(blocks) >= 2 and min(per_block) > 0
+
+    every = lab.pair(model, inputs, side, side, lockstep=True, stream=True)
+    assert seen[-1].casts == outside + sum(per_block)
+    # Capturing the model output alone, side A runs every block before side B starts: only
+    # the one block kept (the last A left) is shared, the others are dropped as A leaves them.
+    nothing = lab.pair(model, inputs, side, side, lockstep=True, stream=True,
+                       names_filter=lambda name: name == ROOT)  # fmt: skip
+    assert seen[-1].casts == outside + 2 * sum(per_block) - per_block[-1]
+    assert not seen[-1]._block_cache and seen[-1]._kept is None
+    two_pass = lab.pair(model, inputs, side, side, lockstep=False)
+    assert _rows(every) == _rows(two_pass)
+    assert [r.metrics for r in nothing.rows] == [two_pass.rows[-1].metrics]
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family_name", FAMILY_NAMES)
 def test_lockstep_on_cuda_equals_two_pass_bitwise(family_name: str) -> None:

@@ -636,10 +636,13 @@ class PairedWeights:
     Each side's tensors are cast from the same masters; where both sides would compute the
     same cast (same master, master dtype and dtype) they share one tensor, so e.g. two bf16
     sides hold one bf16 copy. Outside the streamed blocks the casts are made once, up front.
-    A streamed block is cast when the first side enters it and dropped when the last side
-    leaves it. Before a side runs (and each time it resumes after the other side ran),
-    `activate` fills in its tensors wherever the two sides differ: outside the blocks and in
-    the block the side is in. The two forwards must never run at the same time.
+    A streamed block is cast when the first side enters it and dropped once both sides have
+    run it: the side that leaves it first keeps its casts for the other (one such block at a
+    time, so at most one block more than a streamed plain forward holds; lockstep hands over
+    at block boundaries, so the other side runs that block next and casts nothing). Before a
+    side runs (and each time it resumes after the other side ran), `activate` fills in its
+    tensors wherever the two sides differ: outside the blocks and in the block the side is
+    in. The two forwards must never run at the same time.
     """
 
     def __init__(self, views: dict[str, WeightView], blocks: set[int], *, stream: bool) -> None:
@@ -662,6 +665,12 @@ class PairedWeights:
             k: {} for k in views
         }
         self._block_cache: dict[int, dict[tuple[Any, ...], torch.Tensor]] = {}
+        self._exits: dict[int, dict[str, int]] = {}
+        """Block id -> how many times each side has left it."""
+        self._kept: tuple[int, list[tuple[Entry, torch.Tensor]]] | None = None
+        """The block whose casts wait for the side that has not run it yet, with its entries."""
+        self.casts = 0
+        """Tensors cast so far (a miss in the shared caches; read by tests and benches)."""
         self._current: dict[tuple[int, str | None], torch.Tensor] = {}
         self._originals: dict[tuple[int, str | None], tuple[Entry, torch.Tensor]] = {}
         first = next(iter(views.values()))
@@ -679,6 +688,7 @@ class PairedWeights:
             tensor = cache.get(cast_key)
             if tensor is None:
                 tensor = cache[cast_key] = view.cast(entry.master, entry.dtype)
+                self.casts += 1
             out.append((entry, tensor))
         return out
 
@@ -698,6 +708,8 @@ class PairedWeights:
             self._current.clear()
             self._outside.clear()
             self._block_cache.clear()
+            self._exits.clear()
+            self._kept = None
             for inside in self._inside.values():
                 inside.clear()
 
@@ -714,6 +726,8 @@ class PairedWeights:
 
     def enter_block(self, key: str, module: torch.nn.Module) -> None:
         """Side `key` starts running block `module`: cast (or share) its tensors and fill them."""
+        if self._kept is not None and self._kept[0] == id(module):
+            self._kept = None  # in use again: dropped when its last side leaves
         cache = self._block_cache.setdefault(id(module), {})
         entries = self._resolve(key, self.views[key].entries(module, set()), cache)
         self._inside[key][id(module)] = entries
@@ -721,12 +735,33 @@ class PairedWeights:
             self._put(entry, tensor)
 
     def exit_block(self, key: str, module: torch.nn.Module) -> None:
-        """Side `key` left block `module`; when streaming, the last side out drops its casts."""
-        entries = self._inside[key].pop(id(module), [])
-        if not self.stream or any(id(module) in inside for inside in self._inside.values()):
+        """Side `key` left block `module`; when streaming, drop its casts once all sides ran it.
+
+        A side that leaves first keeps them for the other side (the one block kept; keeping
+        another drops it), so the two forwards cast each block once.
+        """
+        block = id(module)
+        entries = self._inside[key].pop(block, [])
+        if not self.stream:
             return
-        self._block_cache.pop(id(module), None)
-        for entry, _ in entries:  # the block's slots, as this side filled them on entry
+        exits = self._exits.setdefault(block, dict.fromkeys(self.views, 0))
+        exits[key] += 1
+        if any(block in inside for inside in self._inside.values()):
+            return  # the other side is inside: it drops them when it leaves
+        if any(n < exits[key] for n in exits.values()):
+            # A side has yet to run this call of the block: keep the casts for it.
+            if self._kept is not None and self._kept[0] != block:
+                self._drop(*self._kept)
+            self._kept = (block, entries)
+            return
+        if self._kept is not None and self._kept[0] == block:
+            self._kept = None
+        self._drop(block, entries)
+
+    def _drop(self, block: int, entries: list[tuple[Entry, torch.Tensor]]) -> None:
+        """Drop block `block`'s casts and put the masters back into its slots."""
+        self._block_cache.pop(block, None)
+        for entry, _ in entries:  # the block's slots, as a side filled them on entry
             saved = self._originals.pop(entry.slot, None)
             if saved is not None:
                 entry.put(saved[1])
