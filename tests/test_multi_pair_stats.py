@@ -38,7 +38,20 @@ _SCRIPT = textwrap.dedent(
     square = base[: 64 * 32].reshape(64, 32)
     pairs.append((square.t(), (square * 1.001).t()))  # non-contiguous
     pairs.append((base[:900], base[:900].clone()))  # identical
+    # Non-contiguous rows copied by one cat per dtype and row length: adaLN-like chunks
+    # (2-D and 3-D, bf16 and fp32), a row length off the 16-byte grid, unmergeable dims.
+    emb = base[: 2 * 96].reshape(2, 96)
+    chunks = emb.to(torch.bfloat16).chunk(6, dim=1)  # 16 wide
+    chunks_b = (emb * 1.002).to(torch.bfloat16).chunk(6, dim=1)
+    pairs += list(zip(chunks[:3], chunks_b[:3]))
+    cube = base[: 3 * 4 * 24].reshape(3, 4, 24)
+    pairs.append((cube[..., :8], (cube * 0.999)[..., 8:16]))  # fp32, 3-D
+    pairs.append((cube[..., :5], cube[..., 5:10]))  # 20 bytes a row: copied one by one
+    pairs.append((cube.transpose(0, 1)[..., :8], cube.transpose(0, 1)[..., 8:16]))
     reducer = fused.RunReducer(torch.device("cpu"))
+    flats = fused._read_in_place(pairs[12:])
+    starts = [t.data_ptr() for pair in flats for t in pair]
+    in_one = len({t.untyped_storage().data_ptr() for pair in flats[:4] for t in pair})
     handles = reducer.reduce_many(pairs[:6]) + reducer.reduce_many(pairs[6:])
     outs = reducer.rows()
     same = []
@@ -46,7 +59,9 @@ _SCRIPT = textwrap.dedent(
         stats, hist = fused.fused_pair_stats(a, b)
         same.append(torch.equal(outs[out][0][row], stats) and torch.equal(outs[out][1][row], hist))
     print(json.dumps({"same": same, "launches": reducer.launches, "count": reducer.count,
-                      "handles": handles}))
+                      "handles": handles, "aligned": [p % 16 == 0 for p in starts],
+                      "storages": in_one,
+                      "flat": [t.is_contiguous() and t.dim() == 1 for p in flats for t in p]}))
     """
 )
 
@@ -59,12 +74,17 @@ def test_interpreted_multi_pair_kernels_equal_single_pair_bit_for_bit() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["same"] == [True] * 12
-    assert got["count"] == 12
-    # Two batches, grouped by dtype pair: 5 groups in the first (6 pairs), 4 in the second
-    # (its three fp32/fp32 pairs share one), two launches each.
-    assert got["launches"] == 2 * (5 + 4)
-    assert sorted({out for out, _ in got["handles"]}) == list(range(9))
+    assert got["same"] == [True] * 18
+    assert got["count"] == 18
+    # Two batches, grouped by dtype pair: 5 groups in the first (6 pairs), 5 in the second
+    # (its fp32/fp32 pairs share one, and the bf16 chunks join the bf16/bf16 one), two
+    # launches each.
+    assert got["launches"] == 2 * (5 + 5)
+    assert sorted({out for out, _ in got["handles"]}) == list(range(10))
+    # The bf16 chunks of both sides (16 wide) and the 3-D fp32 ones went into two cats:
+    # three pairs' six tensors and the 3-D pair's two sit in the two cats' storages.
+    assert got["storages"] == 2
+    assert all(got["flat"]) and got["aligned"][:8] == [True] * 8
 
 
 @pytest.mark.gpu

@@ -812,6 +812,43 @@ def _hooked() -> bool:
     )
 
 
+def _read_in_place(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each pair's two tensors as the multi-pair kernel reads them: flat and contiguous.
+
+    A contiguous tensor is read where it is (the table holds its address). The others are
+    copied: those whose elements form rows of one length under `view(-1, last dim)` (a chunk or
+    slice along the last dimension: sd3 full has ~250 such outputs a pair, its adaLN chunks)
+    with one `torch.cat` per dtype and row length, the rest one by one. A cat's pieces start
+    16 bytes apart or a multiple of it (only row lengths that keep them so are batched), so
+    the group's vector loads stay on; the values and their order are those of `reshape(-1)`.
+    """
+    flats = [[a, b] for a, b in pairs]
+    rows: dict[tuple[torch.dtype, int], list[tuple[int, int, torch.Tensor]]] = {}
+    for i, pair in enumerate(pairs):
+        for j, tensor in enumerate(pair):
+            if tensor.is_contiguous():
+                continue
+            width = tensor.shape[-1] if tensor.dim() else 0
+            if width and (width * tensor.element_size()) % 16 == 0:
+                try:
+                    view = tensor.detach().view(-1, width)
+                except RuntimeError:  # its leading dimensions do not merge
+                    view = None
+                if view is not None:
+                    rows.setdefault((tensor.dtype, width), []).append((i, j, view))
+                    continue
+            flats[i][j] = _flat(tensor)
+    for group in rows.values():
+        flat = torch.cat([view for _, _, view in group]).view(-1)
+        start = 0
+        for i, j, view in group:
+            flats[i][j] = flat[start : start + view.numel()]
+            start += view.numel()
+    return [(a, b) for a, b in flats]
+
+
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """Contiguous 1-D view; bf16 as its int16 bits (the kernel widens them itself)."""
     return _bits(x.detach().reshape(-1).contiguous())
@@ -900,11 +937,7 @@ class RunReducer:
         groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
         for i, (a, b) in enumerate(pairs):
             groups.setdefault((a.dtype, b.dtype), []).append(i)
-        # Contiguous tensors are read in place: the table holds their addresses.
-        flats = [
-            (a if a.is_contiguous() else _flat(a), b if b.is_contiguous() else _flat(b))
-            for a, b in pairs
-        ]
+        flats = _read_in_place(pairs)
         stream = self.stream
         if stream is not None:
             # After the copies above: the side stream waits for them and for the outputs, and
