@@ -407,9 +407,14 @@ class _Lockstep:
         if parked and (not self.segments or self.parked[key] > self.budget):
             self._pause(key)
 
-    def boundary(self, key: str) -> None:
-        """Side `key` enters or leaves a block: hand over if it parked outputs (segments)."""
-        if self.parked[key]:
+    def boundary(self, key: str, lead: bool = False) -> None:
+        """Side `key` enters or leaves a block: hand over if it parked outputs (segments).
+
+        `lead`: it left a block the other side has yet to run, whose casts it kept
+        (`PairedWeights.exit_block`): hand over too, so the other side runs that block next
+        on those casts (one hand-over, ~0.1 ms, instead of casting the block again, ~0.2-1 ms).
+        """
+        if self.parked[key] or (lead and not self.done["b" if key == "a" else "a"]):
             self._pause(key)
 
     def _next_order(self) -> int:
@@ -507,12 +512,11 @@ def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -
             if not key:
                 return
             with no_function_mode():
-                if block:
-                    weights.exit_block(key, mod)
+                lead = block and weights.exit_block(key, mod)
                 if captured:
                     on_output(key, label, args, kwargs, output)
                 if block and segments:
-                    step.boundary(key)
+                    step.boundary(key, lead)
 
         return post
 
