@@ -10,7 +10,8 @@
 # trajectories at reduced; pairing paths), trajfull (Qwen-Image and Wan2.2 full trajectories),
 # traj (bench/full_traj.py: full trajectories against their plain forwards, TRAJ_FAMILIES),
 # host (bench/pair_host.py: a full pair's host time function by function, ablations and each
-# case's GPU busy time, HOST_FAMILIES).
+# case's GPU busy time, HOST_FAMILIES), share (bench/ab_cast_share.py: block casts shared between
+# the sides and lead hand-overs against the code before stop 16, interleaved, SHARE_FAMILIES).
 # Each stage logs to OUT_DIR and a failing stage does not stop the
 # next one. Expects torch with CUDA installed and the other wheels on PYTHONPATH.
 set -uo pipefail
@@ -58,6 +59,10 @@ for stage in "$@"; do
     host)
         python bench/pair_host.py "$out/host" --ablate --gpu-profile --families "${HOST_FAMILIES:-sd3,cosmos3,qwen_image,flux}" \
             >"$out/pair_host.log" 2>&1
+        ;;
+    share)
+        python bench/ab_cast_share.py "$out/ab_cast_share.json" --families "${SHARE_FAMILIES:-sd3,cosmos3,qwen_image}" \
+            >"$out/ab_cast_share.log" 2>&1
         ;;
     traj)
         python bench/full_traj.py "$out/traj" --families "${TRAJ_FAMILIES:-qwen_image,wan2_2}" >"$out/full_traj.log" 2>&1
