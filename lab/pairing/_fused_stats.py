@@ -819,7 +819,7 @@ def _read_in_place(
 
     A contiguous tensor is read where it is (the table holds its address). The others are
     copied: those whose elements form rows of one length under `view(-1, last dim)` (a chunk or
-    slice along the last dimension: sd3 full has ~250 such outputs a pair, its adaLN chunks)
+    slice along the last dimension: sd3 full has 246 such tensors a pair, likely adaLN chunks)
     with one `torch.cat` per dtype and row length, the rest one by one. A cat's pieces start
     16 bytes apart or a multiple of it (only row lengths that keep them so are batched), so
     the group's vector loads stay on; the values and their order are those of `reshape(-1)`.
