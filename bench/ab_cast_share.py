@@ -43,12 +43,11 @@ BUDGETS = {"every_park_2g": 2 << 30, "every_park_8g": 8 << 30}
 """LAB_PARK_BUDGET of the cases that set it."""
 
 
-def _drop_at_first_exit(self: weights.PairedWeights, key: str, module: torch.nn.Module) -> bool:
+def _drop_at_first_exit(self: weights.PairedWeights, key: str, module: torch.nn.Module) -> None:
     """`PairedWeights.exit_block` before stop 16: the last side out drops, nothing is kept."""
     entries = self._inside[key].pop(id(module), [])
     if self.stream and not any(id(module) in inside for inside in self._inside.values()):
         self._drop(id(module), entries)
-    return False
 
 
 def _no_lead(self: lockstep._Lockstep, key: str, lead: bool = False) -> None:

@@ -10,6 +10,7 @@ import torch
 import lab
 from lab.base.errors import PairError
 from lab.families import FAMILY_NAMES
+from lab.pairing import lockstep
 from lab.pairing.capture import ROOT
 from lab.pairing.weights import PairedWeights, WeightView
 
@@ -224,6 +225,42 @@ def test_streamed_lockstep_casts_each_block_once_for_both_sides(
     assert _rows(every) == _rows(two_pass)
     assert [r.metrics for r in nothing.rows] == [two_pass.rows[-1].metrics]
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_streamed_lockstep_hands_over_only_with_parked_outputs_or_kept_casts(
+    built: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # LAB_PARK_BUDGET=0 hands over after every parked output, so a block's own output can hand
+    # over before its exit hook reaches `boundary`; by then the other side may have run the
+    # block and dropped the casts, and a hand-over for them would be an empty one.
+    fam, model, inputs = _model_inputs(built, "flux")
+    a, b = lab.Side.rollout(fam), lab.Side.trainer(fam)
+    monkeypatch.setenv("LAB_PARK_BUDGET", "0")
+    pauses: list[tuple[int, bool]] = []
+    pause = lockstep._Lockstep._pause
+
+    def recorded(self: lockstep._Lockstep, key: str) -> None:
+        # Whether a block is kept for the other side: one this side has left more often.
+        kept = self.weights._kept
+        exits = self.weights._exits[kept[0]] if kept is not None else {}
+        ahead = bool(exits) and exits[key] > exits["b" if key == "a" else "a"]
+        pauses.append((self.parked[key], ahead))
+        pause(self, key)
+
+    monkeypatch.setattr(lockstep._Lockstep, "_pause", recorded)
+    result = lab.pair(model, inputs, a, b, lockstep=True, stream=True,
+                      names_filter=lambda name: name.count(".") <= 1)  # fmt: skip
+    assert len(pauses) > 10 and all(parked or kept for parked, kept in pauses)
+    two_pass = lab.pair(model, inputs, a, b, lockstep=False,
+                        names_filter=lambda name: name.count(".") <= 1)  # fmt: skip
+    assert _rows(result) == _rows(two_pass)
+    # The model output alone: nothing parked until the end, every other hand-over a lead one.
+    monkeypatch.delenv("LAB_PARK_BUDGET")
+    pauses.clear()
+    lab.pair(model, inputs, a, b, lockstep=True, stream=True,
+             names_filter=lambda name: name == ROOT)  # fmt: skip
+    assert sum(kept and not parked for parked, kept in pauses) >= 3
+    assert all(parked or kept for parked, kept in pauses)
 
 
 @pytest.mark.gpu

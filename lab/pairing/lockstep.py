@@ -410,9 +410,9 @@ class _Lockstep:
     def boundary(self, key: str, lead: bool = False) -> None:
         """Side `key` enters or leaves a block: hand over if it parked outputs (segments).
 
-        `lead`: it left a block the other side has yet to run, whose casts it kept
-        (`PairedWeights.exit_block`): hand over too, so the other side runs that block next
-        on those casts: a hand-over's wake-up is ~70 us on the H200's host, casting one of sd3
+        `lead`: it left a block the other side has yet to run, whose casts are still kept
+        (`PairedWeights.keeps`): hand over too, so the other side runs that block next on
+        those casts: a hand-over's wake-up is ~70 us on the H200's host, casting one of sd3
         full's blocks ~0.9 ms (`bench/ab_cast_share.py`).
         """
         if self.parked[key] or (lead and not self.done["b" if key == "a" else "a"]):
@@ -513,11 +513,14 @@ def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -
             if not key:
                 return
             with no_function_mode():
-                lead = block and weights.exit_block(key, mod)
+                if block:
+                    weights.exit_block(key, mod)
                 if captured:
                     on_output(key, label, args, kwargs, output)
                 if block and segments:
-                    step.boundary(key, lead)
+                    # Read after the output: a hand-over in `on_output` (park budget) may have
+                    # let the other side run the block and drop the casts already.
+                    step.boundary(key, weights.keeps(mod))
 
         return post
 

@@ -734,31 +734,34 @@ class PairedWeights:
         for entry, tensor in entries:
             self._put(entry, tensor)
 
-    def exit_block(self, key: str, module: torch.nn.Module) -> bool:
+    def exit_block(self, key: str, module: torch.nn.Module) -> None:
         """Side `key` left block `module`; when streaming, drop its casts once all sides ran it.
 
         A side that leaves first keeps them for the other side (the one block kept; keeping
         another drops it), so the two forwards cast each block once if the other side runs it
-        next. Returns whether it kept them.
+        next (`keeps`).
         """
         block = id(module)
         entries = self._inside[key].pop(block, [])
         if not self.stream:
-            return False
+            return
         exits = self._exits.setdefault(block, dict.fromkeys(self.views, 0))
         exits[key] += 1
         if any(block in inside for inside in self._inside.values()):
-            return False  # the other side is inside: it drops them when it leaves
+            return  # the other side is inside: it drops them when it leaves
         if any(n < exits[key] for n in exits.values()):
             # A side has yet to run this call of the block: keep the casts for it.
             if self._kept is not None and self._kept[0] != block:
                 self._drop(*self._kept)
             self._kept = (block, entries)
-            return True
+            return
         if self._kept is not None and self._kept[0] == block:
             self._kept = None
         self._drop(block, entries)
-        return False
+
+    def keeps(self, module: torch.nn.Module) -> bool:
+        """Whether `module`'s casts are kept for a side that has yet to run it."""
+        return self._kept is not None and self._kept[0] == id(module)
 
     def _drop(self, block: int, entries: list[tuple[Entry, torch.Tensor]]) -> None:
         """Drop block `block`'s casts and put the masters back into its slots."""
