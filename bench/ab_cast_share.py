@@ -28,16 +28,17 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from full_pair import timed  # bench/ is this script's folder
+from pair_host import side_runs
 
 import lab
 from lab.pairing import lockstep, weights
 from lab.pairing.capture import ROOT
-from lab.pairing.state import sync
 
 BUDGETS = {"every_park_2g": 2 << 30, "every_park_8g": 8 << 30}
 """LAB_PARK_BUDGET of the cases that set it."""
@@ -108,18 +109,7 @@ def measure(name: str, device: str, rounds: int) -> dict[str, Any]:
     preset = "full" if device == "cuda" else "tiny"
     model = fam.build(preset, 0, device=device, expert=fam.expert_for_sigma(0.75))
     inputs = fam.make_inputs(preset, 0, device=device)
-    a, b = lab.Side.rollout(fam, device=device), lab.Side.trainer(fam, device=device)
-    views = {s.name: weights.WeightView(model, s, stream_classes=fam.block_classes) for s in (a, b)}
-
-    def plain() -> None:
-        for side in (a, b):
-            lab.forward_side(model, inputs, side, view=views[side.name])
-
-    def paired(names_filter: Callable[[str], bool] | None) -> Callable[[], Any]:
-        return lambda: lab.pair(
-            model, inputs, a, b, stream=True, names_filter=names_filter, check_outputs=False
-        )
-
+    plain, paired = side_runs(fam, model, inputs, device)
     root, every = paired(lambda label: label == ROOT), paired(None)
     cases = {"plain": plain, "root": root, "root_no_lead": root, "every": every,
              "every_no_share": every, **dict.fromkeys(BUDGETS, every)}  # fmt: skip
@@ -128,20 +118,14 @@ def measure(name: str, device: str, rounds: int) -> dict[str, Any]:
     for rnd in range(rounds):
         for case, fn in cases.items():
             with variant(case):
-                if device == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
-                sync(device)
-                start = time.perf_counter()
-                fn()
-                sync(device)
-                if rnd:
-                    times[case].append(time.perf_counter() - start)
-                if device == "cuda":
-                    peaks[case] = torch.cuda.max_memory_allocated() / 2**30
+                seconds, peaks[case] = timed(fn, device)
+            if rnd:
+                times[case].append(seconds)
     row: dict[str, Any] = {"family": name, "preset": preset, "device": device, "rounds": rounds}
     for case, values in times.items():
+        peak = peaks[case] if device == "cuda" else None  # (timed gives NaN off CUDA)
         row[case] = {"median_s": statistics.median(values), "min_s": min(values),
-                     "peak_gib": peaks.get(case)}  # fmt: skip
+                     "peak_gib": peak}  # fmt: skip
     for case in ("root", "every", "every_park_8g"):
         latencies: list[float] = []
         with variant(case), wake_times(latencies):

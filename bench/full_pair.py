@@ -34,7 +34,7 @@ from lab.pairing.state import sync
 from lab.pairing.weights import WeightView
 
 
-def _timed(fn, device: str, repeat: int = 1) -> tuple[float, float]:
+def timed(fn, device: str, repeat: int = 1) -> tuple[float, float]:
     """Median seconds over `repeat` runs and the peak GPU memory (GiB) of the last one."""
     times = []
     for _ in range(repeat):
@@ -121,10 +121,10 @@ def measure(
     if not warm:  # warm-up: kernels, autotuning
         lab.forward_side(model, inputs, a, view=view_a)
         lab.forward_side(model, inputs, b, view=view_b)
-    row["plain_a_s"], row["plain_a_peak_gib"] = _timed(
+    row["plain_a_s"], row["plain_a_peak_gib"] = timed(
         lambda: lab.forward_side(model, inputs, a, view=view_a), device, repeat
     )
-    row["plain_b_s"], row["plain_b_peak_gib"] = _timed(
+    row["plain_b_s"], row["plain_b_peak_gib"] = timed(
         lambda: lab.forward_side(model, inputs, b, view=view_b), device, repeat
     )
     plain = row["plain_a_s"] + row["plain_b_s"]
@@ -163,7 +163,7 @@ def measure(
         try:
             # Local mode re-runs every module: timed once, it is the slow diagnostic mode.
             runs = 1 if preset == "full" or name == "local" else repeat
-            seconds, peak = _timed(run, device, runs)
+            seconds, peak = timed(run, device, runs)
             row[f"{name}_s"], row[f"{name}_peak_gib"] = seconds, peak
             row[f"{name}_pairs"] = len(holder["r"].rows)
             row[f"{name}_vs_plain"] = seconds / plain

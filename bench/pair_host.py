@@ -238,6 +238,30 @@ def ablations(run: Callable[[], Any], device: str) -> dict[str, Callable[[], Any
     }
 
 
+def side_runs(
+    fam: Any, model: torch.nn.Module, inputs: Any, device: str
+) -> tuple[Callable[[], None], Callable[[Callable[[str], bool] | None], Callable[[], Any]]]:
+    """The cases' two ways to run the default sides: both plain, and paired.
+
+    Returns `plain` (each side's `lab.forward_side` with a streamed view, the full-size
+    baseline) and `paired(names_filter)`, a streamed `lab.pair` capturing what the filter
+    passes (None: every module).
+    """
+    a, b = lab.Side.rollout(fam, device=device), lab.Side.trainer(fam, device=device)
+    views = {s.name: WeightView(model, s, stream_classes=fam.block_classes) for s in (a, b)}
+
+    def plain() -> None:
+        for side in (a, b):
+            lab.forward_side(model, inputs, side, view=views[side.name])
+
+    def paired(names_filter: Callable[[str], bool] | None) -> Callable[[], Any]:
+        return lambda: lab.pair(
+            model, inputs, a, b, stream=True, names_filter=names_filter, check_outputs=False
+        )
+
+    return plain, paired
+
+
 def measure(
     name: str, device: str, repeat: int, ablate: bool = False, gpu_profile: bool = False
 ) -> dict[str, Any]:
@@ -252,22 +276,12 @@ def measure(
         fam = deep_tiny(fam)
         model = fam.build("tiny", 0, expert=fam.expert_for_sigma(0.75))
         inputs = fam.make_inputs("tiny", 0)
-    a, b = lab.Side.rollout(fam, device=device), lab.Side.trainer(fam, device=device)
-    views = {s.name: WeightView(model, s, stream_classes=fam.block_classes) for s in (a, b)}
+    plain, paired = side_runs(fam, model, inputs, device)
     block_names = {
         n
         for n, m in model.named_modules()
         if type(m).__name__ in fam.block_classes and n.count(".") <= 1
     }
-
-    def plain() -> None:
-        for side in (a, b):
-            lab.forward_side(model, inputs, side, view=views[side.name])
-
-    def paired(names_filter: Callable[[str], bool] | None) -> Callable[[], Any]:
-        return lambda: lab.pair(
-            model, inputs, a, b, stream=True, names_filter=names_filter, check_outputs=False
-        )
 
     cases = {
         "plain": plain,

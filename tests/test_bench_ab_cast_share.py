@@ -66,3 +66,21 @@ def test_wake_times_counts_each_hand_over(load_bench: Callable[[str], ModuleType
         baton.wait("a")
     assert len(latencies) == 2 and all(t >= 0 for t in latencies)
     assert (lockstep._Baton.give, lockstep._Baton.wait) == (give, wait)
+
+
+def test_measure_times_every_case_on_cpu(load_bench: Callable[[str], ModuleType]) -> None:
+    bench = load_bench("ab_cast_share")
+    row = bench.measure("flux", "cpu", rounds=2)
+    cases = ("plain", "root", "root_no_lead", "every", "every_no_share", *bench.BUDGETS)
+    assert row["preset"] == "tiny" and all(c in row for c in cases)
+    for case in cases:
+        assert 0 < row[case]["min_s"] <= row[case]["median_s"]
+        assert row[case]["peak_gib"] is None  # CPU: no device peak
+    blocks = len(weights.WeightView(
+        lab.family("flux").build("tiny", 0), lab.Side.rollout(lab.family("flux")),
+        stream_classes=lab.family("flux").block_classes,
+    ).streamed_ids)  # fmt: skip
+    # The model output alone hands over at each block the other side has yet to run.
+    assert row["root"]["handovers"] >= blocks
+    assert row["every"]["handovers"] >= row["every_park_8g"]["handovers"] > 0
+    assert weights.PairedWeights.exit_block is bench._EXIT
