@@ -14,7 +14,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from lab.pairing import metrics
+from lab.pairing import cpu_kernel, metrics
 from lab.pairing.metrics import (
     STAT_FIELDS,
     ULP_BIN_EDGES,
@@ -30,6 +30,15 @@ from lab.pairing.metrics import (
 
 BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 INF = float("inf")
+
+
+@pytest.fixture(autouse=True, params=["c", "torch"])
+def cpu_core(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs on both CPU metrics cores (LAB_CPU_STATS): the C one must build."""
+    monkeypatch.setenv("LAB_CPU_STATS", request.param)
+    if request.param == "c":
+        assert cpu_kernel.library() is not None, "the C metrics core did not build"
+    return request.param
 
 
 def _ordered_fp32(value: float) -> int:
@@ -507,6 +516,29 @@ def test_batched_stats_match_for_every_dtype_pair(
     b[0, :5] = torch.tensor([float("nan"), INF, -INF, -0.0, 0.0])
     pairs = [(a.to(dtype_a), b.to(dtype_b)), (a[:, :7].to(dtype_a), b[:, :7].to(dtype_b))]
     pairs.append((torch.full((130,), -2.5, dtype=dtype_a), torch.full((130,), -2.5, dtype=dtype_b)))
+    _assert_batched_matches_reference(pairs)
+
+
+def _bits_f32(bits: list[int]) -> torch.Tensor:
+    return torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(FP32)
+
+
+@pytest.mark.parametrize("coarse", [BF16, FP16])
+def test_batched_stats_round_like_torch_at_the_edges_of_a_16_bit_dtype(coarse: torch.dtype) -> None:
+    # Values whose rounding to the coarser dtype is hardest to get right: ties to even on both
+    # sides of each, the fp16 subnormal range and its top, the overflow threshold (65520 rounds
+    # to Inf in fp16; past bf16's largest value in fp32), a float64 that rounds differently
+    # through float32 than directly, and neighbours a ULP or two apart.
+    one = 0x3F80_0000
+    ties = [one + (1 << 15), one + (3 << 15), one + (1 << 12), one + (3 << 12), one + 1]
+    sub = [2.0**-24 * k for k in (0.5, 1.5, 2.5, 1023.5, 1023.75)] + [2.0**-14 - 2.0**-30]
+    big = [65504.0, 65519.0, 65520.0, 3.3e38, 3.4028e38, -65520.0, -3.39e38]
+    a = torch.cat([_bits_f32(ties), torch.tensor(sub + big, dtype=FP32)])
+    a = torch.cat([a, -a])
+    b = torch.nextafter(a, torch.full_like(a, INF))
+    pairs = [(a, b.to(coarse)), (a.to(coarse), b), (a, a.to(coarse)), (a.flip(0), b)]
+    x64 = torch.tensor([1 + 2.0**-8 + 2.0**-30, 1 + 2.0**-11 + 2.0**-40, -(2.0**-24) * 1.5000001])
+    pairs += [(x64, x64.to(coarse)), (x64.to(coarse), x64 * (1 + 2.0**-20))]
     _assert_batched_matches_reference(pairs)
 
 

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from lab.pairing import cpu_kernel
 from lab.pairing.stats_layout import (  # noqa: F401  (STAT_FIELDS & co. are public here too)
     _INT_VIEW,
     _MANTISSA_BITS,
@@ -112,8 +113,10 @@ def segment_stats(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`pair_stats` of many pairs at once: a few vectorised passes instead of ~40 ops a pair.
 
-    Pairs are grouped by compute dtype and laid out as zero-padded rows of one buffer per group
-    (see `_rows_stats`), so a hundred small activations cost about as much as one.
+    On the CPU, one call of the C core (`cpu_kernel`, LAB_CPU_STATS=c, the default) reduces
+    every pair. Otherwise pairs are grouped by compute dtype and laid out as zero-padded rows of
+    one buffer per group (see `_rows_stats`), so a hundred small activations cost about as much
+    as one.
 
     Returns:
         (stats, histograms): float64 tensors shaped (len(pairs), len(STAT_FIELDS)) and
@@ -125,9 +128,10 @@ def segment_stats(
     if not pairs:
         raise ValueError("segment_stats: no pairs given.")
     device = pairs[0][0].device
-    stats = torch.zeros(len(pairs), _N, dtype=torch.float64, device=device)
-    hists = torch.zeros(len(pairs), len(ULP_BIN_EDGES), dtype=torch.float64, device=device)
-    groups: dict[torch.dtype, list[tuple[int, int, int]]] = {}
+    # On the CPU the C core (`cpu_kernel`, LAB_CPU_STATS) takes every pair in one call.
+    lib = cpu_kernel.library() if device.type == "cpu" else None
+    groups: dict[torch.dtype | None, list[tuple[int, int, int]]] = {}
+    empty: list[int] = []
     for i, (a, b) in enumerate(pairs):
         if a.shape != b.shape:
             raise ValueError(
@@ -137,15 +141,27 @@ def segment_stats(
         if bits_a is None or bits_b is None:
             coarser_dtype(a.dtype, b.dtype)  # raises, naming the dtype
         if a.numel() == 0:
-            stats[i, STAT_FIELDS.index("degenerate_a")] = 1.0
-            stats[i, STAT_FIELDS.index("degenerate_b")] = 1.0
+            empty.append(i)
             continue
-        compute = torch.float64 if 52 in (bits_a, bits_b) else torch.float32
+        compute = None if lib else torch.float64 if 52 in (bits_a, bits_b) else torch.float32
         groups.setdefault(compute, []).append((bits_a, bits_b, i))
+    if lib is not None and not empty:
+        with torch.no_grad():
+            return _table(*cpu_kernel.aggregates(pairs, lib))
+    stats = torch.zeros(len(pairs), _N, dtype=torch.float64, device=device)
+    hists = torch.zeros(len(pairs), len(ULP_BIN_EDGES), dtype=torch.float64, device=device)
+    for i in empty:
+        stats[i, STAT_FIELDS.index("degenerate_a")] = 1.0
+        stats[i, STAT_FIELDS.index("degenerate_b")] = 1.0
     for compute, keyed in groups.items():
         keyed.sort()  # pairs of one dtype pair side by side: their rows share a coarser dtype
         index = [i for _, _, i in keyed]
-        group_stats, group_hist = _group_stats([pairs[i] for i in index], compute)
+        group = [pairs[i] for i in index]
+        if compute is None:
+            with torch.no_grad():
+                group_stats, group_hist = _table(*cpu_kernel.aggregates(group, lib))
+        else:
+            group_stats, group_hist = _group_stats(group, compute)
         where = _host_tensor(index, device)
         stats[where] = group_stats
         hists[where] = group_hist

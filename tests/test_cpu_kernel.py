@@ -1,0 +1,139 @@
+"""cpu_kernel.py: the C metrics core's build, its fallback and what its numbers do not depend on.
+
+Its numbers against the single-pair reference are tested in test_metrics.py (every test there
+runs on both CPU cores).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from lab.pairing import cpu_kernel, metrics
+from lab.pairing.metrics import STAT_FIELDS, segment_stats
+
+BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+
+
+def _pairs(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    pairs = []
+    for i, n in enumerate((1, 7, 8, 9, 127, 128, 129, 1000, 4099)):
+        a = torch.randn(n, generator=gen) * 10.0 ** (i - 4)
+        b = a * (1 + 1e-3 * torch.randn(n, generator=gen))
+        b[:: max(n // 5, 1)] = a[:: max(n // 5, 1)]
+        dtypes = [(FP32, FP32), (BF16, BF16), (BF16, FP32), (FP16, FP32), (FP16, BF16)]
+        dtype_a, dtype_b = dtypes[i % len(dtypes)]
+        pairs.append((a.to(dtype_a), b.to(dtype_b)))
+    a = torch.randn(300, generator=gen, dtype=FP64)
+    pairs.append((a, (a * (1 + 1e-9)).to(FP32)))
+    pairs.append((a.to(BF16), a))
+    return pairs
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """An empty build cache and no loaded library (restored after the test)."""
+    monkeypatch.setenv("LAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("LAB_CPU_STATS", "c")
+    monkeypatch.setattr(cpu_kernel, "_STATE", {})
+    return tmp_path
+
+
+def test_the_library_is_built_once_into_the_cache_and_reused(fresh: Path) -> None:
+    path = cpu_kernel.build()
+    assert path.parent == fresh and path.suffix == ".so"
+    built = path.stat().st_mtime_ns
+    assert cpu_kernel.build() == path and path.stat().st_mtime_ns == built
+    assert [p.name for p in fresh.iterdir()] == [path.name]  # no temporary left behind
+    assert cpu_kernel.library() is cpu_kernel.library()
+
+
+def test_every_build_gives_the_same_bits(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The source fixes its eight lanes; -mavx2 (where the CPU has it) only changes the speed.
+    pairs = _pairs(1)
+    isa = cpu_kernel.isa_flags()
+    with_isa = cpu_kernel._load(cpu_kernel.build())
+    monkeypatch.setattr(cpu_kernel, "isa_flags", lambda: ())
+    plain = cpu_kernel._load(cpu_kernel.build())
+    got = [cpu_kernel.aggregates(pairs, lib) for lib in (with_isa, plain)]
+    for x, y in zip(*got, strict=True):
+        assert torch.equal(x, y)
+    assert len(list(fresh.iterdir())) == (2 if isa else 1)  # two builds where the CPU has AVX2
+
+
+def test_a_pair_gets_the_same_bits_alone_in_a_batch_and_every_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LAB_CPU_STATS", "c")
+    pairs = _pairs(2)
+    stats, hists = segment_stats(pairs)
+    again = segment_stats(pairs)
+    assert torch.equal(stats, again[0]) and torch.equal(hists, again[1])
+    for i, pair in enumerate(pairs):
+        alone = segment_stats([pair])
+        assert torch.equal(alone[0][0], stats[i]) and torch.equal(alone[1][0], hists[i]), i
+    reordered = segment_stats(pairs[::-1])
+    assert torch.equal(reordered[0], stats.flip(0))
+
+
+def test_empty_pairs_in_a_batch_keep_their_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LAB_CPU_STATS", "c")
+    pairs = _pairs(3)[:4]
+    mixed = [pairs[0], (torch.ones(0), torch.ones(0, dtype=BF16)), *pairs[1:]]
+    stats, hists = segment_stats(mixed)
+    want_stats, want_hists = segment_stats(pairs)
+    keep = [0, 2, 3, 4]
+    assert torch.equal(stats[keep], want_stats) and torch.equal(hists[keep], want_hists)
+    empty = dict(zip(STAT_FIELDS, stats[1].tolist(), strict=True))
+    assert empty["degenerate_a"] == empty["degenerate_b"] == 1.0 and empty["numel"] == 0
+
+
+def test_no_compiler_warns_once_and_the_torch_core_gives_the_numbers(
+    fresh: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pairs = _pairs(4)
+    want = segment_stats(pairs)  # the C core, built in `fresh`
+    monkeypatch.setattr(cpu_kernel, "_STATE", {})
+    monkeypatch.setenv("LAB_CACHE_DIR", str(fresh / "other"))
+    monkeypatch.setattr(cpu_kernel, "_compiler", lambda: None)
+    with pytest.warns(RuntimeWarning, match="no C compiler on PATH.*LAB_CPU_STATS=torch"):
+        got = segment_stats(pairs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the second call is silent
+        segment_stats(pairs)
+    assert cpu_kernel.library() is None
+    assert torch.equal(got[1], want[1])
+    sums = ("sum_abs_diff", "sum_sq_diff", "norm2_a", "norm2_b", "mean_a", "mean_b")
+    summed = [STAT_FIELDS.index(f) for f in sums]  # float64 sums in another order
+    exact = [i for i in range(len(STAT_FIELDS)) if i not in summed]
+    assert torch.equal(got[0][:, exact], want[0][:, exact])
+    torch.testing.assert_close(got[0][:, summed], want[0][:, summed], rtol=1e-12, atol=1e-15)
+
+
+def test_a_compiler_error_is_quoted(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = fresh / "broken.c"
+    broken.write_text("int lab_pair_stats(void) { return oops; }\n")
+    monkeypatch.setattr(cpu_kernel, "SOURCE", broken)
+    with pytest.raises(RuntimeError, match=r"(?s)failed \(1\): .*oops.* undeclared"):
+        cpu_kernel.build()
+    assert not list(fresh.glob("*.so*"))
+
+
+def test_a_bad_core_name_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LAB_CPU_STATS", "numba")
+    with pytest.raises(ValueError, match=r"LAB_CPU_STATS='numba': use 'c' .* or 'torch'"):
+        segment_stats(_pairs(5))
+
+
+def test_torch_core_is_used_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LAB_CPU_STATS", "torch")
+    calls = []
+    monkeypatch.setattr(
+        metrics, "_rows_stats", lambda *a, _f=metrics._rows_stats: calls.append(1) or _f(*a)
+    )
+    segment_stats(_pairs(6))
+    assert calls
