@@ -257,98 +257,117 @@ INLINE float hmin(vf x) {
     return m;
 }
 
+/* Accumulators of the float32 path: a row's sums and counts, the pair's extremes. */
+typedef struct {
+    vd s_a, s_b, n2_a, n2_b, s_d, s_d2;
+    vi not_exact, nonfin, nonfin_a, nonfin_b;
+    vf hi_a, hi_b, lo_a, lo_b, hi_d, hi_r;
+    vu hi_u;
+    vi ge[8];
+} Lanes;
+
+/* Eight elements into the accumulators. `valid` (only for the padded last chunk, `tail`) keeps
+ * the padding out of the side extremes; padding is 0 on both sides, which adds nothing else. */
+INLINE void chunk(Lanes *x, vf a, vf b, int coarse, int tail, vi valid) {
+    vi fin_a = ((vi)a & 0x7f800000) != 0x7f800000;
+    vi fin_b = ((vi)b & 0x7f800000) != 0x7f800000;
+    vi fin = fin_a & fin_b;
+    x->not_exact -= ~((a == b) | ((a != a) & (b != b)));
+    x->nonfin -= ~fin;
+    x->nonfin_a -= ~fin_a;
+    x->nonfin_b -= ~fin_b;
+    a = (vf)((vi)a & fin); /* masked elements stand in as zeros */
+    b = (vf)((vi)b & fin);
+    vf d = vabs(b - a);
+    x->s_a += __builtin_convertvector(a, vd);
+    x->s_b += __builtin_convertvector(b, vd);
+    x->n2_a += __builtin_convertvector(a * a, vd);
+    x->n2_b += __builtin_convertvector(b * b, vd);
+    x->s_d += __builtin_convertvector(d, vd);
+    x->s_d2 += __builtin_convertvector(d * d, vd);
+    if (tail) {
+        x->hi_a = vmax(x->hi_a, vsel(valid, a, x->hi_a));
+        x->hi_b = vmax(x->hi_b, vsel(valid, b, x->hi_b));
+        x->lo_a = vmin(x->lo_a, vsel(valid, a, x->lo_a));
+        x->lo_b = vmin(x->lo_b, vsel(valid, b, x->lo_b));
+    } else {
+        x->hi_a = vmax(x->hi_a, a);
+        x->hi_b = vmax(x->hi_b, b);
+        x->lo_a = vmin(x->lo_a, a);
+        x->lo_b = vmin(x->lo_b, b);
+    }
+    x->hi_d = vmax(x->hi_d, d);
+    vu mag_a, mag_b, sg_a, sg_b;
+    vf ra, rb;
+    v_coarse(a, coarse, &mag_a, &sg_a, &ra);
+    v_coarse(b, coarse, &mag_b, &sg_b, &rb);
+    /* Same sign: the magnitudes' distance; opposite: their sum (< 2^32, exact). */
+    vu apart = usel((vi)(mag_a > mag_b), mag_a - mag_b, mag_b - mag_a);
+    vu ulp = usel((vi)(sg_a == sg_b), apart, mag_a + mag_b);
+    x->hi_u = usel((vi)(ulp > x->hi_u), ulp, x->hi_u);
+    x->hi_r = vmax(x->hi_r, vabs(rb - ra));
+    for (int k = 0; k < 8; k++) x->ge[k] -= (vi)(ulp >= EDGES[k]);
+}
+
 /* One pair whose compute dtype is float32 (neither side fp64). */
 INLINE void pair_f32(const void *pa, const void *pb, int64_t n, int ca, int cb, double *out,
                      int64_t *classes) {
     const int coarse = ca < cb ? ca : cb; /* BF16 < FP16 < FP32: fewer mantissa bits first */
     double tot[OUT_COLUMNS] = {0};
-    vf hi_a = (vf){} - INFINITY, hi_b = hi_a, lo_a = -hi_a, lo_b = lo_a, hi_d = {}, hi_r = {};
-    vu hi_u = {};
-    vi ge[8] = {{0}};
+    Lanes x = {0};
+    x.hi_a = x.hi_b = (vf){} - INFINITY;
+    x.lo_a = x.lo_b = (vf){} + INFINITY;
+    const vi all = (vi){} - 1;
     for (int64_t start = 0; start < n; start += ROW) {
         int64_t end = start + ROW < n ? start + ROW : n;
-        vd s_a = {}, s_b = {}, n2_a = {}, n2_b = {}, s_d = {}, s_d2 = {};
-        vi not_exact = {}, nonfin = {}, nonfin_a = {}, nonfin_b = {};
-        for (int64_t i = start; i < end; i += LANES) {
+        x.s_a = x.s_b = x.n2_a = x.n2_b = x.s_d = x.s_d2 = (vd){};
+        x.not_exact = x.nonfin = x.nonfin_a = x.nonfin_b = (vi){};
+        int64_t i = start;
+        for (; i + LANES <= end; i += LANES)
+            chunk(&x, v_load(pa, i, ca), v_load(pb, i, cb), coarse, 0, all);
+        if (i < end) { /* the pair's last elements, padded with zeros */
+            float ta[LANES] = {0}, tb[LANES] = {0};
+            int32_t tv[LANES] = {0};
+            for (int64_t j = i; j < end; j++) {
+                ta[j - i] = load_f(pa, j, ca);
+                tb[j - i] = load_f(pb, j, cb);
+                tv[j - i] = -1;
+            }
             vf a, b;
             vi valid;
-            if (i + LANES <= end) {
-                a = v_load(pa, i, ca);
-                b = v_load(pb, i, cb);
-                valid = (vi){} - 1;
-            } else { /* the pair's last elements, padded with zeros: equal, finite, 0 ULPs */
-                float ta[LANES] = {0}, tb[LANES] = {0};
-                int32_t tv[LANES] = {0};
-                for (int64_t j = i; j < end; j++) {
-                    ta[j - i] = load_f(pa, j, ca);
-                    tb[j - i] = load_f(pb, j, cb);
-                    tv[j - i] = -1;
-                }
-                memcpy(&a, ta, sizeof a);
-                memcpy(&b, tb, sizeof b);
-                memcpy(&valid, tv, sizeof valid);
-            }
-            vi fin_a = ((vi)a & 0x7f800000) != 0x7f800000;
-            vi fin_b = ((vi)b & 0x7f800000) != 0x7f800000;
-            vi fin = fin_a & fin_b;
-            not_exact -= ~((a == b) | ((a != a) & (b != b)));
-            nonfin -= ~fin;
-            nonfin_a -= ~fin_a;
-            nonfin_b -= ~fin_b;
-            a = (vf)((vi)a & fin); /* masked elements stand in as zeros */
-            b = (vf)((vi)b & fin);
-            vf d = vabs(b - a);
-            vd wa = __builtin_convertvector(a, vd), wb = __builtin_convertvector(b, vd);
-            s_a += wa;
-            s_b += wb;
-            n2_a += __builtin_convertvector(a * a, vd);
-            n2_b += __builtin_convertvector(b * b, vd);
-            s_d += __builtin_convertvector(d, vd);
-            s_d2 += __builtin_convertvector(d * d, vd);
-            hi_a = vmax(hi_a, vsel(valid, a, hi_a));
-            hi_b = vmax(hi_b, vsel(valid, b, hi_b));
-            lo_a = vmin(lo_a, vsel(valid, a, lo_a));
-            lo_b = vmin(lo_b, vsel(valid, b, lo_b));
-            hi_d = vmax(hi_d, d);
-            vu mag_a, mag_b, sg_a, sg_b;
-            vf ra, rb;
-            v_coarse(a, coarse, &mag_a, &sg_a, &ra);
-            v_coarse(b, coarse, &mag_b, &sg_b, &rb);
-            /* Same sign: the magnitudes' distance; opposite: their sum (< 2^32, exact). */
-            vu apart = usel((vi)(mag_a > mag_b), mag_a - mag_b, mag_b - mag_a);
-            vu ulp = usel((vi)(sg_a == sg_b), apart, mag_a + mag_b);
-            hi_u = usel((vi)(ulp > hi_u), ulp, hi_u);
-            hi_r = vmax(hi_r, vabs(rb - ra));
-            for (int k = 0; k < 8; k++) ge[k] -= (vi)(ulp >= EDGES[k]);
+            memcpy(&a, ta, sizeof a);
+            memcpy(&b, tb, sizeof b);
+            memcpy(&valid, tv, sizeof valid);
+            chunk(&x, a, b, coarse, 1, valid);
         }
-        tot[SUM_A] += hsum(s_a);
-        tot[SUM_B] += hsum(s_b);
-        tot[NORM2_A] += hsum(n2_a);
-        tot[NORM2_B] += hsum(n2_b);
-        tot[SUM_ABS_DIFF] += hsum(s_d);
-        tot[SUM_SQ_DIFF] += hsum(s_d2);
+        tot[SUM_A] += hsum(x.s_a);
+        tot[SUM_B] += hsum(x.s_b);
+        tot[NORM2_A] += hsum(x.n2_a);
+        tot[NORM2_B] += hsum(x.n2_b);
+        tot[SUM_ABS_DIFF] += hsum(x.s_d);
+        tot[SUM_SQ_DIFF] += hsum(x.s_d2);
         for (int l = 0; l < LANES; l++) {
-            tot[NOT_BITEXACT] += not_exact[l];
-            tot[NONFINITE] += nonfin[l];
-            tot[NONFINITE_A] += nonfin_a[l];
-            tot[NONFINITE_B] += nonfin_b[l];
+            tot[NOT_BITEXACT] += x.not_exact[l];
+            tot[NONFINITE] += x.nonfin[l];
+            tot[NONFINITE_A] += x.nonfin_a[l];
+            tot[NONFINITE_B] += x.nonfin_b[l];
         }
     }
     for (int c = SUM_A; c <= NONFINITE_B; c++) out[c] = tot[c];
-    out[MAX_A] = hmax(hi_a);
-    out[MAX_B] = hmax(hi_b);
-    out[NEG_MIN_A] = -(double)hmin(lo_a);
-    out[NEG_MIN_B] = -(double)hmin(lo_b);
-    out[MAX_ABS_DIFF] = hmax(hi_d);
-    out[MAX_ABS_DIFF_ROUNDED] = hmax(hi_r);
+    out[MAX_A] = hmax(x.hi_a);
+    out[MAX_B] = hmax(x.hi_b);
+    out[NEG_MIN_A] = -(double)hmin(x.lo_a);
+    out[NEG_MIN_B] = -(double)hmin(x.lo_b);
+    out[MAX_ABS_DIFF] = hmax(x.hi_d);
+    out[MAX_ABS_DIFF_ROUNDED] = hmax(x.hi_r);
     uint32_t top = 0;
-    for (int l = 0; l < LANES; l++) top = hi_u[l] > top ? hi_u[l] : top;
+    for (int l = 0; l < LANES; l++) top = x.hi_u[l] > top ? x.hi_u[l] : top;
     out[MAX_ULP] = top;
     /* Each bin's count into its first class (`_table` sums classes into bins; class 0 it
      * infers from the finite count). */
     int64_t at_least[9] = {0};
     for (int k = 0; k < 8; k++)
-        for (int l = 0; l < LANES; l++) at_least[k] += (uint32_t)ge[k][l];
+        for (int l = 0; l < LANES; l++) at_least[k] += (uint32_t)x.ge[k][l];
     memset(classes, 0, CLASSES * sizeof *classes);
     for (int k = 0; k < 8; k++) classes[EDGE_CLASS[k]] = at_least[k] - at_least[k + 1];
 }
