@@ -11,7 +11,8 @@
 # traj (bench/full_traj.py: full trajectories against their plain forwards, TRAJ_FAMILIES),
 # host (bench/pair_host.py: a full pair's host time function by function, ablations and each
 # case's GPU busy time, HOST_FAMILIES), share (bench/ab_cast_share.py: block casts shared between
-# the sides and lead hand-overs against the code before stop 16, interleaved, SHARE_FAMILIES).
+# the sides and lead hand-overs against the code before stop 16, interleaved, SHARE_FAMILIES), pin
+# (bench/pair_pin.py: the kept side threads pinned to one core or not, interleaved, PIN_FAMILIES).
 # Each stage logs to OUT_DIR and a failing stage does not stop the
 # next one. Expects torch with CUDA installed and the other wheels on PYTHONPATH.
 set -uo pipefail
@@ -63,6 +64,10 @@ for stage in "$@"; do
     share)
         python bench/ab_cast_share.py "$out/ab_cast_share.json" --families "${SHARE_FAMILIES:-sd3,cosmos3,qwen_image}" \
             >"$out/ab_cast_share.log" 2>&1
+        ;;
+    pin)
+        python bench/pair_pin.py "$out/pair_pin.json" --families "${PIN_FAMILIES:-sd3,cosmos3,qwen_image}" \
+            >"$out/pair_pin.log" 2>&1
         ;;
     traj)
         python bench/full_traj.py "$out/traj" --families "${TRAJ_FAMILIES:-qwen_image,wan2_2}" >"$out/full_traj.log" 2>&1

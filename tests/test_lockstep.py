@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -405,6 +406,44 @@ def test_side_threads_are_kept_and_hold_nothing_between_pairs(
     # Four runs: the toy's forward edits a compared output in place (`mul_`) before the
     # deferred reduction, so its first pair ran again copying outputs (and every later one did).
     assert len(steps) == 4 and all(step() is None for step in steps)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux thread affinity")
+def test_kept_side_threads_run_on_the_core_the_pair_started_from(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(lockstep, "KEEP_WORKERS_ON", ("cpu", "cuda"))  # the CUDA policy, on CPU
+    model, inputs = _toy()
+    a = lab.Side(name="fp32", forward_dtype="fp32", rollout_precision="fp32")
+    b = lab.Side(name="bf16", input_dtype_policy={"latents": "bf16"})
+    allowed = os.sched_getaffinity(0)
+    core = max(allowed)
+    results = {}
+    monkeypatch.setenv("LAB_PAIR_PIN", "off")
+    lab.pair(model, inputs, a, b, lockstep=True)  # the kept threads exist, on every CPU
+    try:
+        os.sched_setaffinity(0, {core})  # this thread now runs on `core` only
+        assert lockstep.current_cpu() == core
+        for mode in ("core", "off", "core"):
+            monkeypatch.setenv("LAB_PAIR_PIN", mode)
+            results[mode] = _rows(lab.pair(model, inputs, a, b, lockstep=True))
+            workers = lockstep._WORKERS._workers
+            got = {os.sched_getaffinity(w.thread.native_id) == {core} for w in workers.values()}
+            # off: the threads get this thread's CPU set back, here {core} as well
+            assert got == {True}, mode
+            assert lockstep._WORKERS.pinned == (core if mode == "core" else None)
+        os.sched_setaffinity(0, allowed)
+        monkeypatch.setenv("LAB_PAIR_PIN", "off")
+        lab.pair(model, inputs, a, b, lockstep=True)
+        for worker in lockstep._WORKERS._workers.values():
+            assert os.sched_getaffinity(worker.thread.native_id) == allowed
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert results["core"] == results["off"]  # where a thread runs changes no number
+
+    monkeypatch.setenv("LAB_PAIR_PIN", "numa")
+    with pytest.raises(ValueError, match="LAB_PAIR_PIN='numa'"):
+        lab.pair(model, inputs, a, b, lockstep=True)
 
 
 def test_cpu_pairs_leave_no_side_thread_behind() -> None:

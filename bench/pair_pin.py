@@ -1,0 +1,122 @@
+"""The kept side threads pinned to one core against left to the scheduler (LAB_PAIR_PIN, issue 16).
+
+    python bench/pair_pin.py OUT.json [--families sd3,cosmos3] [--device cuda] [--repeat 7]
+
+A pair hands the baton between its two side threads at every block; the woken thread, left to
+the scheduler, often starts on another core with cold caches. For each family, in one process
+and interleaved over --repeat rounds: `plain` (both sides' `lab.forward_side`, streamed views),
+and the streamed `lab.pair` capturing `nothing` and `every` module, each with LAB_PAIR_PIN=core
+(`_core`) and =off (`_off`). Median and minimum seconds of each case and its ratio to `plain`.
+
+Only the kept threads are pinned, and only CUDA pairs keep theirs (`lockstep.KEEP_WORKERS_ON`):
+with --device cpu the bench keeps them too, on a deep tiny model (`pair_host.deep_tiny`), so the
+switch can be tried without a GPU; the CPU pairs of the lab never pin. Writes OUT.json after each
+family.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pair_host
+import torch
+
+import lab
+from lab.pairing import lockstep
+from lab.pairing.state import sync
+
+
+@contextlib.contextmanager
+def pin(mode: str) -> Iterator[None]:
+    """LAB_PAIR_PIN set to `mode` for the block."""
+    saved = os.environ.get("LAB_PAIR_PIN")
+    os.environ["LAB_PAIR_PIN"] = mode
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("LAB_PAIR_PIN", None)
+        else:
+            os.environ["LAB_PAIR_PIN"] = saved
+
+
+def cases(fam: Any, model: torch.nn.Module, inputs: Any, device: str) -> dict[str, Callable]:
+    """plain, and nothing / every under each pin mode."""
+    plain, paired = pair_host.side_runs(fam, model, inputs, device)
+    out: dict[str, Callable[[], Any]] = {"plain": plain}
+    for what, names_filter in (("nothing", lambda n: False), ("every", None)):
+        run = paired(names_filter)
+        for mode in ("core", "off"):
+
+            def case(run: Callable[[], Any] = run, mode: str = mode) -> Any:
+                with pin(mode):
+                    return run()
+
+            out[f"{what}_{mode}"] = case
+    return out
+
+
+def measure(name: str, device: str, repeat: int) -> dict[str, Any]:
+    """One family's row (see the module docstring)."""
+    fam = lab.family(name)
+    if device == "cuda":
+        preset = "full"
+        model = fam.build("full", 0, device="cuda", expert=fam.expert_for_sigma(0.75))
+        inputs = fam.make_inputs("full", 0, device="cuda")
+    else:
+        preset = "tiny (full layer counts)"
+        fam = pair_host.deep_tiny(fam)
+        model = fam.build("tiny", 0, expert=fam.expert_for_sigma(0.75))
+        inputs = fam.make_inputs("tiny", 0)
+    runs = cases(fam, model, inputs, device)
+    for fn in runs.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(repeat):
+        for key, fn in runs.items():
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            times[key].append(time.perf_counter() - start)
+    row: dict[str, Any] = {"family": name, "preset": preset, "device": device, "repeat": repeat,
+                           "cpus": len(os.sched_getaffinity(0))}  # fmt: skip
+    for key, values in times.items():
+        row[f"{key}_s"] = statistics.median(values)
+        row[f"{key}_min_s"] = min(values)
+    for key in times:
+        row[f"{key}_vs_plain"] = row[f"{key}_s"] / row["plain_s"]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("out")
+    parser.add_argument("--families", default="sd3,cosmos3")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--repeat", type=int, default=7)
+    args = parser.parse_args()
+    if args.device == "cpu":
+        lockstep.KEEP_WORKERS_ON = (*lockstep.KEEP_WORKERS_ON, "cpu")
+    rows = []
+    for name in args.families.split(","):
+        row = measure(name, args.device, args.repeat)
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
+              flush=True)  # fmt: skip
+        rows.append(row)
+        meta = {"torch": torch.__version__, "pinned_cpu_last": lockstep._WORKERS.pinned}
+        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
