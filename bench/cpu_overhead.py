@@ -10,7 +10,9 @@ machine's noise is one-sided: other work only ever adds time):
   pairing holds side A's (kept alive, so the allocator cannot reuse their memory; until 5ffa80d
   the pair cloned them, and this stage was `copies`);
 - metrics: `segment_stats` over every (a, b) output pair of the two sides, one batch;
-- pair: `lab.pair(...)` (two-pass, the CPU default) and `lab.pair(..., lockstep=True)`.
+- pair: `lab.pair(...)` (two-pass, the CPU default) and `lab.pair(..., lockstep=True)`;
+- metrics_torch, pair_torch: `metrics` and `pair` with LAB_CPU_STATS=torch (the batched torch
+  passes instead of the C core), side by side with the default.
 Prints one JSON row per family and writes them all to OUT.json.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +29,7 @@ from typing import Any
 import torch
 
 import lab
+from lab.pairing import cpu_kernel
 from lab.pairing.capture import ModuleHooks, flatten_output
 from lab.pairing.metrics import segment_stats
 from lab.pairing.weights import WeightView
@@ -37,6 +41,23 @@ def _floating(output: Any) -> list[torch.Tensor]:
         for _, leaf in flatten_output(output)
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
     ]
+
+
+def torch_stats(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """`fn` run with LAB_CPU_STATS=torch (the variable restored after)."""
+
+    def run() -> Any:
+        saved = os.environ.get("LAB_CPU_STATS")
+        os.environ["LAB_CPU_STATS"] = "torch"
+        try:
+            return fn()
+        finally:
+            if saved is None:
+                del os.environ["LAB_CPU_STATS"]
+            else:
+                os.environ["LAB_CPU_STATS"] = saved
+
+    return run
 
 
 def measure(name: str, repeat: int) -> dict[str, Any]:
@@ -86,6 +107,8 @@ def measure(name: str, repeat: int) -> dict[str, Any]:
         "metrics": lambda: segment_stats(pairs),
         "pair": lambda: lab.pair(model, inputs, a, b),
         "pair_lockstep": lambda: lab.pair(model, inputs, a, b, lockstep=True),
+        "metrics_torch": torch_stats(lambda: segment_stats(pairs)),
+        "pair_torch": torch_stats(lambda: lab.pair(model, inputs, a, b)),
     }
     best = {k: float("inf") for k in stages}
     for fn in stages.values():
@@ -101,6 +124,7 @@ def measure(name: str, repeat: int) -> dict[str, Any]:
     row: dict[str, Any] = {"family": name, "pairs": len(pairs), **ms}
     row["pair_vs_plain"] = ms["pair_ms"] / plain_ms
     row["pair_lockstep_vs_plain"] = ms["pair_lockstep_ms"] / plain_ms
+    row["pair_torch_vs_plain"] = ms["pair_torch_ms"] / plain_ms
     # Incremental costs over the two plain forwards, each as a fraction of them.
     row["share_hooks"] = (ms["hooks_ms"] - plain_ms) / plain_ms
     row["share_held"] = (ms["held_ms"] - ms["hooks_ms"]) / plain_ms
@@ -124,7 +148,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = [measure(name, args.repeat) for name in lab.families()]
     if args.out:
-        meta = {"torch": torch.__version__, "threads": args.threads, "repeat": args.repeat}
+        meta = {"torch": torch.__version__, "threads": args.threads, "repeat": args.repeat,
+                "cpu_stats_isa": list(cpu_kernel.isa_flags())}  # fmt: skip
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from types import ModuleType
 
@@ -19,6 +20,9 @@ def test_stages_pair_the_outputs_the_pair_does(load_bench: Callable[[str], Modul
     )  # fmt: skip
     # The metrics stage reduces every output pair the pair itself reports.
     assert row["pairs"] == len(result.rows) > 100
-    stages = ("plain", "setup", "hooks", "held", "metrics", "pair", "pair_lockstep")
+    stages = ("plain", "setup", "hooks", "held", "metrics", "pair", "pair_lockstep",
+              "metrics_torch", "pair_torch")  # fmt: skip
     assert all(math.isfinite(row[f"{s}_ms"]) and row[f"{s}_ms"] > 0 for s in stages), row
     assert "copies_ms" not in row  # the pair holds its outputs, it no longer copies them
+    assert row["pair_torch_vs_plain"] == row["pair_torch_ms"] / row["plain_ms"]
+    assert "LAB_CPU_STATS" not in os.environ  # the torch stages put the variable back
