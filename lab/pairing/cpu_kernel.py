@@ -175,7 +175,8 @@ def aggregates(
     What `metrics._rows_stats` returns, for `metrics._table`. Non-contiguous tensors are copied
     first; the tensors must share each pair's shape and be floating (the caller checked).
     """
-    keep = [(a.detach().contiguous(), b.detach().contiguous()) for a, b in pairs]
+    # Only the data is read: no detach (a contiguous tensor is its own `contiguous()`).
+    keep = [(a.contiguous(), b.contiguous()) for a, b in pairs]
     n = len(keep)
     ptr_a = array.array("q", [a.data_ptr() for a, _ in keep])
     ptr_b = array.array("q", [b.data_ptr() for _, b in keep])
