@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import time
 from collections.abc import Iterator
@@ -37,6 +36,7 @@ from full_pair import timed  # bench/ is this script's folder
 from pair_host import side_runs
 
 import lab
+from lab.base.switches import env_set
 from lab.pairing import lockstep, weights
 from lab.pairing.capture import ROOT
 
@@ -64,21 +64,17 @@ _EXIT, _BOUNDARY = weights.PairedWeights.exit_block, lockstep._Lockstep.boundary
 def variant(case: str) -> Iterator[None]:
     """The pairing code as `case` runs it (restored on exit)."""
     saved = (weights.PairedWeights.exit_block, lockstep._Lockstep.boundary)
-    budget = os.environ.pop("LAB_PARK_BUDGET", None)
+    budget = str(BUDGETS[case]) if case in BUDGETS else None
     try:
         if case == "every_no_share":
             weights.PairedWeights.exit_block = _drop_at_first_exit  # type: ignore[method-assign]
             lockstep._Lockstep.boundary = _no_lead  # type: ignore[method-assign]
         elif case == "root_no_lead":
             lockstep._Lockstep.boundary = _no_lead  # type: ignore[method-assign]
-        if case in BUDGETS:
-            os.environ["LAB_PARK_BUDGET"] = str(BUDGETS[case])
-        yield
+        with env_set("LAB_PARK_BUDGET", budget):
+            yield
     finally:
         weights.PairedWeights.exit_block, lockstep._Lockstep.boundary = saved
-        os.environ.pop("LAB_PARK_BUDGET", None)
-        if budget is not None:
-            os.environ["LAB_PARK_BUDGET"] = budget
 
 
 @contextlib.contextmanager

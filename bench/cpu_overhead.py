@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 
 import lab
+from lab.base.switches import env_set
 from lab.pairing import cpu_kernel
 from lab.pairing.capture import ModuleHooks, flatten_output
 from lab.pairing.metrics import segment_stats
@@ -47,15 +47,8 @@ def torch_stats(fn: Callable[[], Any]) -> Callable[[], Any]:
     """`fn` run with LAB_CPU_STATS=torch (the variable restored after)."""
 
     def run() -> Any:
-        saved = os.environ.get("LAB_CPU_STATS")
-        os.environ["LAB_CPU_STATS"] = "torch"
-        try:
+        with env_set("LAB_CPU_STATS", "torch"):
             return fn()
-        finally:
-            if saved is None:
-                del os.environ["LAB_CPU_STATS"]
-            else:
-                os.environ["LAB_CPU_STATS"] = saved
 
     return run
 

@@ -17,12 +17,11 @@ family.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,22 +29,9 @@ import pair_host
 import torch
 
 import lab
+from lab.base.switches import env_set
 from lab.pairing import lockstep
 from lab.pairing.state import sync
-
-
-@contextlib.contextmanager
-def pin(mode: str) -> Iterator[None]:
-    """LAB_PAIR_PIN set to `mode` for the block."""
-    saved = os.environ.get("LAB_PAIR_PIN")
-    os.environ["LAB_PAIR_PIN"] = mode
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("LAB_PAIR_PIN", None)
-        else:
-            os.environ["LAB_PAIR_PIN"] = saved
 
 
 def cases(fam: Any, model: torch.nn.Module, inputs: Any, device: str) -> dict[str, Callable]:
@@ -57,7 +43,7 @@ def cases(fam: Any, model: torch.nn.Module, inputs: Any, device: str) -> dict[st
         for mode in ("core", "off"):
 
             def case(run: Callable[[], Any] = run, mode: str = mode) -> Any:
-                with pin(mode):
+                with env_set("LAB_PAIR_PIN", mode):
                     return run()
 
             out[f"{what}_{mode}"] = case
@@ -77,18 +63,26 @@ def measure(name: str, device: str, repeat: int) -> dict[str, Any]:
         model = fam.build("tiny", 0, expert=fam.expert_for_sigma(0.75))
         inputs = fam.make_inputs("tiny", 0)
     runs = cases(fam, model, inputs, device)
-    for fn in runs.values():
+    pinned = None
+    for key, fn in runs.items():
         fn()
+        if key.endswith("_core"):
+            pinned = lockstep._WORKERS.pinned  # the CPU the pinned cases ran on
     times: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(repeat):
-        for key, fn in runs.items():
+    keys = list(runs)
+    for round_ in range(repeat):
+        # Every other round runs each setting's "off" before its "core".
+        swap = [0, 2, 1, 4, 3]
+        order = keys if round_ % 2 == 0 else [keys[i] for i in swap]
+        for key in order:
+            fn = runs[key]
             sync(device)
             start = time.perf_counter()
             fn()
             sync(device)
             times[key].append(time.perf_counter() - start)
     row: dict[str, Any] = {"family": name, "preset": preset, "device": device, "repeat": repeat,
-                           "cpus": len(os.sched_getaffinity(0))}  # fmt: skip
+                           "cpus": len(os.sched_getaffinity(0)), "pinned_cpu": pinned}  # fmt: skip
     for key, values in times.items():
         row[f"{key}_s"] = statistics.median(values)
         row[f"{key}_min_s"] = min(values)
@@ -112,7 +106,7 @@ def main() -> None:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
               flush=True)  # fmt: skip
         rows.append(row)
-        meta = {"torch": torch.__version__, "pinned_cpu_last": lockstep._WORKERS.pinned}
+        meta = {"torch": torch.__version__}
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         if args.device == "cuda":
             torch.cuda.empty_cache()

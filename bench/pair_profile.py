@@ -18,7 +18,6 @@ import argparse
 import cProfile
 import io
 import json
-import os
 import pstats
 import statistics
 import time
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 import lab
+from lab.base.switches import env_set
 from lab.pairing.state import sync
 from lab.pairing.weights import WeightView
 
@@ -49,15 +49,8 @@ def _nothing(name: str) -> bool:
 
 def _one_stream(fn: Any) -> Any:
     """`fn()` with the metric kernels on the forward's stream (LAB_METRICS_STREAM=0)."""
-    before = os.environ.get("LAB_METRICS_STREAM")
-    os.environ["LAB_METRICS_STREAM"] = "0"
-    try:
+    with env_set("LAB_METRICS_STREAM", "0"):
         return fn()
-    finally:
-        if before is None:
-            os.environ.pop("LAB_METRICS_STREAM")
-        else:
-            os.environ["LAB_METRICS_STREAM"] = before
 
 
 def measure(name: str, preset: str, device: str, repeat: int) -> tuple[dict[str, Any], str]:

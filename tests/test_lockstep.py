@@ -408,7 +408,11 @@ def test_side_threads_are_kept_and_hold_nothing_between_pairs(
     assert len(steps) == 4 and all(step() is None for step in steps)
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux thread affinity")
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2
+    or lockstep.current_cpu() is None,
+    reason="Linux thread affinity, two CPUs at least",
+)  # fmt: skip
 def test_kept_side_threads_run_on_the_core_the_pair_started_from(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -417,33 +421,50 @@ def test_kept_side_threads_run_on_the_core_the_pair_started_from(
     a = lab.Side(name="fp32", forward_dtype="fp32", rollout_precision="fp32")
     b = lab.Side(name="bf16", input_dtype_policy={"latents": "bf16"})
     allowed = os.sched_getaffinity(0)
-    core = max(allowed)
-    results = {}
-    monkeypatch.setenv("LAB_PAIR_PIN", "off")
-    lab.pair(model, inputs, a, b, lockstep=True)  # the kept threads exist, on every CPU
+    results = []
+
+    def paired(mode: str) -> list[set[int]]:
+        monkeypatch.setenv("LAB_PAIR_PIN", mode)
+        results.append(_rows(lab.pair(model, inputs, a, b, lockstep=True)))
+        workers = lockstep._WORKERS._workers.values()
+        return [os.sched_getaffinity(w.thread.native_id) for w in workers]
+
+    assert paired("off") == [allowed] * 2  # the kept threads exist, on every CPU
     try:
-        os.sched_setaffinity(0, {core})  # this thread now runs on `core` only
-        assert lockstep.current_cpu() == core
-        for mode in ("core", "off", "core"):
-            monkeypatch.setenv("LAB_PAIR_PIN", mode)
-            results[mode] = _rows(lab.pair(model, inputs, a, b, lockstep=True))
-            workers = lockstep._WORKERS._workers
-            got = {os.sched_getaffinity(w.thread.native_id) == {core} for w in workers.values()}
-            # off: the threads get this thread's CPU set back, here {core} as well
-            assert got == {True}, mode
-            assert lockstep._WORKERS.pinned == (core if mode == "core" else None)
-        os.sched_setaffinity(0, allowed)
-        monkeypatch.setenv("LAB_PAIR_PIN", "off")
-        lab.pair(model, inputs, a, b, lockstep=True)
-        for worker in lockstep._WORKERS._workers.values():
-            assert os.sched_getaffinity(worker.thread.native_id) == allowed
+        for core in sorted(allowed)[-2:]:
+            os.sched_setaffinity(0, {core})  # this thread now runs on `core` only
+            assert paired("core") == [{core}] * 2
+            assert lockstep._WORKERS.pinned == core
+            os.sched_setaffinity(0, allowed)
+            # Off: the threads get this thread's CPU set back.
+            assert paired("off") == [allowed] * 2 and lockstep._WORKERS.pinned is None
     finally:
         os.sched_setaffinity(0, allowed)
-    assert results["core"] == results["off"]  # where a thread runs changes no number
+    assert all(rows == results[0] for rows in results)  # where a thread runs changes no number
 
     monkeypatch.setenv("LAB_PAIR_PIN", "numa")
     with pytest.raises(ValueError, match="LAB_PAIR_PIN='numa'"):
         lab.pair(model, inputs, a, b, lockstep=True)
+
+
+def test_pinning_that_fails_leaves_the_threads_unpinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    workers = lockstep._Workers()  # two stand-in threads: only their ids are read
+    workers._workers = {k: SimpleNamespace(thread=SimpleNamespace(native_id=i)) for i, k in
+                        enumerate("ab")}  # fmt: skip
+    calls = []
+
+    def refuse(tid: int, cpus: set[int]) -> None:
+        calls.append(set(cpus))
+        if len(calls) == 2:  # the second thread's pin fails
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "sched_setaffinity", refuse)
+    workers.pin(0)
+    assert workers.pinned is None and workers._cpus is None
+    # Both threads were given the caller's set back after the failure.
+    assert calls[2:] == [os.sched_getaffinity(0)] * 2
 
 
 def test_cpu_pairs_leave_no_side_thread_behind() -> None:

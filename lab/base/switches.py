@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 
 def env_choice(name: str, choices: Mapping[str, str], default: str) -> str:
@@ -25,3 +26,23 @@ def env_choice(name: str, choices: Mapping[str, str], default: str) -> str:
         )
         raise ValueError(f"{name}={value!r}: use {allowed}.")
     return value
+
+
+@contextlib.contextmanager
+def env_set(name: str, value: str | None) -> Iterator[None]:
+    """Environment variable `name` set to `value` (None: unset) for the block, then restored.
+
+    For benches and notebooks that compare a switch's settings side by side in one process.
+    """
+    saved = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved

@@ -318,6 +318,7 @@ INLINE void pair_f32(const void *pa, const void *pb, int64_t n, int ca, int cb, 
     x.hi_a = x.hi_b = (vf){} - INFINITY;
     x.lo_a = x.lo_b = (vf){} + INFINITY;
     const vi all = (vi){} - 1;
+    int64_t at_least[9] = {0}, rows = 0;
     for (int64_t start = 0; start < n; start += ROW) {
         int64_t end = start + ROW < n ? start + ROW : n;
         x.s_a = x.s_b = x.n2_a = x.n2_b = x.s_d = x.s_d2 = (vd){};
@@ -352,6 +353,13 @@ INLINE void pair_f32(const void *pa, const void *pb, int64_t n, int ca, int cb, 
             tot[NONFINITE_A] += x.nonfin_a[l];
             tot[NONFINITE_B] += x.nonfin_b[l];
         }
+        if (++rows == 1 << 16 || start + ROW >= n) { /* int32 lanes: fold long before 2^31 */
+            for (int k = 0; k < 8; k++) {
+                for (int l = 0; l < LANES; l++) at_least[k] += x.ge[k][l];
+                x.ge[k] = (vi){};
+            }
+            rows = 0;
+        }
     }
     for (int c = SUM_A; c <= NONFINITE_B; c++) out[c] = tot[c];
     out[MAX_A] = hmax(x.hi_a);
@@ -365,9 +373,6 @@ INLINE void pair_f32(const void *pa, const void *pb, int64_t n, int ca, int cb, 
     out[MAX_ULP] = top;
     /* Each bin's count into its first class (`_table` sums classes into bins; class 0 it
      * infers from the finite count). */
-    int64_t at_least[9] = {0};
-    for (int k = 0; k < 8; k++)
-        for (int l = 0; l < LANES; l++) at_least[k] += (uint32_t)x.ge[k][l];
     memset(classes, 0, CLASSES * sizeof *classes);
     for (int k = 0; k < 8; k++) classes[EDGE_CLASS[k]] = at_least[k] - at_least[k + 1];
 }

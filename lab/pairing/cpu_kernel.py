@@ -167,6 +167,16 @@ def _address(buffer: array.array) -> int:
     return buffer.buffer_info()[0]
 
 
+def readable(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the C core can read the pair: both strided tensors in CPU memory."""
+    return (
+        a.device.type == "cpu"
+        and b.device.type == "cpu"
+        and a.layout == torch.strided
+        and b.layout == torch.strided
+    )
+
+
 def aggregates(
     pairs: list[tuple[torch.Tensor, torch.Tensor]], lib: ctypes.CDLL
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -175,8 +185,13 @@ def aggregates(
     What `metrics._rows_stats` returns, for `metrics._table`. Non-contiguous tensors are copied
     first; the tensors must share each pair's shape and be floating (the caller checked).
     """
-    # Only the data is read: no detach (a contiguous tensor is its own `contiguous()`).
-    keep = [(a.contiguous(), b.contiguous()) for a, b in pairs]
+    if not all(readable(a, b) for a, b in pairs):
+        raise ValueError(
+            "cpu stats: every tensor must be a strided CPU tensor (others take the torch core)"
+        )
+    # Only the data is read: no detach (a contiguous tensor is its own `contiguous()`); a
+    # negated view's sign is applied first.
+    keep = [(a.resolve_neg().contiguous(), b.resolve_neg().contiguous()) for a, b in pairs]
     n = len(keep)
     ptr_a = array.array("q", [a.data_ptr() for a, _ in keep])
     ptr_b = array.array("q", [b.data_ptr() for _, b in keep])

@@ -156,7 +156,7 @@ def current_cpu() -> int | None:
             fn = ctypes.CDLL(None, use_errno=True).sched_getcpu
             fn.restype = ctypes.c_int
             _SCHED_GETCPU.append(fn)
-        except (OSError, AttributeError):
+        except (OSError, AttributeError, TypeError):  # no libc of that kind (e.g. Windows)
             _SCHED_GETCPU.append(None)
     fn = _SCHED_GETCPU[0]
     cpu = fn() if fn is not None else -1
@@ -175,26 +175,36 @@ class _Workers:
         self._workers: dict[str, _Worker] = {}
         self.pinned: int | None = None
         """The CPU both threads are pinned to (None: not pinned)."""
+        self._cpus: frozenset[int] | None = None
+        """The CPU set last given to both threads (None: none given, or not known)."""
 
     def pin(self, cpu: int | None) -> None:
-        """Pin both threads to `cpu` (None: give them the caller's CPU set back).
+        """Pin both threads to `cpu` (None: give them the caller's CPU set).
 
         Only one side runs at a time, and each hand-over wakes the other side's thread. Left
         to the scheduler, that thread often wakes on another core, whose caches hold none of
         the forward's Python state: on an H200 host, pinning both to one core took cosmos3
-        full's every-module pair from 1.77x to 1.35x the plain forwards, and capturing
-        nothing from 1.24x to 0.96x (`bench/pair_pin.py`). The CPU pairs run on fresh
-        threads, never pinned: a pinned thread's OpenMP team would share its one core.
+        full's every-module pair from 1.66x to 1.27x the plain forwards, and capturing nothing
+        from 1.06x to 0.94x (`bench/pair_pin.py`). The CPU pairs run on fresh threads, never
+        pinned: a pinned thread's OpenMP team shares its one core, which is also what a CPU op
+        inside a CUDA pair's forward gets (LAB_PAIR_PIN=off where that matters); the team keeps
+        that core after the threads are unpinned.
         """
-        if cpu == self.pinned or not hasattr(os, "sched_setaffinity"):
+        if not hasattr(os, "sched_setaffinity"):
             return
-        cpus = {cpu} if cpu is not None else os.sched_getaffinity(0)
+        cpus = frozenset({cpu} if cpu is not None else os.sched_getaffinity(0))
+        if cpus == self._cpus:
+            return
+        self._cpus, self.pinned = None, None  # unknown until every thread has it
         try:
             for worker in self._workers.values():
                 os.sched_setaffinity(worker.thread.native_id, cpus)
         except OSError:  # a CPU set the process may not use: the pair runs unpinned
-            cpu = None
-        self.pinned = cpu
+            with contextlib.suppress(OSError):
+                for worker in self._workers.values():
+                    os.sched_setaffinity(worker.thread.native_id, os.sched_getaffinity(0))
+            return
+        self._cpus, self.pinned = cpus, cpu
 
     @contextlib.contextmanager
     def claimed(self) -> Any:
@@ -207,7 +217,7 @@ class _Workers:
                 worker = self._workers.get(key)
                 if worker is None or not worker.thread.is_alive():
                     self._workers[key] = _Worker(f"lab-pair-{key}")
-                    self.pinned = -1  # a new thread: pin again
+                    self._cpus = self.pinned = None  # a new thread: set its CPUs again
             self.pin(current_cpu() if pin_mode() == "core" else None)
             yield self._workers
         finally:

@@ -128,8 +128,11 @@ def segment_stats(
     if not pairs:
         raise ValueError("segment_stats: no pairs given.")
     device = pairs[0][0].device
-    # On the CPU the C core (`cpu_kernel`, LAB_CPU_STATS) takes every pair in one call.
+    # On the CPU the C core (`cpu_kernel`, LAB_CPU_STATS) takes every pair in one call; a
+    # batch holding any other tensor goes to the torch core (which names what is wrong).
     lib = cpu_kernel.library() if device.type == "cpu" else None
+    if lib is not None and not all(cpu_kernel.readable(a, b) for a, b in pairs):
+        lib = None
     groups: dict[torch.dtype | None, list[tuple[int, int, int]]] = {}
     empty: list[int] = []
     for i, (a, b) in enumerate(pairs):
