@@ -54,8 +54,21 @@ def test_the_library_is_built_once_into_the_cache_and_reused(fresh: Path) -> Non
 
 @pytest.mark.skipif(not cpu_kernel.isa_flags(), reason="one build only: this CPU has no AVX2")
 def test_every_build_gives_the_same_bits(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The source fixes its eight lanes; -mavx2 (where the CPU has it) only changes the speed.
+    # The source fixes its eight lanes; -mavx2 (where the CPU has it) only changes the speed,
+    # and -mf16c's conversions round as the portable code does, at the 16-bit edges too.
     pairs = _pairs(1)
+    edges = [2.0**-24 * k for k in (0.5, 1.5, 2.5, 1023.5, 1023.75)] + [2.0**-14 - 2.0**-30]
+    edges += [1 + 2.0**-11, 1 + 3 * 2.0**-11, 65504.0, 65519.0, 65520.0, 3.4e38, 1e-30]
+    x = torch.tensor(edges + [-v for v in edges], dtype=FP32)
+    y = torch.nextafter(x, torch.full_like(x, float("inf")))
+    for i in range(len(x)):  # each value a pair of its own: no two errors cancel in a count
+        xi, yi = x[i : i + 1].repeat(3), y[i : i + 1].repeat(3)
+        pairs += [
+            (xi, yi.to(FP16)),
+            (xi.to(FP16), yi),
+            (xi.to(BF16), yi.to(FP16)),
+            (xi, xi.to(BF16)),
+        ]
     with_isa = cpu_kernel._load(cpu_kernel.build())
     monkeypatch.setattr(cpu_kernel, "isa_flags", lambda: ())
     plain = cpu_kernel._load(cpu_kernel.build())

@@ -70,10 +70,11 @@ def cache_dir() -> Path:
 
 
 def isa_flags() -> tuple[str, ...]:
-    """-mavx2 on an x86-64 CPU that has it (Linux's /proc/cpuinfo says), else nothing.
+    """-mavx2 (and -mf16c) on an x86-64 CPU that has them (Linux's /proc/cpuinfo), else nothing.
 
     The eight-lane loops run ~4x faster with AVX2 than on plain SSE2 (bench: 6 against 25 ns an
-    element on this repo's CI machine); the numbers are the same.
+    element on this repo's CI machine), float16 pairs faster again with F16C's conversions; the
+    numbers are the same.
     """
     if platform.machine() not in ("x86_64", "AMD64"):
         return ()
@@ -81,7 +82,10 @@ def isa_flags() -> tuple[str, ...]:
         flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0]
     except (OSError, IndexError):
         return ()
-    return ("-mavx2",) if "avx2" in flags.split() else ()
+    have = flags.split()
+    if "avx2" not in have:
+        return ()
+    return ("-mavx2", "-mf16c") if "f16c" in have else ("-mavx2",)
 
 
 def _compiler() -> str | None:
