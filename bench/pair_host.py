@@ -262,20 +262,22 @@ def side_runs(
     return plain, paired
 
 
+def family_case(name: str, device: str) -> tuple[Any, str, torch.nn.Module, Any]:
+    """(family, preset label, model, inputs): the `full` preset on CUDA, else a deep tiny one."""
+    fam = lab.family(name)
+    if device == "cuda":
+        model = fam.build("full", 0, device="cuda", expert=fam.expert_for_sigma(0.75))
+        return fam, "full", model, fam.make_inputs("full", 0, device="cuda")
+    fam = deep_tiny(fam)
+    model = fam.build("tiny", 0, expert=fam.expert_for_sigma(0.75))
+    return fam, "tiny (full layer counts)", model, fam.make_inputs("tiny", 0)
+
+
 def measure(
     name: str, device: str, repeat: int, ablate: bool = False, gpu_profile: bool = False
 ) -> dict[str, Any]:
     """The wall times and host breakdowns of one family (see the module docstring)."""
-    fam = lab.family(name)
-    if device == "cuda":
-        preset = "full"
-        model = fam.build("full", 0, device="cuda", expert=fam.expert_for_sigma(0.75))
-        inputs = fam.make_inputs("full", 0, device="cuda")
-    else:
-        preset = "tiny (full layer counts)"
-        fam = deep_tiny(fam)
-        model = fam.build("tiny", 0, expert=fam.expert_for_sigma(0.75))
-        inputs = fam.make_inputs("tiny", 0)
+    fam, preset, model, inputs = family_case(name, device)
     plain, paired = side_runs(fam, model, inputs, device)
     block_names = {
         n

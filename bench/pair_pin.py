@@ -28,7 +28,6 @@ from typing import Any
 import pair_host
 import torch
 
-import lab
 from lab.base.switches import env_set
 from lab.pairing import lockstep
 from lab.pairing.state import sync
@@ -52,16 +51,7 @@ def cases(fam: Any, model: torch.nn.Module, inputs: Any, device: str) -> dict[st
 
 def measure(name: str, device: str, repeat: int) -> dict[str, Any]:
     """One family's row (see the module docstring)."""
-    fam = lab.family(name)
-    if device == "cuda":
-        preset = "full"
-        model = fam.build("full", 0, device="cuda", expert=fam.expert_for_sigma(0.75))
-        inputs = fam.make_inputs("full", 0, device="cuda")
-    else:
-        preset = "tiny (full layer counts)"
-        fam = pair_host.deep_tiny(fam)
-        model = fam.build("tiny", 0, expert=fam.expert_for_sigma(0.75))
-        inputs = fam.make_inputs("tiny", 0)
+    fam, preset, model, inputs = pair_host.family_case(name, device)
     runs = cases(fam, model, inputs, device)
     pinned = None
     for key, fn in runs.items():

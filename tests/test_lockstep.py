@@ -104,10 +104,15 @@ def _toy() -> tuple[torch.nn.Module, lab.Inputs]:
     return model, inputs
 
 
+def _toy_sides() -> tuple[lab.Side, lab.Side]:
+    """An fp32 side and one taking its latents in bf16, for `_toy`'s model."""
+    a = lab.Side(name="fp32", forward_dtype="fp32", rollout_precision="fp32")
+    return a, lab.Side(name="bf16", input_dtype_policy={"latents": "bf16"})
+
+
 def test_in_place_edits_and_one_sided_modules_match_two_pass() -> None:
     model, inputs = _toy()
-    a = lab.Side(name="fp32", forward_dtype="fp32", rollout_precision="fp32")
-    b = lab.Side(name="bf16", input_dtype_policy={"latents": "bf16"})
+    a, b = _toy_sides()
     two_pass = lab.pair(model, inputs, a, b, lockstep=False)
     lockstep = lab.pair(model, inputs, a, b, lockstep=True)
 
@@ -383,8 +388,7 @@ def test_side_threads_are_kept_and_hold_nothing_between_pairs(
     monkeypatch.setattr(lockstep._Lockstep, "__init__", tracked)
     monkeypatch.setattr(lockstep, "KEEP_WORKERS_ON", ("cpu", "cuda"))  # the CUDA policy, on CPU
     model, inputs = _toy()
-    a = lab.Side(name="fp32", forward_dtype="fp32", rollout_precision="fp32")
-    b = lab.Side(name="bf16", input_dtype_policy={"latents": "bf16"})
+    a, b = _toy_sides()
     first = lab.pair(model, inputs, a, b, lockstep=True)
     threads = {t.name: t for t in threading.enumerate() if t.name.startswith("lab-pair-")}
     second = lab.pair(model, inputs, a, b, lockstep=True)
@@ -418,8 +422,7 @@ def test_kept_side_threads_run_on_the_core_the_pair_started_from(
 ) -> None:
     monkeypatch.setattr(lockstep, "KEEP_WORKERS_ON", ("cpu", "cuda"))  # the CUDA policy, on CPU
     model, inputs = _toy()
-    a = lab.Side(name="fp32", forward_dtype="fp32", rollout_precision="fp32")
-    b = lab.Side(name="bf16", input_dtype_policy={"latents": "bf16"})
+    a, b = _toy_sides()
     allowed = os.sched_getaffinity(0)
     results = []
 
@@ -474,8 +477,7 @@ def test_cpu_pairs_leave_no_side_thread_behind() -> None:
 
     assert "cpu" not in lockstep.KEEP_WORKERS_ON
     model, inputs = _toy()
-    a = lab.Side(name="fp32", forward_dtype="fp32", rollout_precision="fp32")
-    b = lab.Side(name="bf16", input_dtype_policy={"latents": "bf16"})
+    a, b = _toy_sides()
     # Kept threads a CUDA-policy test left behind stay; count only what this pair adds.
     idle = [t for t in threading.enumerate() if t.name.startswith("lab-pair-")]
     result = lab.pair(model, inputs, a, b, lockstep=True)
