@@ -49,9 +49,13 @@ _SCRIPT = textwrap.dedent(
     pairs.append((cube[..., :5], cube[..., 5:10]))  # 20 bytes a row: copied one by one
     pairs.append((cube.transpose(0, 1)[..., :8], cube.transpose(0, 1)[..., 8:16]))
     reducer = fused.RunReducer(torch.device("cpu"))
-    flats = fused._read_in_place(pairs[12:])
+    flats, read = fused._read_in_place(pairs[12:])
     starts = [t.data_ptr() for pair in flats for t in pair]
     in_one = len({t.untyped_storage().data_ptr() for pair in flats[:4] for t in pair})
+    storages = {t.untyped_storage().data_ptr() for pair in flats for t in pair}
+    read_storages = [t.untyped_storage().data_ptr() for t in read]
+    as_they_are = fused._read_in_place(pairs[:2])[1]
+    as_they_are = [r is t for r, t in zip(as_they_are, [t for pair in pairs[:2] for t in pair])]
     handles = reducer.reduce_many(pairs[:6]) + reducer.reduce_many(pairs[6:])
     outs = reducer.rows()
     same = []
@@ -60,7 +64,9 @@ _SCRIPT = textwrap.dedent(
         same.append(torch.equal(outs[out][0][row], stats) and torch.equal(outs[out][1][row], hist))
     print(json.dumps({"same": same, "launches": reducer.launches, "count": reducer.count,
                       "handles": handles, "aligned": [p % 16 == 0 for p in starts],
-                      "storages": in_one,
+                      "storages": in_one, "read": len(read),
+                      "read_covers": sorted(read_storages) == sorted(storages),
+                      "as_they_are": as_they_are,
                       "flat": [t.is_contiguous() and t.dim() == 1 for p in flats for t in p]}))
     """
 )
@@ -80,10 +86,16 @@ def test_interpreted_multi_pair_kernels_equal_single_pair_bit_for_bit() -> None:
     # (its fp32/fp32 pairs share one, and the bf16 chunks join the bf16/bf16 one), two
     # launches each.
     assert got["launches"] == 2 * (5 + 5)
-    assert sorted({out for out, _ in got["handles"]}) == list(range(10))
+    # One set of outputs a batch, its groups in slices of it; each pair its own row.
+    assert sorted({out for out, _ in got["handles"]}) == [0, 1]
+    assert len(set(map(tuple, got["handles"]))) == 18
     # The bf16 chunks of both sides (16 wide) and the 3-D fp32 ones went into two cats:
     # three pairs' six tensors and the 3-D pair's two sit in the two cats' storages.
     assert got["storages"] == 2
+    # What the side stream marks as in use: each storage the kernels read, once: the two
+    # cats and the four copies of the two pairs copied one by one (all six are copies here).
+    assert got["read_covers"] and got["read"] == 6
+    assert got["as_they_are"] == [True] * 4  # contiguous: read (and marked) where they are
     assert all(got["flat"]) and got["aligned"][:8] == [True] * 8
 
 

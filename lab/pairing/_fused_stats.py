@@ -43,6 +43,7 @@ than ~7% faster).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 from typing import Any
@@ -814,21 +815,25 @@ def _hooked() -> bool:
 
 def _read_in_place(
     pairs: list[tuple[torch.Tensor, torch.Tensor]],
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each pair's two tensors as the multi-pair kernel reads them: flat and contiguous.
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+    """Each pair's two tensors as the multi-pair kernel reads them, and whose memory that is.
 
-    A contiguous tensor is read where it is (the table holds its address). The others are
-    copied: those whose elements form rows of one length under `view(-1, last dim)` (a chunk or
-    slice along the last dimension: sd3 full has 246 such tensors a pair, likely adaLN chunks)
-    with one `torch.cat` per dtype and row length, the rest one by one. A cat's pieces start
-    16 bytes apart or a multiple of it (only row lengths that keep them so are batched), so
-    the group's vector loads stay on; the values and their order are those of `reshape(-1)`.
+    The first list holds the pairs flat and contiguous; the second each tensor the kernels
+    read, once (what a side stream marks as in use). A contiguous tensor is read where it is
+    (the table holds its address). The others are copied: those whose elements form rows of
+    one length under `view(-1, last dim)` (a chunk or slice along the last dimension: sd3 full
+    has 246 such tensors a pair, likely adaLN chunks) with one `torch.cat` per dtype and row
+    length, the rest one by one. A cat's pieces start 16 bytes apart or a multiple of it (only
+    row lengths that keep them so are batched), so the group's vector loads stay on; the
+    values and their order are those of `reshape(-1)`.
     """
     flats = [[a, b] for a, b in pairs]
+    read: list[torch.Tensor] = []
     rows: dict[tuple[torch.dtype, int], list[tuple[int, int, torch.Tensor]]] = {}
     for i, pair in enumerate(pairs):
         for j, tensor in enumerate(pair):
             if tensor.is_contiguous():
+                read.append(tensor)
                 continue
             width = tensor.shape[-1] if tensor.dim() else 0
             if width and (width * tensor.element_size()) % 16 == 0:
@@ -839,14 +844,16 @@ def _read_in_place(
                 if view is not None:
                     rows.setdefault((tensor.dtype, width), []).append((i, j, view))
                     continue
-            flats[i][j] = _flat(tensor)
+            flats[i][j] = copy = _flat(tensor)
+            read.append(copy)
     for group in rows.values():
         flat = torch.cat([view for _, _, view in group]).view(-1)
+        read.append(flat)
         start = 0
         for i, j, view in group:
             flats[i][j] = flat[start : start + view.numel()]
             start += view.numel()
-    return [(a, b) for a, b in flats]
+    return [(a, b) for a, b in flats], read
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -884,6 +891,27 @@ _PAIR_META = 5
 """int64s per pair in a multi-pair launch: address of a, address of b, numel, grid, first row."""
 
 
+@dataclasses.dataclass(slots=True)
+class _Group:
+    """One dtype pair's pairs of a batch, as `RunReducer.reduce_many` launches them."""
+
+    index: list[int]
+    """Positions of its pairs in the batch."""
+    base_a: torch.Tensor
+    base_b: torch.Tensor
+    meta: list[int]
+    """`_PAIR_META` int64s a pair: offsets of a and b from the bases, numel, grid, first row."""
+    first: int
+    """Programs of its pair launch (partial rows)."""
+    constexprs: dict[str, Any]
+    table_at: int = 0
+    owners_at: int = 0
+    """Byte offsets of its table and owners in the batch's buffer."""
+    parts_at: int = 0
+    rows_at: int = 0
+    """Its first partial row and first output row in the batch's buffers."""
+
+
 class RunReducer:
     """`fused_pair_stats` for every CUDA pair of one run, many pairs a launch.
 
@@ -892,9 +920,10 @@ class RunReducer:
     single-pair launch, grid G_p = min(tiles, the cap), so the partial rows are the same
     numbers) and one of `_multi_finish_kernel` (pair p's G_p rows folded as `_finish_kernel`
     folds them). So every pair's (stats, hist) equals `fused_pair_stats(a, b)` bit for bit,
-    at two launches a batch instead of two a pair. On a side stream the batch waits for the
-    forward's stream through one re-recorded event, and what the kernels read is marked in
-    use there (`record_stream`), so the caching allocator hands that memory out again only
+    at two launches a group instead of two a pair. A batch's groups share one table buffer
+    (one host-to-device copy) and one allocation each for partial rows, stats and histograms.
+    On a side stream the batch waits for the forward's stream through one re-recorded event,
+    and what the kernels read is marked in use there (`record_stream`, once a storage), so the caching allocator hands that memory out again only
     once they have read it. (Keeping the tensors alive until an event recorded after the
     kernels had completed, checked at each batch, was measured once with sd3 full's peak at
     1.13x of a plain forward's on the H200, against 1.07x before: likely memory coming back a
@@ -937,82 +966,99 @@ class RunReducer:
         groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
         for i, (a, b) in enumerate(pairs):
             groups.setdefault((a.dtype, b.dtype), []).append(i)
-        flats = _read_in_place(pairs)
+        flats, read = _read_in_place(pairs)
         stream = self.stream
         if stream is not None:
             # After the copies above: the side stream waits for them and for the outputs, and
             # their memory is not handed out again before its kernels have read them.
             self._event.record(torch.cuda.current_stream(self.device))
             stream.wait_event(self._event)
-            for fa, fb in flats:
-                fa.record_stream(stream)
-                fb.record_stream(stream)
+            for tensor in read:
+                tensor.record_stream(stream)
+        plans = [self._plan(flats, index, dtypes) for dtypes, index in groups.items()]
+        # One buffer for every group's table and owners (one host-to-device copy a batch) and
+        # one each for the partial rows, stats and histograms, each group in its own slice: the
+        # host work of a batch does not grow with its dtype pairs (sd3 full: two or three).
+        # Every slice starts on 16 bytes, as a tensor of its own would, so the kernels
+        # specialize (and load) as they did with one allocation a group.
+        host_bytes = parts = rows = 0
+        for plan in plans:
+            plan.table_at = host_bytes
+            host_bytes += -(-8 * len(plan.meta) // 16) * 16
+            plan.owners_at = host_bytes
+            host_bytes += -(-4 * plan.first // 16) * 16
+            plan.parts_at, plan.rows_at = parts, rows
+            parts += plan.first + (plan.first & 1)  # 232-byte rows: an even count keeps 16
+            rows += len(plan.index) + (len(plan.index) & 1)  # 72-byte histogram rows: same
+        pinned = self.device.type == "cuda"
+        # From pinned memory and without waiting: a copy from pageable memory synchronizes the
+        # stream, so the host would wait for every queued kernel at every batch (flux full on
+        # the H200: 229 such waits, 0.33 s a pair).
+        host = torch.empty(host_bytes, dtype=torch.uint8, pin_memory=pinned)
+        view = host.numpy()
+        for plan in plans:
+            view[plan.table_at : plan.table_at + 8 * len(plan.meta)].view(np.int64)[:] = plan.meta
+            owners = view[plan.owners_at : plan.owners_at + 4 * plan.first].view(np.int32)
+            # Owners are laid out here (numpy) rather than by `repeat_interleave` on the device
+            # (five small ops a group).
+            owners[:] = np.repeat(np.arange(len(plan.index), dtype=np.int32), plan.meta[3::5])
         handles: list[tuple[int, int]] = [(0, 0)] * len(pairs)
-        # The tables, partial rows and outputs are made on the stream that reads them.
+        out = len(self._outputs)
+        # The buffers are made on the stream that reads them.
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for (dtype_a, dtype_b), index in groups.items():
-                self._launch_group(flats, index, dtype_a, dtype_b, handles)
+            moved = host.to(self.device, non_blocking=pinned)
+            device = self.device
+            partials = torch.empty(parts, _N_COLS, dtype=torch.float64, device=device)
+            stats = torch.empty(rows, len(STAT_FIELDS), dtype=torch.float64, device=device)
+            hist = torch.empty(rows, _BINS, dtype=torch.float64, device=device)
+            for plan in plans:
+                count = len(plan.index)
+                table = moved[plan.table_at : plan.table_at + 8 * len(plan.meta)]
+                owners = moved[plan.owners_at : plan.owners_at + 4 * plan.first]
+                table, owners = table.view(torch.int64), owners.view(torch.int32)
+                group_parts = partials[plan.parts_at : plan.parts_at + plan.first]
+                group_stats = stats[plan.rows_at : plan.rows_at + count]
+                group_hist = hist[plan.rows_at : plan.rows_at + count]
+                args = (plan.base_a, plan.base_b, table, owners, group_parts)
+                _launch(_multi_pair_stats_kernel, plan.first, args, plan.constexprs, stream)
+                _launch(_multi_finish_kernel, count, (table, group_parts, group_stats, group_hist),
+                        self._finish_constexprs, stream)  # fmt: skip
+                for row, i in enumerate(plan.index, plan.rows_at):
+                    handles[i] = (out, row)
+                self.launches += 2
+        self._outputs.append((stats, hist))
         self.count += len(pairs)
         return handles
 
-    def _launch_group(
+    def _plan(
         self,
         flats: list[tuple[torch.Tensor, torch.Tensor]],
         index: list[int],
-        dtype_a: torch.dtype,
-        dtype_b: torch.dtype,
-        handles: list[tuple[int, int]],
-    ) -> None:
-        stream = self.stream
-        tile, plan = _launch_plan(dtype_a, dtype_b, 32 * NUM_WARPS)
+        dtypes: tuple[torch.dtype, torch.dtype],
+    ) -> _Group:
+        """One dtype pair's launch: its table (`_PAIR_META` a pair), programs and constexprs."""
+        tile, plan = _launch_plan(*dtypes, 32 * NUM_WARPS)
         constexprs = dict(plan)
         meta: list[int] = []
         first = 0
         base_a, base_b = (_bits(t) for t in flats[index[0]])
         origin_a, origin_b = base_a.data_ptr(), base_b.data_ptr()
         size_a, size_b = base_a.element_size(), base_b.element_size()
-        aligned_a = aligned_b = True
+        programs = self._programs
+        misaligned = 0
         for i in index:
             fa, fb = flats[i]
             n = fa.numel()
-            grid = min(-(-n // tile), self._programs)
+            grid = min(-(-n // tile), programs)
             address_a, address_b = fa.data_ptr(), fb.data_ptr()
-            aligned_a &= address_a % 16 == 0
-            aligned_b &= address_b % 16 == 0
+            misaligned |= (address_a & 15) | ((address_b & 15) << 4)
             # Element offsets from the bases (every tensor sits on its element size).
             meta += ((address_a - origin_a) // size_a, (address_b - origin_b) // size_b, n,
                      grid, first)  # fmt: skip
             first += grid
-        constexprs["ALIGN_A"] = 16 // size_a if aligned_a else 1
-        constexprs["ALIGN_B"] = 16 // size_b if aligned_b else 1
-        # The table and each program's pair (`owners`) in one buffer, one copy to the device,
-        # from pinned memory and without waiting: a copy from pageable memory synchronizes the
-        # stream, so the host would wait for every queued kernel at every batch (flux full on
-        # the H200: 229 such waits, 0.33 s a pair). Owners are laid out here (numpy) rather
-        # than by `repeat_interleave` on the device (five small ops a batch).
-        pinned = self.device.type == "cuda"
-        size = 8 * len(meta)
-        split = -(-size // 16) * 16  # the owners start 16-byte aligned, as an allocation does
-        host = torch.empty(split + 4 * first, dtype=torch.uint8, pin_memory=pinned)
-        view = host.numpy()
-        view[:size].view(np.int64)[:] = meta
-        owners_host = view[split:].view(np.int32)
-        owners_host[:] = np.repeat(np.arange(len(index), dtype=np.int32), meta[3::_PAIR_META])
-        moved = host.to(self.device, non_blocking=pinned)
-        table, owners = moved[:size].view(torch.int64), moved[split:].view(torch.int32)
-        partials = torch.empty(first, _N_COLS, dtype=torch.float64, device=self.device)
-        stats = torch.empty(len(index), len(STAT_FIELDS), dtype=torch.float64,
-                            device=self.device)  # fmt: skip
-        hist = torch.empty(len(index), _BINS, dtype=torch.float64, device=self.device)
-        args = (base_a, base_b, table, owners, partials)
-        _launch(_multi_pair_stats_kernel, first, args, constexprs, stream)
-        _launch(_multi_finish_kernel, len(index), (table, partials, stats, hist),
-                self._finish_constexprs, stream)  # fmt: skip
-        out = len(self._outputs)
-        self._outputs.append((stats, hist))
-        for row, i in enumerate(index):
-            handles[i] = (out, row)
-        self.launches += 2
+        constexprs["ALIGN_A"] = 1 if misaligned & 15 else 16 // size_a
+        constexprs["ALIGN_B"] = 1 if misaligned >> 4 else 16 // size_b
+        return _Group(index, base_a, base_b, meta, first, constexprs)
 
     def rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each queued batch's (stats, hist) on the host, in queue order (one transfer)."""

@@ -235,16 +235,18 @@ class Collector:
                 from lab.pairing._fused_stats import RunReducer
 
                 self._reducer = RunReducer(a.device, self._stream)
-        if self._reducer is not None and 0 < a.numel() < _DEVICE_BATCH_NUMEL:
+        n = a.numel()
+        if self._reducer is not None and 0 < n < _DEVICE_BATCH_NUMEL:
             # Held (with their versions; cloned for a forward that edits its outputs in place,
             # as the CPU batch does) and reduced with the others of the batch: two launches a
             # batch instead of two a pair, the same numbers.
             if self.copies:
                 a = a.detach() if a_owned else a.detach().clone()
                 b = b.detach().clone()
-            self._device_batch.append((pending, a, b, a._version, b._version))
-            self._device_bytes += a.numel() * a.element_size() + b.numel() * b.element_size()
-            if len(self._device_batch) >= _DEVICE_PAIRS or self._device_bytes >= self.batch_bytes:
+            batch = self._device_batch
+            batch.append((pending, a, b, a._version, b._version))
+            self._device_bytes += n * (a.element_size() + b.element_size())  # one shape
+            if len(batch) >= _DEVICE_PAIRS or self._device_bytes >= self.batch_bytes:
                 self._flush_device()
             return
         stream = self._stream
