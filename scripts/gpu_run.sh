@@ -12,7 +12,8 @@
 # host (bench/pair_host.py: a full pair's host time function by function, ablations and each
 # case's GPU busy time, HOST_FAMILIES), share (bench/ab_cast_share.py: block casts shared between
 # the sides and lead hand-overs against the code before stop 16, interleaved, SHARE_FAMILIES), pin
-# (bench/pair_pin.py: the kept side threads pinned to one core or not, interleaved, PIN_FAMILIES).
+# (bench/pair_pin.py: the kept side threads pinned to one core or not, interleaved, PIN_FAMILIES),
+# replay (bench/pair_replay.py: the pairing path's host time without the forwards, REPLAY_FAMILIES).
 # Each stage logs to OUT_DIR and a failing stage does not stop the
 # next one. Expects torch with CUDA installed and the other wheels on PYTHONPATH.
 set -uo pipefail
@@ -68,6 +69,10 @@ for stage in "$@"; do
     pin)
         python bench/pair_pin.py "$out/pair_pin.json" --families "${PIN_FAMILIES:-sd3,cosmos3,qwen_image}" \
             >"$out/pair_pin.log" 2>&1
+        ;;
+    replay)
+        python bench/pair_replay.py "$out/pair_replay.json" --families "${REPLAY_FAMILIES:-sd3,cosmos3}" \
+            >"$out/pair_replay.log" 2>&1
         ;;
     traj)
         python bench/full_traj.py "$out/traj" --families "${TRAJ_FAMILIES:-qwen_image,wan2_2}" >"$out/full_traj.log" 2>&1
