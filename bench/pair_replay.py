@@ -17,8 +17,8 @@ record, alias names, `Collector.compare` and, on CUDA, the metric batches (table
 - `noflow`, `noaliases`, `nocompare`: with the dtype-flow record, the alias names or
   `Collector.compare` taken out; on CUDA also `noreduce` (`RunReducer.reduce_many` queues
   nothing) and `norecordstream`;
-- `timed` (CUDA): the replay with the functions of the metric path wrapped (calls and
-  milliseconds a round; the wrappers' own cost is in them).
+- `timed` (CUDA): the replay with the functions of the metric path wrapped: calls and
+  milliseconds in its fastest round (`timed_ms`; the wrappers' own cost is in them).
 `replay_matches` checks the replay against the pair: the same rows, metric for metric.
 
 The recorded outputs must fit next to the model: on one H200, sd3 and cosmos3 full do, flux,
@@ -182,11 +182,15 @@ def measure(name: str, device: str, rounds: int, tiny: bool = False) -> dict[str
         times.append(time.perf_counter() - start)
     row["plain_s"] = min(times)
     timings: dict[str, list] = {}
+    fastest: dict[str, list] = {}
     for case, swaps in variants(device, timings).items():
         loops, rows_s = [], []
         for _ in range(rounds):
+            timings.clear()
             with swapped(swaps):
                 loop, rows_time, rows = replay(run, calls, device)
+            if case == "timed" and (not loops or loop < min(loops)):
+                fastest = {label: list(entry) for label, entry in timings.items()}
             loops.append(loop)
             rows_s.append(rows_time)
             if case == "full" and "replay_matches" not in row:
@@ -196,9 +200,9 @@ def measure(name: str, device: str, rounds: int, tiny: bool = False) -> dict[str
         row[f"{case}_loop_ms"] = min(loops) * 1e3
         row[f"{case}_us_per_pair"] = min(loops) / len(result.rows) * 1e6
         row[f"{case}_rows_ms"] = min(rows_s) * 1e3
-    row["timed_ms_a_round"] = {
-        label: {"calls": count // rounds, "ms": round(seconds / rounds * 1e3, 3)}
-        for label, (count, seconds) in timings.items()
+    row["timed_ms"] = {  # in the fastest round of `timed`
+        label: {"calls": count, "ms": round(seconds * 1e3, 3)}
+        for label, (count, seconds) in fastest.items()
     }
     return row
 
