@@ -46,10 +46,21 @@ _SCRIPT = textwrap.dedent(
     pairs += list(zip(chunks[:3], chunks_b[:3]))
     cube = base[: 3 * 4 * 24].reshape(3, 4, 24)
     pairs.append((cube[..., :8], (cube * 0.999)[..., 8:16]))  # fp32, 3-D
-    pairs.append((cube[..., :5], cube[..., 5:10]))  # 20 bytes a row: copied one by one
+    pairs.append((cube[..., :5], cube[..., 5:10]))  # 20 bytes a row: no cat (a stack)
     pairs.append((cube.transpose(0, 1)[..., :8], cube.transpose(0, 1)[..., 8:16]))
+    # Permuted views (q/k-norm outputs: (B, H, S, D) over (B, S, H, D) memory): no rows view;
+    # the two of one shape and dtype are copied by one stack, the one alone on its own.
+    heads = base[: 2 * 6 * 3 * 8].reshape(2, 6, 3, 8)
+    pairs.append((heads.transpose(1, 2), (heads * 1.003).transpose(1, 2)))
+    pairs.append(((heads * 0.997).transpose(1, 2), (heads * 1.001).transpose(1, 2)))
+    odd = base[: 5 * 3].reshape(5, 3)  # 60 bytes: off the 16-byte grid, copied one by one
+    pairs.append((odd.t(), (odd * 1.01).t()))
     reducer = fused.RunReducer(torch.device("cpu"))
-    flats, read = fused._read_in_place(pairs[12:])
+    flats, read = fused._read_in_place(pairs[12:18])
+    stacked, stacked_read = fused._read_in_place(pairs[18:])
+    in_stack = len({t.untyped_storage().data_ptr() for pair in stacked[:2] for t in pair})
+    permuted_flat = [t.is_contiguous() and t.dim() == 1 and torch.equal(t, s.reshape(-1))
+                     for pair, orig in zip(stacked, pairs[18:]) for t, s in zip(pair, orig)]
     starts = [t.data_ptr() for pair in flats for t in pair]
     in_one = len({t.untyped_storage().data_ptr() for pair in flats[:4] for t in pair})
     storages = {t.untyped_storage().data_ptr() for pair in flats for t in pair}
@@ -66,7 +77,8 @@ _SCRIPT = textwrap.dedent(
                       "handles": handles, "aligned": [p % 16 == 0 for p in starts],
                       "storages": in_one, "read": len(read),
                       "read_covers": sorted(read_storages) == sorted(storages),
-                      "as_they_are": as_they_are,
+                      "as_they_are": as_they_are, "in_stack": in_stack,
+                      "stacked_read": len(stacked_read), "permuted_flat": permuted_flat,
                       "flat": [t.is_contiguous() and t.dim() == 1 for p in flats for t in p]}))
     """
 )
@@ -80,22 +92,26 @@ def test_interpreted_multi_pair_kernels_equal_single_pair_bit_for_bit() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["same"] == [True] * 18
-    assert got["count"] == 18
+    assert got["same"] == [True] * 21
+    assert got["count"] == 21
     # Two batches, grouped by dtype pair: 5 groups in the first (6 pairs), 5 in the second
     # (its fp32/fp32 pairs share one, and the bf16 chunks join the bf16/bf16 one), two
     # launches each.
     assert got["launches"] == 2 * (5 + 5)
     # One set of outputs a batch, its groups in slices of it; each pair its own row.
     assert sorted({out for out, _ in got["handles"]}) == [0, 1]
-    assert len(set(map(tuple, got["handles"]))) == 18
+    assert len(set(map(tuple, got["handles"]))) == 21
     # The bf16 chunks of both sides (16 wide) and the 3-D fp32 ones went into two cats:
     # three pairs' six tensors and the 3-D pair's two sit in the two cats' storages.
     assert got["storages"] == 2
-    # What the side stream marks as in use: each storage the kernels read, once: the two
-    # cats and the four copies of the two pairs copied one by one (all six are copies here).
-    assert got["read_covers"] and got["read"] == 6
+    # What the side stream marks as in use: each storage the kernels read, once: the two cats
+    # and two stacks (each of the other two pairs' a and b, one shape), all copies here.
+    assert got["read_covers"] and got["read"] == 4
     assert got["as_they_are"] == [True] * 4  # contiguous: read (and marked) where they are
+    # The permuted pairs: their four tensors in one stack, the odd pair's two copied alone;
+    # each flat copy holds the values of reshape(-1).
+    assert got["in_stack"] == 1 and got["stacked_read"] == 3
+    assert got["permuted_flat"] == [True] * 6
     assert all(got["flat"]) and got["aligned"][:8] == [True] * 8
 
 

@@ -820,30 +820,39 @@ def _read_in_place(
 
     The first list holds the pairs flat and contiguous; the second each tensor the kernels
     read, once (what a side stream marks as in use). A contiguous tensor is read where it is
-    (the table holds its address). The others are copied: those whose elements form rows of
-    one length under `view(-1, last dim)` (a chunk or slice along the last dimension: sd3 full
-    has 246 such tensors a pair, likely adaLN chunks) with one `torch.cat` per dtype and row
-    length, the rest one by one. A cat's pieces start 16 bytes apart or a multiple of it (only
-    row lengths that keep them so are batched), so the group's vector loads stay on; the
-    values and their order are those of `reshape(-1)`.
+    (the table holds its address). The others are copied, a few kernels a batch rather than
+    one a tensor:
+    - those whose elements form rows of one length under `view(-1, last dim)` (a chunk or
+      slice along the last dimension, as adaLN chunks) with one `torch.cat` per dtype and row
+      length; a cat's pieces start 16 bytes apart or a multiple of it (only row lengths that
+      keep them so are batched), so the group's vector loads stay on;
+    - the rest (permuted views, as sd3 full's 244 q/k-norm outputs a pair, (B, H, S, D) views
+      of (B, S, H, D) memory) with one `torch.stack` per dtype and shape, where a tensor's
+      bytes are a multiple of 16 (the same alignment); a tensor alone in its group is copied
+      as it is.
+    Whether the rows view exists is read from the strides: asking `view` costs a raised and
+    caught error, ~30-50 us, a tensor that has none. Every copy holds the values in the order
+    of `reshape(-1)`.
     """
     flats = [[a, b] for a, b in pairs]
     read: list[torch.Tensor] = []
     rows: dict[tuple[torch.dtype, int], list[tuple[int, int, torch.Tensor]]] = {}
+    alike: dict[tuple[torch.dtype, torch.Size], list[tuple[int, int, torch.Tensor]]] = {}
     for i, pair in enumerate(pairs):
         for j, tensor in enumerate(pair):
             if tensor.is_contiguous():
                 read.append(tensor)
                 continue
+            size = tensor.element_size()
             width = tensor.shape[-1] if tensor.dim() else 0
-            if width and (width * tensor.element_size()) % 16 == 0:
-                try:
-                    view = tensor.detach().view(-1, width)
-                except RuntimeError:  # its leading dimensions do not merge
-                    view = None
+            if width and (width * size) % 16 == 0:
+                view = _rows_view(tensor)
                 if view is not None:
                     rows.setdefault((tensor.dtype, width), []).append((i, j, view))
                     continue
+            if (tensor.numel() * size) % 16 == 0:
+                alike.setdefault((tensor.dtype, tensor.shape), []).append((i, j, tensor))
+                continue
             flats[i][j] = copy = _flat(tensor)
             read.append(copy)
     for group in rows.values():
@@ -853,7 +862,38 @@ def _read_in_place(
         for i, j, view in group:
             flats[i][j] = flat[start : start + view.numel()]
             start += view.numel()
+    for group in alike.values():
+        if len(group) == 1:
+            i, j, tensor = group[0]
+            flats[i][j] = copy = _flat(tensor)
+            read.append(copy)
+            continue
+        stacked = torch.stack([tensor.detach() for _, _, tensor in group])
+        read.append(stacked)
+        flat = stacked.view(len(group), -1)
+        for k, (i, j, _) in enumerate(group):
+            flats[i][j] = flat[k]
     return [(a, b) for a, b in flats], read
+
+
+def _rows_view(tensor: torch.Tensor) -> torch.Tensor | None:
+    """`tensor.view(-1, last dim)` where its leading dimensions merge, else None.
+
+    They merge when each one's stride is the next non-trivial inner one's stride times its
+    size (dimensions of size 1 do not count), the rule `view` applies.
+    """
+    shape, strides = tensor.shape, tensor.stride()
+    expected = None
+    for dim in range(tensor.dim() - 2, -1, -1):
+        if shape[dim] == 1:
+            continue
+        if expected is not None and strides[dim] != expected:
+            return None
+        expected = strides[dim] * shape[dim]
+    try:
+        return tensor.detach().view(-1, shape[-1])
+    except RuntimeError:  # not expected after the check above; copied instead
+        return None
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -923,13 +963,14 @@ class RunReducer:
     at two launches a group instead of two a pair. A batch's groups share one table buffer
     (one host-to-device copy) and one allocation each for partial rows, stats and histograms.
     On a side stream the batch waits for the forward's stream through one re-recorded event,
-    and what the kernels read is marked in use there (`record_stream`, once a storage), so the caching allocator hands that memory out again only
-    once they have read it. (Keeping the tensors alive until an event recorded after the
-    kernels had completed, checked at each batch, was measured once with sd3 full's peak at
-    1.13x of a plain forward's on the H200, against 1.07x before: likely memory coming back a
-    batch later, not isolated, as another change went in with it.) Contiguous outputs are
-    read where they are (their address and length go in the batch's table); only
-    non-contiguous ones are copied.
+    and what the kernels read is marked in use there (`record_stream`, once a storage), so
+    the caching allocator hands that memory out again only once they have read it. (Keeping
+    the tensors alive until an event recorded after the kernels had completed, checked at
+    each batch, was measured once with sd3 full's peak at 1.13x of a plain forward's on the
+    H200, against 1.07x before: likely memory coming back a batch later, not isolated, as
+    another change went in with it.) Contiguous outputs are read where they are (their
+    address and length go in the batch's table); only non-contiguous ones are copied
+    (`_read_in_place`).
     """
 
     def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None) -> None:
