@@ -1042,7 +1042,8 @@ class RunReducer:
             owners = view[plan.owners_at : plan.owners_at + 4 * plan.first].view(np.int32)
             # Owners are laid out here (numpy) rather than by `repeat_interleave` on the device
             # (five small ops a group).
-            owners[:] = np.repeat(np.arange(len(plan.index), dtype=np.int32), plan.meta[3::5])
+            grids = plan.meta[3::_PAIR_META]
+            owners[:] = np.repeat(np.arange(len(plan.index), dtype=np.int32), grids)
         handles: list[tuple[int, int]] = [(0, 0)] * len(pairs)
         out = len(self._outputs)
         # The buffers are made on the stream that reads them.
