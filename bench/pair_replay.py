@@ -49,15 +49,11 @@ Swap = tuple[Any, str, Any]
 
 @contextlib.contextmanager
 def swapped(swaps: list[Swap]) -> Iterator[None]:
-    """Each `owner.name` set to its value for the block, restored after."""
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in swaps]
-    try:
-        for owner, name, value in swaps:
-            setattr(owner, name, value)
+    """Each `owner.name` set to its value for the block (`pair_host.replaced`, several)."""
+    with contextlib.ExitStack() as stack:
+        for swap in swaps:
+            stack.enter_context(pair_host.replaced(*swap))
         yield
-    finally:
-        for owner, name, value in reversed(saved):
-            setattr(owner, name, value)
 
 
 def _nothing(*args: Any, **kwargs: Any) -> None:

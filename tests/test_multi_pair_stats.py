@@ -49,12 +49,14 @@ _SCRIPT = textwrap.dedent(
     pairs.append((cube[..., :5], cube[..., 5:10]))  # 20 bytes a row: no cat (a stack)
     pairs.append((cube.transpose(0, 1)[..., :8], cube.transpose(0, 1)[..., 8:16]))
     # Permuted views (q/k-norm outputs: (B, H, S, D) over (B, S, H, D) memory): no rows view;
-    # the two of one shape and dtype are copied by one stack, the one alone on its own.
+    # the two of one shape and dtype are copied by one stack, the odd-sized pair one by one.
     heads = base[: 2 * 6 * 3 * 8].reshape(2, 6, 3, 8)
     pairs.append((heads.transpose(1, 2), (heads * 1.003).transpose(1, 2)))
     pairs.append(((heads * 0.997).transpose(1, 2), (heads * 1.001).transpose(1, 2)))
     odd = base[: 5 * 3].reshape(5, 3)  # 60 bytes: off the 16-byte grid, copied one by one
     pairs.append((odd.t(), (odd * 1.01).t()))
+    # bf16 against fp32: b joins the fp32 stack, a is the only bf16 one (a stack of one).
+    pairs.append(((heads * 1.002).transpose(1, 2).to(torch.bfloat16), heads.transpose(1, 2)))
     reducer = fused.RunReducer(torch.device("cpu"))
     flats, read = fused._read_in_place(pairs[12:18])
     stacked, stacked_read = fused._read_in_place(pairs[18:])
@@ -92,15 +94,15 @@ def test_interpreted_multi_pair_kernels_equal_single_pair_bit_for_bit() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["same"] == [True] * 21
-    assert got["count"] == 21
+    assert got["same"] == [True] * 22
+    assert got["count"] == 22
     # Two batches, grouped by dtype pair: 5 groups in the first (6 pairs), 5 in the second
     # (its fp32/fp32 pairs share one, and the bf16 chunks join the bf16/bf16 one), two
     # launches each.
     assert got["launches"] == 2 * (5 + 5)
     # One set of outputs a batch, its groups in slices of it; each pair its own row.
     assert sorted({out for out, _ in got["handles"]}) == [0, 1]
-    assert len(set(map(tuple, got["handles"]))) == 21
+    assert len(set(map(tuple, got["handles"]))) == 22
     # The bf16 chunks of both sides (16 wide) and the 3-D fp32 ones went into two cats:
     # three pairs' six tensors and the 3-D pair's two sit in the two cats' storages.
     assert got["storages"] == 2
@@ -108,10 +110,10 @@ def test_interpreted_multi_pair_kernels_equal_single_pair_bit_for_bit() -> None:
     # and two stacks (each of the other two pairs' a and b, one shape), all copies here.
     assert got["read_covers"] and got["read"] == 4
     assert got["as_they_are"] == [True] * 4  # contiguous: read (and marked) where they are
-    # The permuted pairs: their four tensors in one stack, the odd pair's two copied alone;
-    # each flat copy holds the values of reshape(-1).
-    assert got["in_stack"] == 1 and got["stacked_read"] == 3
-    assert got["permuted_flat"] == [True] * 6
+    # The permuted pairs: the fp32 ones in one stack, the bf16 one in a stack of its own, the
+    # odd pair's two copied one by one; each flat copy holds the values of reshape(-1).
+    assert got["in_stack"] == 1 and got["stacked_read"] == 4
+    assert got["permuted_flat"] == [True] * 8
     assert all(got["flat"]) and got["aligned"][:8] == [True] * 8
 
 

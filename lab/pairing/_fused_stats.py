@@ -828,8 +828,7 @@ def _read_in_place(
       keep them so are batched), so the group's vector loads stay on;
     - the rest (permuted views, as sd3 full's 244 q/k-norm outputs a pair, (B, H, S, D) views
       of (B, S, H, D) memory) with one `torch.stack` per dtype and shape, where a tensor's
-      bytes are a multiple of 16 (the same alignment); a tensor alone in its group is copied
-      as it is.
+      bytes are a multiple of 16 (the same alignment); the few left are copied one by one.
     Whether the rows view exists is read from the strides: asking `view` costs a raised and
     caught error, ~30-50 us, a tensor that has none. Every copy holds the values in the order
     of `reshape(-1)`.
@@ -863,11 +862,6 @@ def _read_in_place(
             flats[i][j] = flat[start : start + view.numel()]
             start += view.numel()
     for group in alike.values():
-        if len(group) == 1:
-            i, j, tensor = group[0]
-            flats[i][j] = copy = _flat(tensor)
-            read.append(copy)
-            continue
         stacked = torch.stack([tensor.detach() for _, _, tensor in group])
         read.append(stacked)
         flat = stacked.view(len(group), -1)
