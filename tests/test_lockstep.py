@@ -127,6 +127,31 @@ def test_in_place_edits_and_one_sided_modules_match_two_pass() -> None:
     assert [(s.module, s.reason) for s in lockstep.skipped] == [("extra", "only on side 'bf16'")]
 
 
+def test_captured_modules_report_through_their_forwards_and_get_them_back() -> None:
+    # Lockstep reports a captured module's output from an instance forward wrapped around the
+    # one it has (no forward hook); the hooks of the two-pass path see the same calls.
+    model, inputs = _toy()
+    a, b = _toy_sides()
+    patched = model.out.forward  # an instance forward of the caller's, kept as it is
+    model.out.__dict__["forward"] = patched
+    seen: list[str] = []
+    hook = model.lin.register_forward_hook(lambda m, args, out: seen.append("hook"))
+    try:
+        two_pass = lab.pair(model, inputs, a, b, lockstep=False)
+        seen.clear()
+        lockstep = lab.pair(model, inputs, a, b, lockstep=True)
+    finally:
+        hook.remove()
+    assert _rows(lockstep) == _rows(two_pass)
+    assert [r.label() for r in lockstep.rows] == ["lin", "out", ROOT]
+    assert seen == ["hook", "hook"]  # the caller's hook still runs, once a side
+    assert model.out.__dict__["forward"] is patched
+    assert not any("forward" in m.__dict__ for m in model.modules() if m is not model.out)
+    assert not any(m._forward_hooks for m in model.modules())
+    # Between pairs the modules run their own forwards again, reporting nothing.
+    assert torch.equal(model(inputs.kwargs["x"]), model.out(model.lin(inputs.kwargs["x"]) * 3))
+
+
 def test_a_failing_side_unwinds_both_threads_and_keeps_partial_rows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -119,6 +119,13 @@ class FlowRecorder:
         track = which == "a" and self._aliases is not None
         producer = self._producer
         tensor = torch.Tensor
+        if not kwargs and len(args) == 1 and isinstance(args[0], tensor):
+            # Most captured calls (linears, norms, activations) take one tensor: its entry
+            # is the loop's below, without the loop.
+            value = args[0]
+            found = producer(value) if track else None
+            self.inputs[which][(label, call)] = ((0, value.dtype, found, id(value)),)
+            return
         entries: list[InputEntry] = []
         for items in (enumerate(args), kwargs.items()):
             for key, value in items:

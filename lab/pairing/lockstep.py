@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -506,6 +506,53 @@ class _Lockstep:
         skipped[:] = [skipped[i] for i in order]
 
 
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def _reporting_forwards(
+    modules: list[tuple[torch.nn.Module, str]],
+    on_output: Callable[[str, str, tuple, dict, Any], None],
+) -> Iterator[None]:
+    """Each module's forward, wrapped to report its output to `on_output` as a side's call.
+
+    What a forward hook with kwargs would see (the call's arguments and its output), without
+    the hook: a module with any hook runs `Module._call_impl`'s slow path (the hook lists, a
+    closure) on every call, ~3-6 us, and sd3 full calls 1912 captured modules a pair. The
+    module's current forward is wrapped (its class's, or an instance forward such as an
+    engine op's dispatch) and put back on exit. A call from a thread running no side (the
+    kept threads between pairs, any other thread) is passed through unreported.
+    """
+    no_function_mode = torch._C.DisableTorchFunction
+    saved: list[tuple[torch.nn.Module, Any]] = []
+
+    def reporting(inner: Callable[..., Any], label: str) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            output = inner(*args, **kwargs)
+            key = _KEYS.get(_get_ident(), "")
+            if key:
+                # Out of sight of the autocast emulation's torch-function mode, as the hooks.
+                with no_function_mode():
+                    on_output(key, label, args, kwargs, output)
+            return output
+
+        return forward
+
+    try:
+        for module, label in modules:
+            # Through the instance dict: `Module.__setattr__` is ~1 us of type checks a module.
+            instance = module.__dict__
+            saved.append((module, instance.get("forward", _MISSING)))
+            instance["forward"] = reporting(module.forward, label)
+        yield
+    finally:
+        for module, previous in reversed(saved):
+            if previous is _MISSING:
+                module.__dict__.pop("forward", None)
+            else:
+                module.__dict__["forward"] = previous
+
+
 def run_lockstep(run: PairRun, block_ids: set[int], *, stream: bool) -> None:
     """Pair every captured module of `run` with the two forwards in lockstep (propagated).
 
@@ -591,16 +638,21 @@ def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -
 
         return post
 
+    # A captured module that is no block reports its outputs from an instance forward
+    # (`_reporting_forwards`), not a forward hook: any hook puts every call of its module on
+    # `Module._call_impl`'s slow path. Blocks keep their hooks (the casts enter and leave there).
+    reporting: list[tuple[torch.nn.Module, str]] = []
     for name, module in run.view_a.named_modules:
         label = name or ROOT
         captured = run.names_filter is None or run.names_filter(label)
         block = id(module) in blocks
         if block:
             handles.append(module.register_forward_pre_hook(pre, prepend=True))
-        if captured or block:
             handles.append(
                 module.register_forward_hook(make_post(label, captured, block), with_kwargs=True)
             )
+        elif captured:
+            reporting.append((module, label))
     per_side = {k: (s.engine_ops, s.op_switches) for k, s in step.sides.items()}
     start = time.perf_counter()
     try:
@@ -608,6 +660,8 @@ def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -
             stack.enter_context(step.weights.applied())
             modules = (m for _, m in run.view_a.named_modules)
             stack.enter_context(ops_dispatched(model, per_side, _current_key, modules))
+            # After the engine-op forwards: each wraps whatever forward the module has now.
+            stack.enter_context(_reporting_forwards(reporting, step._on_output))
             if not step.sdpa_per_turn:
                 stack.enter_context(sdpa_context(run.side_a.attention_backend))
             _run_sides(step)
