@@ -13,7 +13,9 @@
 # case's GPU busy time, HOST_FAMILIES), share (bench/ab_cast_share.py: block casts shared between
 # the sides and lead hand-overs against the code before stop 16, interleaved, SHARE_FAMILIES), pin
 # (bench/pair_pin.py: the kept side threads pinned to one core or not, interleaved, PIN_FAMILIES),
-# replay (bench/pair_replay.py: the pairing path's host time without the forwards, REPLAY_FAMILIES).
+# replay (bench/pair_replay.py: the pairing path's host time without the forwards, REPLAY_FAMILIES),
+# report (bench/ab_report_forwards.py: captured modules reporting from instance forwards against
+# forward hooks, interleaved, REPORT_FAMILIES).
 # Each stage logs to OUT_DIR and a failing stage does not stop the
 # next one. Expects torch with CUDA installed and the other wheels on PYTHONPATH.
 set -uo pipefail
@@ -77,6 +79,10 @@ for stage in "$@"; do
     traj)
         python bench/full_traj.py "$out/traj" --families "${TRAJ_FAMILIES:-qwen_image,wan2_2}" \
             --steps "${TRAJ_STEPS:-2}" >"$out/full_traj.log" 2>&1
+        ;;
+    report)
+        python bench/ab_report_forwards.py "$out/ab_report_forwards.json" \
+            --families "${REPORT_FAMILIES:-sd3,qwen_image,cosmos3}" >"$out/ab_report_forwards.log" 2>&1
         ;;
     *) echo "unknown stage $stage" >&2 && false ;;
     esac
