@@ -618,7 +618,8 @@ def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -
                     step.boundary(key)
                 step.weights.enter_block(key, mod)
 
-    def make_post(label: str, captured: bool, block: bool) -> Any:
+    def make_post(label: str, captured: bool) -> Any:
+        """A block's forward hook: leave the block, report its output if captured."""
         on_output = step._on_output
         weights = step.weights
 
@@ -627,11 +628,10 @@ def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -
             if not key:
                 return
             with no_function_mode():
-                if block:
-                    weights.exit_block(key, mod)
+                weights.exit_block(key, mod)
                 if captured:
                     on_output(key, label, args, kwargs, output)
-                if block and segments:
+                if segments:
                     # Read after the output: a hand-over in `on_output` (park budget) may have
                     # let the other side run the block and drop the casts already.
                     step.boundary(key, weights.keeps(mod))
@@ -649,7 +649,7 @@ def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -
         if block:
             handles.append(module.register_forward_pre_hook(pre, prepend=True))
             handles.append(
-                module.register_forward_hook(make_post(label, captured, block), with_kwargs=True)
+                module.register_forward_hook(make_post(label, captured), with_kwargs=True)
             )
         elif captured:
             reporting.append((module, label))
