@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pair_host
@@ -108,18 +106,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeat", type=int, default=15)
     args = parser.parse_args()
-    if args.device == "cpu":
-        lockstep.KEEP_WORKERS_ON = (*lockstep.KEEP_WORKERS_ON, "cpu")
-    rows = []
-    for name in args.families.split(","):
-        row = measure(name, args.device, args.repeat)
-        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
-              flush=True)  # fmt: skip
-        rows.append(row)
-        meta = {"torch": torch.__version__}
-        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+    pair_host.rows_per_family(
+        args.out, args.families, args.device, lambda name: measure(name, args.device, args.repeat)
+    )
 
 
 if __name__ == "__main__":

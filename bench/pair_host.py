@@ -262,6 +262,26 @@ def side_runs(
     return plain, paired
 
 
+def rows_per_family(
+    out: str, families: str, device: str, measure: Callable[[str], dict[str, Any]]
+) -> None:
+    """`measure(name)` for each comma-separated family: a rounded JSON line printed and OUT.json
+    (`{"meta", "rows"}`) written after each, the CUDA cache emptied between families. On CPU the
+    pairs keep their side threads, as on CUDA (the interleaved benches' --device cpu)."""
+    if device == "cpu":
+        lockstep.KEEP_WORKERS_ON = (*lockstep.KEEP_WORKERS_ON, "cpu")
+    rows = []
+    for name in families.split(","):
+        row = measure(name)
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
+              flush=True)  # fmt: skip
+        rows.append(row)
+        meta = {"torch": torch.__version__}
+        Path(out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
 def family_case(name: str, device: str) -> tuple[Any, str, torch.nn.Module, Any]:
     """(family, preset label, model, inputs): the `full` preset on CUDA, else a deep tiny one."""
     fam = lab.family(name)

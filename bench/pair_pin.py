@@ -17,12 +17,10 @@ family.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pair_host
@@ -88,18 +86,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--repeat", type=int, default=7)
     args = parser.parse_args()
-    if args.device == "cpu":
-        lockstep.KEEP_WORKERS_ON = (*lockstep.KEEP_WORKERS_ON, "cpu")
-    rows = []
-    for name in args.families.split(","):
-        row = measure(name, args.device, args.repeat)
-        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
-              flush=True)  # fmt: skip
-        rows.append(row)
-        meta = {"torch": torch.__version__}
-        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+    pair_host.rows_per_family(
+        args.out, args.families, args.device, lambda name: measure(name, args.device, args.repeat)
+    )
 
 
 if __name__ == "__main__":
