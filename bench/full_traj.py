@@ -1,7 +1,7 @@
 """Full-size trajectories against the plain forwards they contain (issue 16).
 
     python bench/full_traj.py OUT_DIR [--families qwen_image,wan2_2] [--preset full]
-        [--device cuda] [--steps 2] [--cfg-scale 4.5] [--samples 1] [--repeat 1]
+        [--device cuda] [--steps 2] [--cfg-scale 4.5] [--samples 1] [--repeat 1] [--gc-ab]
 
 For each family, in one process, warm (one untimed run of each case first), three cases:
 - `plain`: for every step of the trajectory's schedule, the rollout side's forward(s) then the
@@ -14,6 +14,12 @@ For each family, in one process, warm (one untimed run of each case first), thre
 - `seed_metrics`: `lab.trajectory` with no per-module capture (velocities, SDE step, log-probs
   and the per-step drift only);
 - `every_module`: the same with `capture_steps=range(steps)` (the steps x layers heatmap).
+- with `--gc-ab`, `every_module_gc_on`: the same with the cyclic garbage collector left on
+  between the step's forwards and pairs (the trajectory before it paused the collector for the
+  whole call, `lab.rl.trajectory`), right after `every_module` in the same process.
+Each trajectory case's time ends with the young collection the run leaves behind (the objects
+it made with the collector off), timed; `{case}_gc_s` and `{case}_gc_collections` (young,
+middle, full) are the collections that ran inside the timed run, through `gc.callbacks`.
 The trajectory builds its own models; every case's time leaves the builds out (`fam.build` is
 timed for the run and subtracted) and the row records them. The warm-up runs count the forwards
 of the model's root class (a global forward pre-hook, never on a timed run); the seed-metrics
@@ -31,7 +37,7 @@ import json
 import statistics
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -188,32 +194,65 @@ def _plain(
     )
 
 
-def _trajectory(fam: Family, kwargs: dict[str, Any], *, device: str, repeat: int) -> dict[str, Any]:
-    """`lab.trajectory(**kwargs)` warm (one counted run first): median seconds less builds."""
+@contextmanager
+def _watching_gc() -> Iterator[dict[str, Any]]:
+    """Seconds and count (young, middle, full) of the cyclic collections run inside."""
+    seen: dict[str, Any] = {"seconds": 0.0, "collections": [0, 0, 0]}
+    started = [0.0]
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+            return
+        seen["seconds"] += time.perf_counter() - started[0]
+        seen["collections"][info["generation"]] += 1
+
+    gc.callbacks.append(callback)
+    try:
+        yield seen
+    finally:
+        gc.callbacks.remove(callback)
+
+
+def _trajectory(
+    fam: Family,
+    kwargs: dict[str, Any],
+    *,
+    device: str,
+    repeat: int,
+    run: Callable[..., Any] = lab.trajectory,
+) -> dict[str, Any]:
+    """`run(**kwargs)` warm (one counted run first): median seconds less builds, GC seen."""
     with _counting_forwards(fam) as count, _timing_builds(fam, device):
-        lab.trajectory(fam.name, **kwargs)  # warm-up, counted
+        run(fam.name, **kwargs)  # warm-up, counted
     _free(device)
-    times, builds, peak, traj = [], [], None, None
+    times, builds, peak, traj, gcs = [], [], None, None, []
     for _ in range(repeat):
         traj = None
         _free(device)
         _reset_peak(device)
-        with _timing_builds(fam, device) as build_s:
+        with _timing_builds(fam, device) as build_s, _watching_gc() as seen:
             sync(device)
             start = time.perf_counter()
-            traj = lab.trajectory(fam.name, **kwargs)
+            traj = run(fam.name, **kwargs)
             sync(device)
+            gc.collect(0)  # what the run left for the collector counts against it
             total = time.perf_counter() - start
         times.append(total - sum(build_s))
         builds.append(sum(build_s))
+        gcs.append(seen)
         run_peak = _peak_gib(device)
         peak = None if run_peak is None else max(peak or 0.0, run_peak)
+    median = statistics.median(times)
+    gc_seen = gcs[min(range(repeat), key=lambda r: abs(times[r] - median))]  # the median run's
     return dict(
-        seconds=statistics.median(times),
+        seconds=median,
         build_s=statistics.median(builds),
         peak_gib=peak,
         forwards=count[0],
         trajectory=traj,
+        gc_s=gc_seen["seconds"],
+        gc_collections=gc_seen["collections"],
     )
 
 
@@ -226,8 +265,11 @@ def measure(
     cfg_scale: float = 4.5,
     samples: int = 1,
     repeat: int = 1,
+    gc_ab: bool = False,
 ) -> dict[str, Any]:
     """One family's row: plain, seed-metrics and every-module seconds, ratios, peaks, counts.
+
+    `gc_ab`: also the every-module case with the collector left on (`every_module_gc_on`).
 
     Raises:
         RuntimeError: The seed-metrics trajectory ran another number of forwards than the
@@ -272,10 +314,19 @@ def measure(
         stream=stream, progress=False,
     )  # fmt: skip
     every_step = {"capture_steps": range(row["steps"])}
-    for case, extra in (("seed_metrics", {}), ("every_module", every_step)):
-        got = _trajectory(fam, {**kwargs, **extra}, device=device, repeat=repeat)
+    cases: list[tuple[str, dict[str, Any], Callable[..., Any]]] = [
+        ("seed_metrics", {}, lab.trajectory),
+        ("every_module", every_step, lab.trajectory),
+    ]
+    if gc_ab:
+        # The trajectory's own body, without the decorator that pauses the collector.
+        cases.append(("every_module_gc_on", every_step, lab.trajectory.__wrapped__))
+    for case, extra, run in cases:
+        got = _trajectory(fam, {**kwargs, **extra}, device=device, repeat=repeat, run=run)
         traj = got["trajectory"]
         row[f"{case}_s"] = got["seconds"]
+        row[f"{case}_gc_s"] = got["gc_s"]
+        row[f"{case}_gc_collections"] = got["gc_collections"]
         row[f"{case}_vs_plain"] = got["seconds"] / plain["seconds"]
         row[f"{case}_build_s"] = got["build_s"]
         row[f"{case}_peak_gib"] = got["peak_gib"]
@@ -296,10 +347,10 @@ def measure(
                 )
             row["log_prob_mean_abs_diff"] = traj.overall()["log_prob_mean_abs_diff"]
         else:
-            row["every_module_pairs"] = sum(len(r.rows) for r in traj.captures.values())
+            row[f"{case}_pairs"] = sum(len(r.rows) for r in traj.captures.values())
             # A capture pairs the step's own forwards (`pair(outputs=)`): this stays 0 unless
             # a capture runs forwards of its own again.
-            row["every_module_capture_forwards"] = got["forwards"] - plain["forwards"]
+            row[f"{case}_capture_forwards"] = got["forwards"] - plain["forwards"]
         del traj, got
         _free(device)
     return row
@@ -327,6 +378,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cfg-scale", type=float, default=4.5)
     parser.add_argument("--samples", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument(
+        "--gc-ab", action="store_true", help="also every module with the collector left on"
+    )
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("bench/full_traj.py: --device cuda, but this machine has no GPU.")
@@ -341,6 +395,7 @@ def main(argv: list[str] | None = None) -> None:
         "cfg_scale": args.cfg_scale,
         "samples": args.samples,
         "repeat": args.repeat,
+        "gc_ab": args.gc_ab,
     }
     rows: list[dict[str, Any]] = []
     for name in args.families.split(","):
@@ -348,6 +403,7 @@ def main(argv: list[str] | None = None) -> None:
             row = measure(
                 name, preset=args.preset, device=args.device, steps=args.steps,
                 cfg_scale=args.cfg_scale, samples=args.samples, repeat=args.repeat,
+                gc_ab=args.gc_ab,
             )  # fmt: skip
         except Exception as err:  # keep the other families' figures
             row = {"family": name, "preset": args.preset, "error": repr(err)[:400]}

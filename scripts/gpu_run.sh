@@ -8,7 +8,8 @@
 # host time goes, PROFILE_FAMILIES), master (MiniMax H3 full: compact master pairs, trained
 # refused), causes (checks + attribution at reduced, figures under OUT_DIR/causes; streamed
 # trajectories at reduced; pairing paths), trajfull (Qwen-Image and Wan2.2 full trajectories),
-# traj (bench/full_traj.py: full trajectories against their plain forwards, TRAJ_FAMILIES, TRAJ_STEPS),
+# traj (bench/full_traj.py: full trajectories against their plain forwards, TRAJ_FAMILIES, TRAJ_STEPS,
+# TRAJ_ARGS such as --gc-ab),
 # host (bench/pair_host.py: a full pair's host time function by function, ablations and each
 # case's GPU busy time, HOST_FAMILIES), share (bench/ab_cast_share.py: block casts shared between
 # the sides and lead hand-overs against the code before stop 16, interleaved, SHARE_FAMILIES), pin
@@ -78,7 +79,7 @@ for stage in "$@"; do
         ;;
     traj)
         python bench/full_traj.py "$out/traj" --families "${TRAJ_FAMILIES:-qwen_image,wan2_2}" \
-            --steps "${TRAJ_STEPS:-2}" >"$out/full_traj.log" 2>&1
+            --steps "${TRAJ_STEPS:-2}" ${TRAJ_ARGS:-} >"$out/full_traj.log" 2>&1
         ;;
     report)
         python bench/ab_report_forwards.py "$out/ab_report_forwards.json" \

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 from collections.abc import Callable
 from types import ModuleType
@@ -74,3 +75,27 @@ def test_steps_reaching_every_expert(load_bench: Callable[[str], ModuleType]) ->
     low = dataclasses.replace(wan, expert_boundary=0.05)
     with pytest.raises(ValueError, match=r"no schedule of 2\.\.8 steps reaches every expert"):
         bench.steps_reaching_every_expert(low, 2, "tiny", most=8)
+
+
+def test_gc_ab_case_runs_the_same_pairs_with_the_collector_on(
+    load_bench: Callable[[str], ModuleType],
+) -> None:
+    bench = load_bench("full_traj")
+    thresholds = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)  # the interpreter's defaults, whatever a test set before
+    try:
+        row = bench.measure("sd3", preset="tiny", device="cpu", steps=2, gc_ab=True)
+    finally:
+        gc.set_threshold(*thresholds)
+
+    assert row["every_module_gc_on_pairs"] == row["every_module_pairs"] > 100
+    assert row["every_module_gc_on_forwards"] == row["every_module_forwards"]
+    assert row["every_module_gc_on_capture_forwards"] == 0
+    assert math.isfinite(row["every_module_gc_on_vs_plain"])
+    young, middle, full = row["every_module_gc_collections"]
+    # Paused for the call: the timed young collection after it, and the one the first
+    # allocation after the pause may start (which can reach the older generations once).
+    assert 1 <= young <= 2 and middle <= 1 and full <= 1, row["every_module_gc_collections"]
+    assert row["every_module_gc_on_gc_collections"][0] > young + 3
+    for case in ("seed_metrics", "every_module", "every_module_gc_on"):
+        assert row[f"{case}_gc_s"] >= 0.0

@@ -3,6 +3,7 @@ policy-level metrics (transition KL, exact log-ratio, noise floor); streamed wei
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 from pathlib import Path
@@ -206,6 +207,50 @@ def test_bad_inputs_give_clear_errors() -> None:
         trajectory("flux", steps=4, cfg_scale=3.5)
     with pytest.raises(ValueError, match="capture_steps"):
         trajectory("sd3", steps=4, capture_steps=(4,))
+
+
+def test_no_cyclic_collection_runs_inside_a_captured_trajectory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The collector is off for the whole call (captures pile up rows), and back on after."""
+    collections: list[int] = []
+    at_pairs: list[int] = []
+    real_pair = lab.rl.trajectory.pair
+
+    def counted_pair(*args, **kwargs):
+        at_pairs.append(len(collections))
+        out = real_pair(*args, **kwargs)
+        at_pairs.append(len(collections))
+        return out
+
+    def seen(phase: str, info: dict) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    monkeypatch.setattr(lab.rl.trajectory, "pair", counted_pair)
+    thresholds = gc.get_threshold()
+    gc.callbacks.append(seen)
+    # A young collection every 10 allocations: with the collector on between the steps, a
+    # 3-step trajectory capturing each step runs hundreds (each step's Result: ~150 rows).
+    gc.set_threshold(10, 2, 2)
+    try:
+        assert gc.isenabled()
+        traj = trajectory("sd3", steps=3, samples=1, capture_steps=(0, 1, 2), progress=False)
+        assert gc.isenabled(), "the collector must be on again after the call"
+        with pytest.raises(ValueError, match="capture_steps"):
+            trajectory("sd3", steps=3, capture_steps=(3,))
+        assert gc.isenabled(), "the collector must be on again after a refusal"
+        gc.disable()
+        trajectory("sd3", steps=2, samples=1, progress=False)
+        assert not gc.isenabled(), "a caller's own gc.disable() must survive the call"
+    finally:
+        gc.enable()
+        gc.set_threshold(*thresholds)
+        gc.callbacks.remove(seen)
+    assert len(at_pairs) == 6, "three captured steps, one pair each"
+    assert len(traj.captures[0].rows) > 100
+    between = collections[at_pairs[0] : at_pairs[-1]]
+    assert between == [], f"{len(between)} collections ran between the first and last pair"
 
 
 # ---- policy-level metrics (issue 15): sd3 tiny at CFG 4.5, the issue's setting ---------------

@@ -26,6 +26,7 @@ from lab.base.atomic import atomic_write_text
 from lab.families import Family, Inputs
 from lab.families import family as get_family
 from lab.families.master import master_summary
+from lab.pairing.guards import gc_paused
 from lab.pairing.result import Result
 from lab.pairing.run import block_classes, forward_side, pair
 from lab.pairing.sides import Side
@@ -374,6 +375,12 @@ def _guided_velocity(
     return guided_velocity(fam.name, out, negative, cfg_scale, shapes, batch)
 
 
+# The cyclic collector off for the whole rollout, as inside each pair and forward it runs
+# (`guards.gc_paused`). Between them it was on, and a captured step's Result (qwen_image full:
+# 2237 rows, each with its metrics and flow entries) survives into the old generations: as the
+# captures pile up, full collections walk them and the model's and libraries' objects again
+# and again. Off for the call, what the trajectory keeps is walked once, after it returns.
+@gc_paused()
 def trajectory(
     family_name: str,
     preset: str = "tiny",
