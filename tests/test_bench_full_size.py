@@ -1,9 +1,12 @@
-"""bench/full_size.py: how many runs a family's cases get (it needs CUDA to run)."""
+"""bench/full_size.py: how many runs a family's cases get, in rounds, and their ratios (its
+main needs CUDA; these parts run anywhere)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from types import ModuleType
+
+import pytest
 
 
 def test_one_run_only_where_both_warm_forwards_take_seconds(
@@ -15,3 +18,40 @@ def test_one_run_only_where_both_warm_forwards_take_seconds(
     # slow warm-up left every case of the family (and of side b) at one run.
     assert bench.runs_for([4.2, 0.12], 3) == 3
     assert bench.runs_for([0.11, 0.12], 5) == 5
+
+
+def test_cases_run_in_rounds_and_keep_only_their_last_value(
+    load_bench: Callable[[str], ModuleType],
+) -> None:
+    bench = load_bench("full_size")
+    order: list[str] = []
+    held: list[int] = []
+
+    def case(key: str) -> Callable[[], object]:
+        def run() -> object:
+            order.append(key)
+            held.append(len(order))
+            return (key, len(order))
+
+        return run
+
+    times, peaks, last = bench.in_rounds({k: case(k) for k in ("p", "q", "r")}, 3)
+    assert order == ["p", "q", "r"] * 3
+    assert {k: len(v) for k, v in times.items()} == {"p": 3, "q": 3, "r": 3}
+    assert all(s >= 0.0 for v in times.values() for s in v)
+    assert last == {"p": ("p", 7), "q": ("q", 8), "r": ("r", 9)}
+    assert set(peaks) == {"p", "q", "r"}
+
+
+def test_ratios_of_medians_minima_and_rounds(load_bench: Callable[[str], ModuleType]) -> None:
+    bench = load_bench("full_size")
+    times = {
+        "plain_a": [0.10, 0.20, 0.10],
+        "plain_b": [0.10, 0.20, 0.12],
+        # A noisy round (the second) slows every case alike: the round's own ratio stays put.
+        "every_module": [0.26, 0.52, 0.33],
+    }
+    got = bench.ratios(times, "every_module")
+    assert got["every_module_vs_plain"] == pytest.approx(0.33 / (0.10 + 0.12))
+    assert got["every_module_vs_plain_min"] == pytest.approx(0.26 / 0.20)
+    assert got["every_module_vs_plain_rounds"] == pytest.approx(1.3)  # 1.3, 1.3, 1.5
