@@ -135,14 +135,26 @@ def test_residual_is_the_final_cast_between_output_dtypes() -> None:
     assert math.isclose(table["share"].sum(), 1.0 - attr.residual, rel_tol=0, abs_tol=1e-12)
 
 
+# CPU results are bit-exact within one ATen kernel set (`torch.backends.cpu.get_cpu_capability`,
+# also in a Result's meta["versions"]["cpu"]): a measured figure is pinned per kernel set, and
+# a machine with another one gets the measured range.
+CAPABILITY = torch.backends.cpu.get_cpu_capability()
+FLUX_NORM_OUT_SHARE = {"AVX512": 0.889, "AVX2": 0.8856}
+
+
 def test_default_pair_on_flux_matches_the_research_numbers(flux) -> None:
     fam, model, inputs = flux
     attr = attribute(model, inputs, lab.Side.rollout(fam), lab.Side.trainer(fam))
     summary = attr.summary()
 
     # research15 sec. 2 (graft_family.py flux): norm_out 88.9 %, nothing before the blocks.
+    # That was AVX512's kernels; AVX2's reductions round differently (CI machines differ).
     assert summary["top_module"] == "norm_out"
-    assert summary["top_share"] == pytest.approx(0.889, abs=0.001)
+    pinned = FLUX_NORM_OUT_SHARE.get(CAPABILITY)
+    if pinned is None:
+        assert 0.85 < summary["top_share"] < 0.92, (CAPABILITY, summary)
+    else:
+        assert summary["top_share"] == pytest.approx(pinned, abs=0.001), CAPABILITY
     assert all(r["share"] == 0.0 for r in attr.rows[:4])
     # Incremental: a fraction of the plain scheme's 3 full forwards per unit (+ A and B).
     assert 2 <= summary["forwards_equivalent"] < (3 * len(attr.rows) + 2) / 4
@@ -320,10 +332,19 @@ def test_scenario_culprit_comes_first_and_ranks_as_recorded(scenario_attribution
 # What each scenario's sites take together, and the largest unit outside them (tiny, CPU, at
 # the scenario's sites_level): measured, pinned to a tolerance so a change in the grafting
 # that moves them shows.
+# Per ATen kernel set: AVX2 moves wan's keep-fp32 sites from 67.6 % to 57.8 % and its largest
+# other unit from blocks.1.attn1 to blocks.0.attn1 (29.2 % both).
 SITE_SHARES = {
-    "wan_fp32_keeps_cast_by_to": (0.676, "blocks.1.attn1", 0.292),
-    "ltx_positions_dtype": (0.960, "transformer_blocks.1", 0.023),
+    "AVX512": {
+        "wan_fp32_keeps_cast_by_to": (0.676, "blocks.1.attn1", 0.292),
+        "ltx_positions_dtype": (0.960, "transformer_blocks.1", 0.023),
+    },
+    "AVX2": {
+        "wan_fp32_keeps_cast_by_to": (0.578, "blocks.0.attn1", 0.292),
+        "ltx_positions_dtype": (0.960, "transformer_blocks.1", 0.024),
+    },
 }
+UNEVEN_SITES = {"wan_fp32_keeps_cast_by_to", "ltx_positions_dtype"}
 
 
 @pytest.mark.parametrize("name", CPU_NAMES)
@@ -338,12 +359,14 @@ def test_scenario_sites_take_the_largest_share(scenario_attributions, name) -> N
         result = attribute_scenario(name, level=scenario.sites_level)
     assert result.sites == scenario.sites and result.site_units
     assert result.sites_take_largest_share, result.row()
-    assert result.site_share > 0.6 and result.outside_top_share < 0.3, result.row()
-    if name in SITE_SHARES:
-        share, module, outside = SITE_SHARES[name]
-        assert result.site_share == pytest.approx(share, abs=0.005), result.row()
-        assert result.outside_top_module == module, result.row()
-        assert result.outside_top_share == pytest.approx(outside, abs=0.005), result.row()
+    assert result.site_share > 0.5 and result.outside_top_share < 0.3, result.row()
+    assert result.site_share > 1.5 * result.outside_top_share, result.row()
+    if name in UNEVEN_SITES:
+        if CAPABILITY in SITE_SHARES:
+            share, module, outside = SITE_SHARES[CAPABILITY][name]
+            assert result.site_share == pytest.approx(share, abs=0.005), result.row()
+            assert result.outside_top_module == module, result.row()
+            assert result.outside_top_share == pytest.approx(outside, abs=0.005), result.row()
     else:
         # The rest put (almost) nothing outside their sites.
         assert result.outside_top_share < 1e-3, result.row()

@@ -6,6 +6,7 @@ import errno
 import io
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -349,6 +350,29 @@ def test_from_json_on_empty_truncated_and_foreign_files_names_the_file(
         with pytest.raises(ValueError, match=pattern) as err:
             Result.from_json(tmp_path / name)
         assert str(tmp_path / name) in str(err.value), name
+    # A torn write can stop anywhere (mid-number, mid-keyword, mid-string, after a comma): every
+    # cut is named as one, and a complete but malformed document is not.
+    for fraction in (0.1, 0.23, 0.37, 0.5, 0.61, 0.77, 0.9, 0.999):
+        cut = tmp_path / f"cut_{fraction}.json"
+        cut.write_bytes(full[: int(len(full) * fraction)])
+        with pytest.raises(ValueError, match=r"the file is truncated"):
+            Result.from_json(cut)
+    body = full.rstrip()
+    ends = [len(body) - n for n in range(1, 40)]
+    # Cuts the decoder reports before the end: after a number's point or exponent sign, inside
+    # a keyword (CI met "Expecting ',' delimiter" on a cut after "0.").
+    for token in (rb"\d\.", rb"\de-", rb"tru", rb"fals", rb"nul"):
+        ends += [m.end() for m in re.finditer(token, body)][:3]
+    assert len(ends) > 45
+    for end in ends:
+        cut.write_bytes(body[:end])
+        with pytest.raises(ValueError, match=r"the file is truncated"):
+            Result.from_json(cut)
+    malformed = tmp_path / "malformed.json"
+    malformed.write_bytes(full.replace(b",", b";", 1))
+    with pytest.raises(ValueError, match=r"not valid JSON") as err:
+        Result.from_json(malformed)
+    assert "truncated" not in str(err.value)
     with pytest.raises(FileNotFoundError, match=r"missing\.json.*no such file"):
         Result.from_json(tmp_path / "missing.json")
     with pytest.raises(ValueError, match="is a directory"):

@@ -1,9 +1,14 @@
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import lab
 from lab.pairing.result import Result
@@ -105,6 +110,36 @@ def test_another_model_is_refused_and_settings_are_listed(result: Result) -> Non
         result.mode, result.side_a, result.side_b, result.rows, meta={**result.meta, "seed": 7}
     )
     assert compare_to_baseline(moved, result).settings_differ == {"seed": (0, 7)}
+
+
+def test_a_baseline_from_another_cpu_kernel_set_is_named_as_such(
+    result: Result, tmp_path: Path
+) -> None:
+    # The same run on a lower ATen CPU capability (CI machines differ: AVX512 or AVX2 only):
+    # its reductions round differently, and the comparison says why the bits moved.
+    here = torch.backends.cpu.get_cpu_capability()
+    lower = {"AVX512": "avx2", "AVX2": "default"}.get(here)
+    if lower is None:
+        pytest.skip(f"no lower ATen capability known below {here!r}")
+    path = tmp_path / "lower.json"
+    code = f"import lab; lab.pair_family('flux').to_json({str(path)!r})"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": lower}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    other = Result.from_json(path)
+
+    assert result.meta["versions"]["cpu"] == here
+    assert other.meta["versions"]["cpu"] == lower.upper()
+    cmp = compare_to_baseline(result, other)
+    assert cmp.settings_differ == {"versions.cpu": (lower.upper(), here)}
+    assert "different software or CPU kernels" in cmp.describe()
+    # Not a claim on the verdict: the bits moved somewhere, with no setting of ours changed.
+    moved = [
+        a.module
+        for a, b in zip(other.rows, result.rows, strict=True)
+        if repr(dataclasses.asdict(a.metrics)) != repr(dataclasses.asdict(b.metrics))
+    ]
+    assert 0 < len(moved) < len(result.rows), moved
 
 
 def test_names_and_overwrite_are_checked(result: Result, tmp_path: Path) -> None:

@@ -29,6 +29,8 @@ from typing import Any
 
 import pytest
 
+from lab.views.notebooks import KERNEL_START_TIMEOUT_S
+
 pytestmark = pytest.mark.browser
 
 REPO = Path(__file__).resolve().parent.parent
@@ -419,6 +421,7 @@ def test_executed_quickstart_shows_its_figure(
         str(out),
         kernel_name="python3",
         progress_bar=False,
+        start_timeout=KERNEL_START_TIMEOUT_S,
         cwd=str(lab_root),
     )
     page = browser.new_page(viewport={"width": 1400, "height": 1600})

@@ -53,6 +53,10 @@ def test_wan22_full_pairs_every_module_within_the_card() -> None:
     )
 
     assert result.meta["lockstep"] is True
+    # What the low bits depend on besides the settings: the GPU and CUDA build too.
+    versions = result.meta["versions"]
+    assert versions["gpu"] == torch.cuda.get_device_name(0)
+    assert versions["cuda"] == torch.version.cuda and versions["cpu"]
     assert len(result.rows) > 40 * 20, "every module of the 40 blocks should be paired"
     assert not result.skipped
     assert any(r.module == ROOT for r in result.rows)

@@ -17,6 +17,7 @@ from lab.rl.gradients import (
     master_gradients,
     pair_gradients,
 )
+from lab.views.notebooks import KERNEL_START_TIMEOUT_S
 from lab.views.plots import plot_gradient_divergence
 
 # wan2_2 pins norm2 to fp32 on the trainer side: the FSDP2 runs take the patched path and mix
@@ -143,6 +144,7 @@ def test_notebook_07_runs_headless_and_the_emulation_matches_real_fsdp2(tmp_path
         parameters={"out_dir": str(out_dir)},
         kernel_name="python3",
         progress_bar=False,
+        start_timeout=KERNEL_START_TIMEOUT_S,
         cwd=str(tmp_path),
     )
     real = json.loads((out_dir / "results.json").read_text())

@@ -8,6 +8,8 @@ from pathlib import Path
 import nbformat
 import pandas as pd
 
+from lab.views.notebooks import KERNEL_START_TIMEOUT_S
+
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = REPO / "notebooks"
 TOY = REPO / "tests" / "data" / "sweep_toy.ipynb"
@@ -23,6 +25,7 @@ def _execute(name: str, tmp_path: Path, **parameters) -> nbformat.NotebookNode:
         parameters={"interactive": False, **parameters},
         kernel_name="python3",
         progress_bar=False,
+        start_timeout=KERNEL_START_TIMEOUT_S,
         cwd=str(tmp_path),
     )
     return nbformat.read(out, as_version=4)

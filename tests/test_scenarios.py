@@ -8,6 +8,7 @@ import torch
 import lab
 import lab.engine.scenarios as scenarios
 from lab.pairing.side_context import side_inputs
+from lab.views.notebooks import KERNEL_START_TIMEOUT_S
 
 CPU_NAMES = scenarios.names("cpu")
 # Families whose fixed pair is the record's bitwise-aligned stack.
@@ -96,6 +97,7 @@ def test_scenarios_notebook_runs_headless(tmp_path) -> None:
         parameters=dict(device="cpu", preset="tiny", only=only, out_dir=str(out_dir)),
         kernel_name="python3",
         progress_bar=False,
+        start_timeout=KERNEL_START_TIMEOUT_S,
         cwd=str(tmp_path),
     )
     summary = json.loads((out_dir / "scenarios.json").read_text())

@@ -14,6 +14,7 @@ import torch
 import lab
 from lab.families import FAMILY_NAMES
 from lab.rl.trajectory import STEP_LOG_METRICS, Trajectory, trajectory
+from lab.views.notebooks import KERNEL_START_TIMEOUT_S
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
@@ -574,6 +575,7 @@ def test_ratio_drift_notebook_runs_for_every_family(family_name: str, tmp_path: 
         ),
         kernel_name="python3",
         progress_bar=False,
+        start_timeout=KERNEL_START_TIMEOUT_S,
         cwd=str(tmp_path),
     )
     data = json.loads((out_dir / "results.json").read_text())

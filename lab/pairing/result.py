@@ -341,15 +341,41 @@ class Result:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
-            # A torn write stops mid-token: the decoder fails at the end, or on a string
-            # that never closes.
-            ends_early = err.pos >= len(text.rstrip()) or err.msg.startswith("Unterminated")
+            ends_early = _ends_early(text, err)
             cut = "; the document ends early: the file is truncated" if ends_early else ""
             raise ValueError(
                 f"{where}: not valid JSON ({err.msg} line {err.lineno}, column {err.colno})"
                 f"{cut}. Only files written by Result.to_json can be read."
             ) from None
         return cls.from_dict(data, where=where)
+
+
+def _ends_early(text: str, err: json.JSONDecodeError) -> bool:
+    """Whether `text` reads as a torn write: a JSON document cut off, not a malformed one.
+
+    A cut can stop anywhere in a token (``1.``, ``tru``, ``"ab``), so where the decoder fails
+    says little. What a cut always leaves is an object or array still open (or a string that
+    never closes); a complete but malformed document closes everything it opens.
+    """
+    if err.msg.startswith("Unterminated") or err.pos >= len(text.rstrip()):
+        return True
+    depth = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+    return in_string or depth > 0
 
 
 def _check_document(data: Any, where: str) -> None:

@@ -224,7 +224,7 @@ def pair(
         "autocast_policy_b": side_b.resolved_autocast_policy,
         "param_dtypes_a": view_a.plan.dtype_counts(),
         "param_dtypes_b": view_b.plan.dtype_counts(),
-        "versions": dict(_versions()),
+        "versions": _versions(str(device)),
         "stream": stream,
         "master": {**summary, "held": dict(summary["held"])},
     }
@@ -555,13 +555,26 @@ def _check_outputs(result: Result, side_a: Side, side_b: Side) -> None:
         )
 
 
+def _versions(device: str = "cpu") -> dict[str, str]:
+    """What the numbers depend on besides the settings: packages, CPU kernel set, GPU."""
+    out = dict(_software())
+    if device.startswith("cuda"):
+        # Another GPU or CUDA build picks other kernels (and tile sizes): other low bits.
+        out["cuda"] = str(torch.version.cuda)
+        out["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return out
+
+
 @functools.cache
-def _versions() -> dict[str, str]:
+def _software() -> dict[str, str]:
     import importlib.metadata as md
 
     out = {"torch": torch.__version__}
     with contextlib.suppress(md.PackageNotFoundError):
         out["diffusers"] = md.version("diffusers")
+    # ATen's CPU kernel set (AVX512, AVX2, ...; ATEN_CPU_CAPABILITY can lower it): its
+    # vectorized reductions round differently, so CPU results are bit-exact only within one.
+    out["cpu"] = torch.backends.cpu.get_cpu_capability()
     return out
 
 

@@ -145,7 +145,9 @@ class BaselineComparison:
     baseline: Result = field(repr=False)
     candidate: Result = field(repr=False)
     settings_differ: dict[str, tuple[Any, Any]] = field(default_factory=dict)
-    """Meta keys (family, preset, seed, ...) whose values differ: {key: (baseline, candidate)}."""
+    """Meta keys (family, preset, seed, ...) whose values differ: {key: (baseline, candidate)};
+    `versions.<name>` for a differing torch, diffusers or CPU kernel set (`versions.cpu`, ATen's
+    capability: AVX512 and AVX2 kernels round reductions differently)."""
 
     def rows(self, status: Status) -> pd.DataFrame:
         """The table's rows of one status; worse/improved sorted by how far they moved.
@@ -207,6 +209,12 @@ class BaselineComparison:
             )
         if self.settings_differ:
             lines.append(f"  settings differ: {s['settings_differ']}")
+        if any(k.startswith("versions.") for k in self.settings_differ):
+            lines.append(
+                "  the runs used different software or CPU kernels (versions.*): their low bits "
+                "can differ with no change of yours; take the baseline again on this machine "
+                "to compare bit for bit"
+            )
         return "\n".join(lines)
 
 
@@ -302,6 +310,12 @@ def compare_to_baseline(
     }
     if base.mode != result.mode:
         differ["mode"] = (base.mode, result.mode)
+    # Another torch, diffusers or CPU kernel set rounds differently: name it beside the verdict.
+    old_versions = base.meta.get("versions") or {}
+    new_versions = result.meta.get("versions") or {}
+    for key in sorted(set(old_versions) & set(new_versions)):
+        if old_versions[key] != new_versions[key]:
+            differ[f"versions.{key}"] = (old_versions[key], new_versions[key])
     return BaselineComparison(
         baseline_name=name,
         metric=metric,

@@ -35,6 +35,12 @@ def kernel_config() -> Any:
     return Config({"KernelManager": {"transport_encryption": policy}})
 
 
+KERNEL_START_TIMEOUT_S = 600
+"""How long a notebook's kernel may take to start (papermill's default is 60 s). A loaded
+two-core machine running several kernels (a sweep's jobs beside a test run) has taken longer;
+a kernel that never starts still fails, with papermill's "Kernel didn't respond" error."""
+
+
 def execute_notebook(
     notebook: str | Path,
     output: str | Path,
@@ -67,6 +73,7 @@ def execute_notebook(
         progress_bar=progress,
         cwd=None if cwd is None else str(cwd),
         config=kernel_config(),
+        start_timeout=papermill_kwargs.pop("start_timeout", KERNEL_START_TIMEOUT_S),
         **papermill_kwargs,
     )
 
@@ -86,8 +93,11 @@ def papermill_main(argv: Sequence[str] | None = None) -> int:
 
     # The default engine of this process only: a command-line `--engine` still wins.
     papermill_engines.register(None, EncryptedTransportEngine)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not any(a == "--start-timeout" or a.startswith("--start-timeout=") for a in args):
+        args += ["--start-timeout", str(KERNEL_START_TIMEOUT_S)]
     try:
-        papermill_cli.main(args=list(argv) if argv is not None else None, prog_name="papermill")
+        papermill_cli.main(args=args, prog_name="papermill")
     except SystemExit as done:
         return int(done.code or 0) if not isinstance(done.code, str) else 1
     return 0

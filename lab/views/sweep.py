@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from lab.base.atomic import atomic_path, atomic_write_text
+from lab.views.notebooks import KERNEL_START_TIMEOUT_S
 
 NOTEBOOK_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 """Where bare notebook names ("01_quickstart") are looked up."""
@@ -315,7 +316,8 @@ task = json.loads(open(sys.argv[1], encoding="utf-8").read())
 config = Config({"KernelManager": {"transport_encryption": "auto" if zmq.has("curve") else
                                    "disabled"}})
 pm.execute_notebook(task["notebook"], task["output"], parameters=task["parameters"],
-                    kernel_name="python3", progress_bar=False, cwd=task["cwd"], config=config)
+                    kernel_name="python3", progress_bar=False, cwd=task["cwd"], config=config,
+                    start_timeout=task["start_timeout"])
 """
 """One grid point's process: papermill itself, importable without torch, so it starts fast; the
 notebook's kernel is its child and exits when it does (ipykernel polls its parent)."""
@@ -541,6 +543,7 @@ def _start_run(notebook: Path, task: _Task) -> Any:
                 "output": str(task.folder / "executed.ipynb"),
                 "parameters": task.params,
                 "cwd": str(task.folder),
+                "start_timeout": KERNEL_START_TIMEOUT_S,
             }
         ),
     )
