@@ -30,3 +30,21 @@ def test_stages_pair_the_outputs_the_pair_does(
     assert all(math.isfinite(row[f"{s}_ms"]) and row[f"{s}_ms"] > 0 for s in stages), row
     assert "copies_ms" not in row  # the pair holds its outputs, it no longer copies them
     assert "LAB_CPU_STATS" not in os.environ  # the torch stages put the variable back
+    # One round: its own ratio is the minima's.
+    for stage in ("pair", "pair_lockstep", "pair_torch"):
+        ratio = row[f"{stage}_ms"] / row["plain_ms"]
+        assert row[f"{stage}_vs_plain_rounds"] == pytest.approx(ratio, rel=1e-9)
+        assert row[f"{stage}_vs_plain"] == pytest.approx(ratio, rel=1e-9)
+
+
+def test_the_rounds_ratio_takes_each_round_against_its_own_plain(
+    load_bench: Callable[[str], ModuleType],
+) -> None:
+    bench = load_bench("cpu_overhead")
+    # The machine slowed down by 2x after the first round's plain forwards: the minima's ratio
+    # reads 2.4x, each round's own reads 1.2x twice.
+    plain, case = [1.0, 2.0, 2.0], [2.4, 2.4, 2.4]
+    assert min(case) / min(plain) == pytest.approx(2.4)
+    assert bench.per_round_ratio(case, plain) == pytest.approx(1.2)
+    with pytest.raises(ValueError):
+        bench.per_round_ratio([1.0], [1.0, 2.0])
