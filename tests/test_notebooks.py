@@ -20,7 +20,7 @@ import pytest
 
 import lab
 from lab.families import FAMILY_NAMES
-from lab.views.notebooks import execute_notebook
+from lab.views.notebooks import KERNEL_START_TIMEOUT_S, execute_notebook, papermill_main
 from lab.views.parameters import json_parameter
 from lab.views.plots import PLOTLY_MIME
 
@@ -306,3 +306,19 @@ def test_notebook_runs_with_its_defaults(name: str, family: str | None, tmp_path
         check(tmp_path / defaults["out_dir"], family or defaults.get("family"), nb)
     if name == "00_index.ipynb":
         assert "'flux'" in _text(nb), "the index lists the families"
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [([], KERNEL_START_TIMEOUT_S), (["--start-timeout", "5"], 5), (["--start_timeout=7"], 7)],
+)
+def test_papermill_command_line_gives_kernels_the_lab_start_timeout(
+    extra: list[str], expected: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import papermill.cli
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(papermill.cli, "execute_notebook", lambda *a, **kw: seen.update(kw))
+    notebook = NOTEBOOKS / "01_quickstart.ipynb"
+    code = papermill_main([str(notebook), str(tmp_path / "out.ipynb"), *extra])
+    assert code == 0 and seen["start_timeout"] == expected

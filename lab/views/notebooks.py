@@ -94,7 +94,8 @@ def papermill_main(argv: Sequence[str] | None = None) -> int:
     # The default engine of this process only: a command-line `--engine` still wins.
     papermill_engines.register(None, EncryptedTransportEngine)
     args = list(sys.argv[1:] if argv is None else argv)
-    if not any(a == "--start-timeout" or a.startswith("--start-timeout=") for a in args):
+    given = ("--start-timeout", "--start_timeout")  # papermill takes both spellings
+    if not any(a in given or a.startswith(tuple(f"{g}=" for g in given)) for a in args):
         args += ["--start-timeout", str(KERNEL_START_TIMEOUT_S)]
     try:
         papermill_cli.main(args=args, prog_name="papermill")
