@@ -124,7 +124,9 @@ def test_a_baseline_from_another_cpu_kernel_set_is_named_as_such(
     path = tmp_path / "lower.json"
     code = f"import lab; lab.pair_family('flux').to_json({str(path)!r})"
     env = {**os.environ, "ATEN_CPU_CAPABILITY": lower}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr
     other = Result.from_json(path)
 

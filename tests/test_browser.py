@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from lab.views.notebooks import KERNEL_START_TIMEOUT_S
+from lab.views.notebooks import execute_notebook
 
 pytestmark = pytest.mark.browser
 
@@ -413,15 +413,10 @@ def test_export_writes_one_report(panel: Any, lab_root: Path) -> None:
 def test_executed_quickstart_shows_its_figure(
     lab_server: str, lab_root: Path, browser: Any
 ) -> None:
-    import papermill as pm
-
     out = lab_root / "01_quickstart.out.ipynb"
-    pm.execute_notebook(
+    execute_notebook(
         str(REPO / "notebooks" / "01_quickstart.ipynb"),
         str(out),
-        kernel_name="python3",
-        progress_bar=False,
-        start_timeout=KERNEL_START_TIMEOUT_S,
         cwd=str(lab_root),
     )
     page = browser.new_page(viewport={"width": 1400, "height": 1600})

@@ -17,7 +17,7 @@ from lab.rl.gradients import (
     master_gradients,
     pair_gradients,
 )
-from lab.views.notebooks import KERNEL_START_TIMEOUT_S
+from lab.views.notebooks import execute_notebook
 from lab.views.plots import plot_gradient_divergence
 
 # wan2_2 pins norm2 to fp32 on the trainer side: the FSDP2 runs take the patched path and mix
@@ -134,17 +134,12 @@ def test_real_reduce_is_bitwise_its_in_process_emulation(
 
 
 def test_notebook_07_runs_headless_and_the_emulation_matches_real_fsdp2(tmp_path: Path) -> None:
-    import papermill as pm
-
     notebook = Path(__file__).resolve().parent.parent / "notebooks" / "07_fsdp2.ipynb"
     out_dir = tmp_path / "out"
-    pm.execute_notebook(
+    execute_notebook(
         str(notebook),
         str(tmp_path / "07.ipynb"),
         parameters={"out_dir": str(out_dir)},
-        kernel_name="python3",
-        progress_bar=False,
-        start_timeout=KERNEL_START_TIMEOUT_S,
         cwd=str(tmp_path),
     )
     real = json.loads((out_dir / "results.json").read_text())

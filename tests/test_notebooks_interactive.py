@@ -8,7 +8,7 @@ from pathlib import Path
 import nbformat
 import pandas as pd
 
-from lab.views.notebooks import KERNEL_START_TIMEOUT_S
+from lab.views.notebooks import execute_notebook
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = REPO / "notebooks"
@@ -16,16 +16,11 @@ TOY = REPO / "tests" / "data" / "sweep_toy.ipynb"
 
 
 def _execute(name: str, tmp_path: Path, **parameters) -> nbformat.NotebookNode:
-    import papermill as pm
-
     out = tmp_path / name
-    pm.execute_notebook(
+    execute_notebook(
         str(NOTEBOOKS / name),
         str(out),
         parameters={"interactive": False, **parameters},
-        kernel_name="python3",
-        progress_bar=False,
-        start_timeout=KERNEL_START_TIMEOUT_S,
         cwd=str(tmp_path),
     )
     return nbformat.read(out, as_version=4)

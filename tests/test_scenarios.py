@@ -8,7 +8,7 @@ import torch
 import lab
 import lab.engine.scenarios as scenarios
 from lab.pairing.side_context import side_inputs
-from lab.views.notebooks import KERNEL_START_TIMEOUT_S
+from lab.views.notebooks import execute_notebook
 
 CPU_NAMES = scenarios.names("cpu")
 # Families whose fixed pair is the record's bitwise-aligned stack.
@@ -86,18 +86,13 @@ def test_unknown_and_gpu_only_scenarios_explain_themselves() -> None:
 def test_scenarios_notebook_runs_headless(tmp_path) -> None:
     import json
 
-    import papermill as pm
-
     notebook = scenarios.__file__.replace("lab/engine/scenarios.py", "notebooks/06_scenarios.ipynb")
     out_dir = tmp_path / "out"
     only = ["qwen_fused_norm_rounding", "wan_root_table_rounding"]
-    pm.execute_notebook(
+    execute_notebook(
         notebook,
         str(tmp_path / "06.ipynb"),
         parameters=dict(device="cpu", preset="tiny", only=only, out_dir=str(out_dir)),
-        kernel_name="python3",
-        progress_bar=False,
-        start_timeout=KERNEL_START_TIMEOUT_S,
         cwd=str(tmp_path),
     )
     summary = json.loads((out_dir / "scenarios.json").read_text())

@@ -14,7 +14,7 @@ import torch
 import lab
 from lab.families import FAMILY_NAMES
 from lab.rl.trajectory import STEP_LOG_METRICS, Trajectory, trajectory
-from lab.views.notebooks import KERNEL_START_TIMEOUT_S
+from lab.views.notebooks import execute_notebook
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
@@ -558,10 +558,8 @@ def test_full_size_trajectory_streams_on_one_h200(family_name: str, kwargs: dict
     [n if n == "sd3" else pytest.param(n, marks=pytest.mark.slow) for n in FAMILY_NAMES],
 )
 def test_ratio_drift_notebook_runs_for_every_family(family_name: str, tmp_path: Path) -> None:
-    import papermill as pm
-
     out_dir = tmp_path / "out"
-    pm.execute_notebook(
+    execute_notebook(
         str(NOTEBOOKS / "02_ratio_drift.ipynb"),
         str(tmp_path / "02.ipynb"),
         parameters=dict(
@@ -573,9 +571,6 @@ def test_ratio_drift_notebook_runs_for_every_family(family_name: str, tmp_path: 
             cfg_scale=_cfg_for(family_name),
             out_dir=str(out_dir),
         ),
-        kernel_name="python3",
-        progress_bar=False,
-        start_timeout=KERNEL_START_TIMEOUT_S,
         cwd=str(tmp_path),
     )
     data = json.loads((out_dir / "results.json").read_text())

@@ -357,8 +357,8 @@ def _ends_early(text: str, err: json.JSONDecodeError) -> bool:
     says little. What a cut always leaves is an object or array still open (or a string that
     never closes); a complete but malformed document closes everything it opens.
     """
-    if err.msg.startswith("Unterminated") or err.pos >= len(text.rstrip()):
-        return True
+    if err.pos >= len(text.rstrip()):
+        return True  # the decoder ran out of text: no need to scan it
     depth = 0
     in_string = escaped = False
     for char in text:
