@@ -78,6 +78,10 @@ def test_single_report_is_one_file_and_complete(
 
     _assert_one_file(text)
     assert sorted(p.name for p in path.parent.iterdir()) == ["report.html"], "one file only"
+    # The first line says what the bits depend on, the CPU kernel set included.
+    versions = result.meta["versions"]
+    assert f"torch {versions['torch']}, " in text
+    assert f"CPU kernels {versions['cpu']}." in text
     size = path.stat().st_size
     assert capsys.readouterr().out == f"wrote {path} ({size / 1e6:.1f} MB)\n"
     # plotly.js once, packed: the page unpacks it to the very script plotly ships.

@@ -127,6 +127,10 @@ window.addEventListener("DOMContentLoaded", drawFigures);
 """
 
 
+_VERSION_WORDS = {"cpu": "CPU kernels", "gpu": "GPU", "cuda": "CUDA"}
+"""How the report's first line names a `meta["versions"]` key (the rest by their own name)."""
+
+
 def write_html(
     result_or_results: Result | Sequence[Result] | Mapping[str, Result],
     path: str | Path,
@@ -192,6 +196,7 @@ def write_html(
     first = named[0][1]
     title = title or f"Precision Lab report: {_run_name(first, None)}"
     versions = first.meta.get("versions") or {}
+    built_with = ", ".join(f"{_VERSION_WORDS.get(k, k)} {v}" for k, v in versions.items())
     stamp = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     packed = (
         f'<script type="application/gzip+base64" id="plotly-gz">{_plotlyjs_gzip_b64()}</script>'
@@ -206,7 +211,7 @@ def write_html(
 <script type="text/javascript">{_JS}</script>
 </head><body>
 <h1>{_e(title)}</h1>
-<p class="note">Written {_e(stamp)}; {_e(", ".join(f"{k} {v}" for k, v in versions.items()))}.
+<p class="note">Written {_e(stamp)}; {_e(built_with)}.
 In every table and plot the first side is the reference and the second the candidate;
 metrics are candidate vs reference.</p>
 <nav>{"".join(f'<a href="#{a}">{_e(t)}</a>' for a, t in nav)}</nav>
