@@ -128,8 +128,8 @@ def test_in_place_edits_and_one_sided_modules_match_two_pass() -> None:
 
 
 def test_captured_modules_report_through_their_forwards_and_get_them_back() -> None:
-    # Lockstep reports a captured module's output from an instance forward wrapped around the
-    # one it has (no forward hook); the hooks of the two-pass path see the same calls.
+    # Both paths report a captured module's output from an instance forward wrapped around the
+    # one it has (no forward hook of theirs): a caller's own forward and hooks stay as they are.
     model, inputs = _toy()
     a, b = _toy_sides()
     patched = model.out.forward  # an instance forward of the caller's, kept as it is
@@ -137,14 +137,18 @@ def test_captured_modules_report_through_their_forwards_and_get_them_back() -> N
     seen: list[str] = []
     hook = model.lin.register_forward_hook(lambda m, args, out: seen.append("hook"))
     try:
+        lab.pair(model, inputs, a, b, lockstep=False)  # finds the in-place edit: runs again
+        seen.clear()
         two_pass = lab.pair(model, inputs, a, b, lockstep=False)
+        assert seen == ["hook", "hook"]  # the caller's hook still runs, once a side
         seen.clear()
         lockstep = lab.pair(model, inputs, a, b, lockstep=True)
+        assert seen == ["hook", "hook"]
     finally:
         hook.remove()
     assert _rows(lockstep) == _rows(two_pass)
+    assert [r.label() for r in two_pass.rows] == ["lin", "out", ROOT]
     assert [r.label() for r in lockstep.rows] == ["lin", "out", ROOT]
-    assert seen == ["hook", "hook"]  # the caller's hook still runs, once a side
     assert model.out.__dict__["forward"] is patched
     assert not any("forward" in m.__dict__ for m in model.modules() if m is not model.out)
     assert not any(m._forward_hooks for m in model.modules())

@@ -9,12 +9,16 @@ dtype flow and every why must be equal, bit for bit.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 import lab
 from lab.families import FAMILY_NAMES
 from lab.pairing import lockstep
+from lab.pairing import run as run_module
+from lab.pairing.capture import ModuleHooks, depth_filter
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +111,38 @@ def test_block_hand_over_equals_module_hand_over_and_two_passes(
     assert len(per_block.rows) > 20
     # A hand-over per block (plus the few outputs outside the blocks), not one per output.
     assert block_handovers < module_handovers / 3
+
+
+class _HookedReports:
+    """The two-pass path's reporting as it was before `OutputReports`: forward hooks."""
+
+    def __init__(
+        self, model: torch.nn.Module, modules: list[tuple[torch.nn.Module, str]], on_output
+    ) -> None:
+        labels = {label for _, label in modules}
+        self.hooks = ModuleHooks(model, on_output, names_filter=labels.__contains__)
+
+    def attached(self):
+        return self.hooks.attached()
+
+
+@pytest.mark.parametrize("family_name", FAMILY_NAMES)
+def test_two_passes_report_the_calls_forward_hooks_see(
+    built: dict, family_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two passes report outputs from instance forwards wrapped inside each side's engine-op
+    # forwards; forward hooks (the path before) must see the very same calls and arguments.
+    fam, model, inputs = _model_inputs(built, family_name)
+    a, b = lab.Side.rollout(fam), lab.Side.trainer(fam)
+    own_hooks = [dict(m._forward_hooks) for m in model.modules()]  # the family's own, if any
+    every = lab.pair(model, inputs, a, b, lockstep=False)
+    blocks = lab.pair(model, inputs, a, b, lockstep=False, names_filter=depth_filter(1))
+    monkeypatch.setattr(run_module, "OutputReports", functools.partial(_HookedReports, model))
+    _same(every, lab.pair(model, inputs, a, b, lockstep=False))
+    _same(blocks, lab.pair(model, inputs, a, b, lockstep=False, names_filter=depth_filter(1)))
+    assert len(blocks.rows) < len(every.rows)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert [dict(m._forward_hooks) for m in model.modules()] == own_hooks
 
 
 @pytest.mark.parametrize("family_name", FAMILY_NAMES)

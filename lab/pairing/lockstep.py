@@ -29,14 +29,14 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lab.base.switches import env_choice
-from lab.pairing.capture import ROOT, output_leaves
+from lab.pairing.capture import ROOT, instance_forwards, output_leaves
 from lab.pairing.collect import Aliases
 from lab.pairing.result import Skipped
 from lab.pairing.side_context import sdpa_context, side_autocast
@@ -506,27 +506,21 @@ class _Lockstep:
         skipped[:] = [skipped[i] for i in order]
 
 
-_MISSING = object()
-
-
-@contextlib.contextmanager
 def _reporting_forwards(
     modules: list[tuple[torch.nn.Module, str]],
     on_output: Callable[[str, str, tuple, dict, Any], None],
-) -> Iterator[None]:
+) -> contextlib.AbstractContextManager:
     """Each module's forward, wrapped to report its output to `on_output` as a side's call.
 
-    What a forward hook with kwargs would see (the call's arguments and its output), without
-    the hook: a module with any hook runs `Module._call_impl`'s slow path (the hook lists, a
-    closure) on every call, ~3-6 us, and sd3 full calls 1912 captured modules a pair. The
-    module's current forward is wrapped (its class's, or an instance forward such as an
-    engine op's dispatch) and put back on exit. A call from a thread running no side (the
-    kept threads between pairs, any other thread) is passed through unreported.
+    `capture.instance_forwards`, not a forward hook: any hook puts every call of its module
+    on `Module._call_impl`'s slow path, and sd3 full calls 1912 captured modules a pair. The
+    module's current forward is wrapped (its class's, or an engine op's dispatch, which is
+    installed first). A call from a thread running no side (the kept threads between pairs,
+    any other thread) is passed through unreported.
     """
     no_function_mode = torch._C.DisableTorchFunction
-    saved: list[tuple[torch.nn.Module, Any]] = []
 
-    def reporting(inner: Callable[..., Any], label: str) -> Callable[..., Any]:
+    def reporting(module: torch.nn.Module, inner: Callable[..., Any], label: str) -> Any:
         def forward(*args: Any, **kwargs: Any) -> Any:
             output = inner(*args, **kwargs)
             key = _KEYS.get(_get_ident(), "")
@@ -538,19 +532,7 @@ def _reporting_forwards(
 
         return forward
 
-    try:
-        for module, label in modules:
-            # Through the instance dict: `Module.__setattr__` is ~1 us of type checks a module.
-            instance = module.__dict__
-            saved.append((module, instance.get("forward", _MISSING)))
-            instance["forward"] = reporting(module.forward, label)
-        yield
-    finally:
-        for module, previous in reversed(saved):
-            if previous is _MISSING:
-                module.__dict__.pop("forward", None)
-            else:
-                module.__dict__["forward"] = previous
+    return instance_forwards(modules, reporting)
 
 
 def run_lockstep(run: PairRun, block_ids: set[int], *, stream: bool) -> None:

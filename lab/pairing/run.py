@@ -14,7 +14,7 @@ from lab.base.devices import resolve_device
 from lab.base.errors import DegenerateOutputError, NonFiniteOutputError, PairError
 from lab.families import Inputs
 from lab.families.master import master_summary
-from lab.pairing.capture import ModuleHooks, flatten_output, output_leaves
+from lab.pairing.capture import ROOT, ModuleHooks, OutputReports, flatten_output, output_leaves
 from lab.pairing.collect import Aliases, Collector, OutputEdited, metrics_on_side_stream
 from lab.pairing.dtype_flow import FlowRecorder
 from lab.pairing.guards import (
@@ -412,12 +412,16 @@ def _run_propagated(run: PairRun) -> None:
     def on_output(label: str, call: int, module: Any, args: tuple, kwargs: dict, out: Any) -> None:
         on[0](label, call, args, kwargs, out)
 
-    hooks = ModuleHooks(run.model, on_output, names_filter=run.names_filter)
-    with hooks.attached():
-        run.forward("a", None)
-        hooks.calls.clear()  # side B's calls count from zero again
-        on[0] = functools.partial(store.compare, run)
-        run.forward("b", None)
+    # Reported from instance forwards, not hooks (`OutputReports`): the same calls, without
+    # `Module._call_impl`'s slow path on every captured call. Each side's forward wraps its
+    # own engine-op forwards, and its calls count from zero.
+    keep = run.names_filter
+    labelled = [(module, name or ROOT) for name, module in run.view_a.named_modules]
+    modules = [(m, label) for m, label in labelled if keep is None or keep(label)]
+    reports = OutputReports(modules, on_output)
+    run.forward("a", None, reports)
+    on[0] = functools.partial(store.compare, run)
+    run.forward("b", None, reports)
     store.report_leftovers(run)
 
 

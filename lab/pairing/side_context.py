@@ -7,7 +7,7 @@ trajectory) enters the same context, so a side means the same thing everywhere.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -57,18 +57,23 @@ def side_autocast(side: Side, device: torch.device) -> contextlib.AbstractContex
 
 @contextlib.contextmanager
 def side_context(
-    side: Side, device: torch.device, root: torch.nn.Module | None = None
+    side: Side,
+    device: torch.device,
+    root: torch.nn.Module | None = None,
+    modules: Iterable[torch.nn.Module] | None = None,
 ) -> Iterator[None]:
     """Autocast, attention kernel and (on `root`) engine op semantics of one side.
 
     Weights are `WeightView`'s job. With `root`, every module under it runs the forward the
     side's engine_ops / op_switches ask for (or its class's own, undoing an outer side's).
+    `modules`: `root.modules()` when the caller has them already (a view's list: no walk).
     """
     from lab.precision.engine_ops import ops_applied
 
     with contextlib.ExitStack() as stack:
         if root is not None:
-            stack.enter_context(ops_applied(root, side.engine_ops, side.op_switches))
+            ops = ops_applied(root, side.engine_ops, side.op_switches, modules)
+            stack.enter_context(ops)
         stack.enter_context(sdpa_context(side.attention_backend))
         stack.enter_context(side_autocast(side, device))
         yield

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from lab.families import Inputs
-from lab.pairing.capture import ModuleHooks
+from lab.pairing.capture import ModuleHooks, OutputReports
 from lab.pairing.collect import Collector
 from lab.pairing.dtype_flow import FlowRecorder
 from lab.pairing.side_context import side_context
@@ -46,10 +46,13 @@ class PairRun:
     outputs: dict[str, Any] | None = None
     """When set, each side's model output lands here under "a" and "b" (`pair(outputs=)`)."""
 
-    def forward(self, which: str, hooks: ModuleHooks | None) -> None:
+    def forward(
+        self, which: str, hooks: ModuleHooks | None, reports: OutputReports | None = None
+    ) -> None:
         """Run side `which` ("a" or "b") over the whole model with `hooks`, timed.
 
-        `hooks=None`: the caller has attached its hooks already.
+        `hooks=None`: the caller has attached its hooks already. `reports`: instance forwards
+        reporting outputs, wrapped around the forwards this side's engine ops install.
         """
         side, view, inputs = (
             (self.side_a, self.view_a, self.inputs_a)
@@ -59,8 +62,11 @@ class PairRun:
         self.phase["side"] = side.name
         start = time.perf_counter()
         attached = hooks.attached() if hooks is not None else contextlib.nullcontext()
-        with attached, view.applied(), side_context(side, self.device, self.model):
-            out = self.model(**inputs.kwargs)
+        reported = reports.attached() if reports is not None else contextlib.nullcontext()
+        modules = (m for _, m in view.named_modules)
+        with attached, view.applied(), side_context(side, self.device, self.model, modules):
+            with reported:
+                out = self.model(**inputs.kwargs)
         if self.outputs is not None:
             self.outputs[which] = out
         sync(self.device)

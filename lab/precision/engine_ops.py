@@ -111,13 +111,17 @@ def _forward_for(
 
 @contextlib.contextmanager
 def ops_applied(
-    root: torch.nn.Module, groups: tuple[str, ...], switches: Mapping[str, Any]
+    root: torch.nn.Module,
+    groups: tuple[str, ...],
+    switches: Mapping[str, Any],
+    modules: Iterable[torch.nn.Module] | None = None,
 ) -> Iterator[None]:
     """Give every module in `root` the forward this side asks for; restore all on exit.
 
     A module an outer side patched runs this side's forward (its patch, or the class's own).
+    `modules`: `root.modules()`, when the caller has them already (no walk).
     """
-    with ops_dispatched(root, {"": (groups, switches)}, lambda: ""):
+    with ops_dispatched(root, {"": (groups, switches)}, lambda: "", modules):
         yield
 
 
