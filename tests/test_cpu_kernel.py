@@ -54,8 +54,9 @@ def test_the_library_is_built_once_into_the_cache_and_reused(fresh: Path) -> Non
 
 @pytest.mark.skipif(not cpu_kernel.isa_flags(), reason="one build only: this CPU has no AVX2")
 def test_every_build_gives_the_same_bits(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The source fixes its eight lanes; -mavx2 (where the CPU has it) only changes the speed,
-    # and -mf16c's conversions round as the portable code does, at the 16-bit edges too.
+    # The source fixes its eight lanes; -mavx2 and the AVX-512 flags (where the CPU has them)
+    # only change the speed, and -mf16c's conversions round as the portable code does, at the
+    # 16-bit edges too.
     pairs = _pairs(1)
     edges = [2.0**-24 * k for k in (0.5, 1.5, 2.5, 1023.5, 1023.75)] + [2.0**-14 - 2.0**-30]
     edges += [1 + 2.0**-11, 1 + 3 * 2.0**-11, 65504.0, 65519.0, 65520.0, 3.4e38, 1e-30]
@@ -69,13 +70,19 @@ def test_every_build_gives_the_same_bits(fresh: Path, monkeypatch: pytest.Monkey
             (xi.to(BF16), yi.to(FP16)),
             (xi, xi.to(BF16)),
         ]
-    with_isa = cpu_kernel._load(cpu_kernel.build())
-    monkeypatch.setattr(cpu_kernel, "isa_flags", lambda: ())
-    plain = cpu_kernel._load(cpu_kernel.build())
-    got = [cpu_kernel.aggregates(pairs, lib) for lib in (with_isa, plain)]
-    for x, y in zip(*got, strict=True):
-        assert torch.equal(x, y)
-    assert len(list(fresh.iterdir())) == 2  # two builds
+    # Every tier of flags this CPU has: all of them (AVX-512 where it has it), AVX2 and F16C
+    # alone, none.
+    full = cpu_kernel.isa_flags()
+    tiers = [full, *([full[:2]] if len(full) > 2 else []), ()]
+    libs = []
+    for flags in tiers:
+        monkeypatch.setattr(cpu_kernel, "isa_flags", lambda flags=flags: flags)
+        libs.append(cpu_kernel._load(cpu_kernel.build()))
+    got = [cpu_kernel.aggregates(pairs, lib) for lib in libs]
+    for other in got[1:]:
+        for x, y in zip(got[0], other, strict=True):
+            assert torch.equal(x, y)
+    assert len(list(fresh.iterdir())) == len(tiers)  # one build each
 
 
 def test_a_pair_gets_the_same_bits_alone_in_a_batch_and_every_time(
