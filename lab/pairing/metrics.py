@@ -150,7 +150,7 @@ def segment_stats(
         groups.setdefault(compute, []).append((bits_a, bits_b, i))
     if lib is not None and not empty:
         with torch.no_grad():
-            return _table(*cpu_kernel.aggregates(pairs, lib))
+            return _table(*cpu_kernel.aggregates(pairs, lib, checked=True))
     stats = torch.zeros(len(pairs), _N, dtype=torch.float64, device=device)
     hists = torch.zeros(len(pairs), len(ULP_BIN_EDGES), dtype=torch.float64, device=device)
     for i in empty:
@@ -162,7 +162,7 @@ def segment_stats(
         group = [pairs[i] for i in index]
         if compute is None:
             with torch.no_grad():
-                group_stats, group_hist = _table(*cpu_kernel.aggregates(group, lib))
+                group_stats, group_hist = _table(*cpu_kernel.aggregates(group, lib, checked=True))
         else:
             group_stats, group_hist = _group_stats(group, compute)
         where = _host_tensor(index, device)
