@@ -7,7 +7,10 @@ also the median of each round's own ratio to the plain forwards (`*_vs_plain_rou
 machine's slow stretches last longer than a round):
 - plain: `forward_side` of each side with a prebuilt WeightView (the issue's baseline);
 - setup: `pair` capturing nothing (names_filter rejects every module): views, contexts, meta;
-- hooks: both plain forwards with a no-op forward hook on every module;
+- hooks: both plain forwards reporting every module's output to a no-op, as two-pass pairing
+  reports them (`capture.OutputReports`, instance forwards; forward hooks until 5397b9e). Here
+  the reports wrap the class forwards, outside `forward_side`: a module whose forward an engine
+  op replaces for the side is not reported (the pair wraps those too);
 - held: both forwards holding every floating module output with its `_version`, as two-pass
   pairing holds side A's (kept alive, so the allocator cannot reuse their memory; until 5ffa80d
   the pair cloned them, and this stage was `copies`);
@@ -33,7 +36,7 @@ import torch
 import lab
 from lab.base.switches import env_set
 from lab.pairing import cpu_kernel
-from lab.pairing.capture import ModuleHooks, flatten_output
+from lab.pairing.capture import ROOT, ModuleHooks, OutputReports, flatten_output
 from lab.pairing.metrics import segment_stats
 from lab.pairing.weights import WeightView
 
@@ -72,11 +75,13 @@ def measure(name: str, repeat: int) -> dict[str, Any]:
         for side in (a, b):
             lab.forward_side(model, inputs, side, view=views[side.name])
 
+    labelled = [(module, name or ROOT) for name, module in model.named_modules()]
+
     def with_hooks(on_output: Callable[..., None]) -> Callable[[], None]:
-        hooks = ModuleHooks(model, on_output)
+        reports = OutputReports(labelled, on_output)
 
         def run() -> None:
-            with hooks.attached():
+            with reports.attached():
                 plain()
 
         return run
