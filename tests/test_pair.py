@@ -213,6 +213,9 @@ def test_failing_forward_keeps_partial_result(built: dict) -> None:
     with pytest.raises(PairError, match="failed after") as err:
         lab.pair(model, broken, side, side)
     assert err.value.result is not None
+    # The failed forward's reports (instance forwards) and engine ops are all put back.
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert not lab.pair(model, inputs, side, side).skipped
 
 
 @pytest.mark.parametrize("family_name", FAMILY_NAMES)
