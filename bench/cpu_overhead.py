@@ -15,7 +15,10 @@ machine's slow stretches last longer than a round):
   pairing holds side A's (kept alive, so the allocator cannot reuse their memory; until 5ffa80d
   the pair cloned them, and this stage was `copies`);
 - metrics: `segment_stats` over every (a, b) output pair of the two sides, one batch;
-- pair: `lab.pair(...)` (two-pass, the CPU default) and `lab.pair(..., lockstep=True)`;
+- pair: `lab.pair(...)` (two-pass, the CPU default) and `lab.pair(..., lockstep=True)`; the
+  default's time is also split into its two forwards and the rest
+  (`pair_forwards_vs_plain_rounds`, `pair_outside_vs_plain_rounds`: each round's own against its
+  plain forwards; the two add up to `pair_vs_plain_rounds` only roughly, medians of each);
 - metrics_torch, pair_torch: `metrics` and `pair` with LAB_CPU_STATS=torch (the batched torch
   passes instead of the C core), side by side with the default.
 Prints one JSON row per family and writes them all to OUT.json.
@@ -117,14 +120,17 @@ def measure(name: str, repeat: int) -> dict[str, Any]:
         "pair_torch": torch_stats(lambda: lab.pair(model, inputs, a, b)),
     }
     times: dict[str, list[float]] = {k: [] for k in stages}
+    forwards: list[float] = []  # each round's pair: its two forwards (`meta["timings_s"]`)
     for fn in stages.values():
         fn()  # warm-up
     for _ in range(repeat):
         for key, fn in stages.items():
             held.clear()
             start = time.perf_counter()
-            fn()
+            got = fn()
             times[key].append(time.perf_counter() - start)
+            if key == "pair":
+                forwards.append(got.meta["timings_s"]["a_s"] + got.meta["timings_s"]["b_s"])
     ms = {f"{k}_ms": min(v) * 1e3 for k, v in times.items()}
     plain_ms = ms["plain_ms"]
     row: dict[str, Any] = {"family": name, "pairs": len(pairs), **ms}
@@ -134,6 +140,12 @@ def measure(name: str, repeat: int) -> dict[str, Any]:
         # stretch of a shared machine (seconds to minutes) weighs on both; the minima above
         # can come from different stretches.
         row[f"{stage}_vs_plain_rounds"] = per_round_ratio(times[stage], times["plain"])
+    # The pair's time split where it falls: inside its two forwards (the reports, bookkeeping
+    # and held outputs run there) and outside them (views, the metrics pass, the Result), each
+    # round against its own plain forwards.
+    row["pair_forwards_vs_plain_rounds"] = per_round_ratio(forwards, times["plain"])
+    outside = [p - f for p, f in zip(times["pair"], forwards, strict=True)]
+    row["pair_outside_vs_plain_rounds"] = per_round_ratio(outside, times["plain"])
     # Incremental costs over the two plain forwards, each as a fraction of them.
     row["share_hooks"] = (ms["hooks_ms"] - plain_ms) / plain_ms
     row["share_held"] = (ms["held_ms"] - ms["hooks_ms"]) / plain_ms

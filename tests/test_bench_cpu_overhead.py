@@ -30,6 +30,11 @@ def test_stages_pair_the_outputs_the_pair_does(
     assert all(math.isfinite(row[f"{s}_ms"]) and row[f"{s}_ms"] > 0 for s in stages), row
     assert "copies_ms" not in row  # the pair holds its outputs, it no longer copies them
     assert "LAB_CPU_STATS" not in os.environ  # the torch stages put the variable back
+    # The pair's two forwards run at least as long as the plain ones would have, less than the
+    # whole pair; what is outside them is the rest of that one round.
+    inside, outside = row["pair_forwards_vs_plain_rounds"], row["pair_outside_vs_plain_rounds"]
+    assert 0.5 < inside < row["pair_vs_plain_rounds"] and outside > 0
+    assert inside + outside == pytest.approx(row["pair_vs_plain_rounds"], rel=1e-9)
     # One round: its own ratio is the minima's.
     for stage in ("pair", "pair_lockstep", "pair_torch"):
         ratio = row[f"{stage}_ms"] / row["plain_ms"]
