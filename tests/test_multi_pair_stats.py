@@ -75,7 +75,27 @@ _SCRIPT = textwrap.dedent(
     for (a, b), (out, row) in zip(pairs, handles):
         stats, hist = fused.fused_pair_stats(a, b)
         same.append(torch.equal(outs[out][0][row], stats) and torch.equal(outs[out][1][row], hist))
+    # The Result's path: every batch's rows in one host array (`host_rows`), gathered by a
+    # Collector into decoded rows, equal to decoding each pair's own single-pair numbers.
+    from lab.pairing.collect import Collector, _Pending
+    from lab.pairing.metrics import decode_stats
+    all_stats, all_hists, row_starts = reducer.host_rows()
+    host_same = [bool((all_stats[row_starts[out] + row] == outs[out][0][row].numpy()).all()
+                      and (all_hists[row_starts[out] + row] == outs[out][1][row].numpy()).all())
+                 for out, row in handles]
+    collector = Collector({})
+    collector._reducer = reducer
+    for order, ((a, b), handle) in enumerate(zip(pairs, handles)):
+        pending = _Pending(order, f"m{order}", 0, "", "Linear", a.dtype, b.dtype, tuple(a.shape))
+        pending.stats = handle
+        collector.pending.append(pending)
+    decoded_same = [
+        r.metrics == decode_stats(*fused.fused_pair_stats(a, b), a.dtype, b.dtype)
+        for r, (a, b) in zip(collector.rows(), pairs)
+    ]
     print(json.dumps({"same": same, "launches": reducer.launches, "count": reducer.count,
+                      "host_same": host_same, "row_starts": row_starts,
+                      "decoded_same": decoded_same,
                       "handles": handles, "aligned": [p % 16 == 0 for p in starts],
                       "storages": in_one, "read": len(read),
                       "read_covers": sorted(read_storages) == sorted(storages),
@@ -96,6 +116,11 @@ def test_interpreted_multi_pair_kernels_equal_single_pair_bit_for_bit() -> None:
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["same"] == [True] * 22
     assert got["count"] == 22
+    # `host_rows`: both batches in one array (batch 1 starts after batch 0's 6 rows, padded to
+    # an even count a group), and a Collector decodes every pair from it as from its own launch.
+    assert got["host_same"] == [True] * 22
+    assert got["row_starts"][0] == 0 and got["row_starts"][1] >= 6
+    assert got["decoded_same"] == [True] * 22
     # Two batches, grouped by dtype pair: 5 groups in the first (6 pairs), 5 in the second
     # (its fp32/fp32 pairs share one, and the bf16 chunks join the bf16/bf16 one), two
     # launches each.

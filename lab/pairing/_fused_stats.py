@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import os
 from typing import Any
 
@@ -1095,6 +1096,22 @@ class RunReducer:
         constexprs["ALIGN_A"] = 1 if misaligned & 15 else 16 // size_a
         constexprs["ALIGN_B"] = 1 if misaligned >> 4 else 16 // size_b
         return _Group(index, base_a, base_b, meta, first, constexprs)
+
+    def host_rows(self) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """Every queued batch's rows on the host, one array each, and where each batch starts.
+
+        Batch `out`'s row `row` (a `reduce_many` handle) is row `starts[out] + row`. One
+        transfer each for the stats and the histograms.
+        """
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        if not self._outputs:
+            empty = np.empty((0, len(STAT_FIELDS)), dtype=np.float64)
+            return empty, np.empty((0, _BINS), dtype=np.float64), []
+        stats = torch.cat([s for s, _ in self._outputs]).cpu().numpy()
+        hists = torch.cat([h for _, h in self._outputs]).cpu().numpy()
+        sizes = (s.shape[0] for s, _ in self._outputs)
+        return stats, hists, list(itertools.accumulate(sizes, initial=0))
 
     def rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each queued batch's (stats, hist) on the host, in queue order (one transfer)."""

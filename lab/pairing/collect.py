@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import itertools
+import operator
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from lab.base.dtypes import dtype_name
 from lab.base.switches import env_choice
-from lab.pairing.metrics import PairMetrics, built, decode_stats, pair_stats, segment_stats
+from lab.pairing.metrics import STAT_FIELDS, ULP_BIN_EDGES, decode_many, pair_stats, segment_stats
 from lab.pairing.result import LayerDivergence, Skipped
+
+_new = object.__new__
+_HOST = "host"
+"""First item of a CPU batch's handle, (_HOST, batch, row), in `_Pending.stats`."""
+_ORDER = operator.attrgetter("order")
 
 Leaf = tuple[str, int, str, Any]
 """(module path, call index, output index, tensor or other leaf) of one captured output."""
@@ -144,6 +152,8 @@ class Collector:
         self.skipped: list[Skipped] = []
         self._batch: list[tuple[_Pending, torch.Tensor, torch.Tensor, int, int]] = []
         self._batch_numel = 0
+        self._host: list[tuple[np.ndarray, np.ndarray]] = []
+        """The CPU batches' (stats, hist) rows, in flush order (`flush`)."""
         self._by_names: dict[tuple[int, int], _Pending] = {}
         self.repeats = 0
         """Pairs that repeated an earlier pair of the same two tensors (reduced once)."""
@@ -291,11 +301,12 @@ class Collector:
         device_type = self._batch[0][1].device.type
         with torch.autocast(device_type, enabled=False):
             stats, hists = segment_stats([(a, b) for _, a, b, _, _ in self._batch])
-        # One host list for the batch (a CPU tensor: no transfer), instead of P row views
-        # stacked again by `rows`.
-        stats, hists = stats.tolist(), hists.tolist()
+        # The batch's rows stay in one host array each; a pair holds its (_HOST, batch, row),
+        # read by `rows` with every other pair's in one gather.
+        out = len(self._host)
+        self._host.append((stats.cpu().numpy(), hists.cpu().numpy()))
         for i, (pending, *_) in enumerate(self._batch):
-            pending.stats, pending.hist = stats[i], hists[i]
+            pending.stats = (_HOST, out, i)
         self._batch, self._batch_numel = [], 0
 
     def drop_edited(self) -> None:
@@ -315,6 +326,49 @@ class Collector:
                 self.skipped.append(Skipped(pending.module, pending.call, pending.output, reason))
         self.pending = [p for p in self.pending if id(p.resolved()) not in edited]
 
+    def _gathered(self, holders: list[_Pending]) -> tuple[np.ndarray, np.ndarray]:
+        """The (stats, hist) rows of `holders` in one host array each, in their order.
+
+        A pair's numbers are a row of a CPU batch (`flush`: (_HOST, batch, row)), of a CUDA
+        batch the reducer queued ((batch, row): one transfer for all of them), or a tensor or
+        list of its own (reduced at once); each source is gathered in one indexing step.
+        """
+        stats = np.empty((len(holders), len(STAT_FIELDS)), dtype=np.float64)
+        hists = np.empty((len(holders), len(ULP_BIN_EDGES)), dtype=np.float64)
+        host_at, host_src, device_at, device_src, own_at = [], [], [], [], []
+        host_starts = list(itertools.accumulate((len(s) for s, _ in self._host), initial=0))
+        for i, r in enumerate(holders):
+            handle = r.stats
+            if type(handle) is tuple:
+                if handle[0] is _HOST:
+                    host_at.append(i)
+                    host_src.append(host_starts[handle[1]] + handle[2])
+                else:
+                    device_at.append(i)
+                    device_src.append(handle)
+            else:
+                own_at.append(i)
+        if host_at:
+            stats[host_at] = np.concatenate([s for s, _ in self._host])[host_src]
+            hists[host_at] = np.concatenate([h for _, h in self._host])[host_src]
+        if device_at:
+            all_stats, all_hists, starts = self._reducer.host_rows()
+            src = [starts[out] + row for out, row in device_src]
+            stats[device_at], hists[device_at] = all_stats[src], all_hists[src]
+        if own_at:
+            own = [holders[i] for i in own_at]
+            tensors = [
+                i for i, r in zip(own_at, own, strict=True) if isinstance(r.stats, torch.Tensor)
+            ]
+            if tensors:
+                # One host transfer for every pair reduced on its own on a device.
+                stats[tensors] = torch.stack([holders[i].stats for i in tensors]).cpu().numpy()
+                hists[tensors] = torch.stack([holders[i].hist for i in tensors]).cpu().numpy()
+            for i in own_at:
+                if not isinstance(holders[i].stats, torch.Tensor):
+                    stats[i], hists[i] = holders[i].stats, holders[i].hist
+        return stats, hists
+
     def rows(self) -> list[LayerDivergence]:
         """Every pair so far as LayerDivergence rows, in order (one host transfer)."""
         self.flush()
@@ -323,57 +377,39 @@ class Collector:
         if self._stream is not None:
             torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
         resolved = [p.resolved() for p in self.pending]
-        if self._reducer is not None:
-            # One transfer for every batch the reducer queued; a pair holds its (batch, row).
-            done = [(s.tolist(), h.tolist()) for s, h in self._reducer.rows()]
-            for p in resolved:
-                if isinstance(p.stats, tuple):
-                    out, row = p.stats
-                    p.stats, p.hist = done[out][0][row], done[out][1][row]
-        # One host transfer for every pair reduced on a device (the deferred ones are lists).
-        tensors = [p for p in resolved if isinstance(p.stats, torch.Tensor)]
-        if tensors:
-            moved = zip(
-                torch.stack([p.stats for p in tensors]).cpu().tolist(),
-                torch.stack([p.hist for p in tensors]).cpu().tolist(),
-                strict=True,
-            )
-            for p, (row, hist) in zip(tensors, moved, strict=True):
-                p.stats, p.hist = row, hist
+        # Decoded once per pair that holds numbers, all in one pass (`decode_many`); a repeated
+        # pair (`same_as`: the same two tensors, so the same dtypes) shares its earlier pair's
+        # metrics object (frozen). sd3 tiny: 22 of 152 rows are repeats.
+        index: dict[int, int] = {}
+        holders: list[_Pending] = []
+        for r in resolved:
+            if id(r) not in index:
+                index[id(r)] = len(holders)
+                holders.append(r)
+        stats, hists = self._gathered(holders)
         names: dict[torch.dtype, str] = {}
         for p in self.pending:
             for dtype in (p.dtype_a, p.dtype_b):
                 if dtype not in names:
                     names[dtype] = dtype_name(dtype)
-        # A repeated pair (`same_as`: the same two tensors, so the same dtypes) shares its
-        # earlier pair's metrics object (frozen): decoded once, not once a row (sd3 tiny: 22 of
-        # 152 rows are repeats).
-        decoded: dict[int, PairMetrics] = {}
-
-        def metrics_of(r: _Pending) -> PairMetrics:
-            got = decoded.get(id(r))
-            if got is None:
-                got = decoded[id(r)] = decode_stats(r.stats, r.hist, r.dtype_a, r.dtype_b)
-            return got
-
-        rows = [
-            built(
-                LayerDivergence,
-                {
-                    "order": p.order,
-                    "module": p.module,
-                    "call": p.call,
-                    "output": p.output,
-                    "module_class": p.module_class,
-                    "dtype_a": names[p.dtype_a],
-                    "dtype_b": names[p.dtype_b],
-                    "shape": p.shape,
-                    "metrics": metrics_of(r),
-                },
+        decoded = decode_many(stats, hists, [r.dtype_a != r.dtype_b for r in holders])
+        new = _new
+        rows = []
+        for p, r in zip(self.pending, resolved, strict=True):
+            row = new(LayerDivergence)
+            row.__dict__.update(
+                order=p.order,
+                module=p.module,
+                call=p.call,
+                output=p.output,
+                module_class=p.module_class,
+                dtype_a=names[p.dtype_a],
+                dtype_b=names[p.dtype_b],
+                shape=p.shape,
+                metrics=decoded[index[id(r)]],
             )
-            for p, r in zip(self.pending, resolved, strict=True)
-        ]
-        return sorted(rows, key=lambda r: r.order)
+            rows.append(row)
+        return sorted(rows, key=_ORDER)
 
 
 def _device_reduction(device: torch.device) -> Any:
