@@ -1,0 +1,165 @@
+"""One lab switch, each of its values against the others, in one process (issue 16).
+
+    python bench/ab_switch.py OUT.json --switch LAB_METRICS_STREAM=1,0 [--families sd3,cosmos3]
+        [--device cuda] [--rounds 9] [--blocks]
+
+The host-bound pairs move by 10-30 % from one device call to the next with the same code, so a
+switch is measured against its alternatives only side by side: for each family, in one process,
+`plain` (both sides' `lab.forward_side`, streamed views) and the streamed every-module `lab.pair`
+under each value of the switch (`pair_<value>`; with --blocks also the block outputs only,
+`blocks_<value>`), one untimed run of each first, then --rounds rounds, each running every case
+once, the order rotated one step a round (no case always follows another). For each case: the
+median and minimum seconds, their ratios to `plain`'s, the median of each round's own ratio to
+that round's plain forwards (`*_vs_plain_rounds`) and, on CUDA, the peak memory of its last run
+against the larger of the two plain forwards' (`*_peak_vs_plain`). `rows_equal`: every value's
+Result has the same rows, metric for metric, as the first value's (a switch that changes how a
+pair runs must not change what it finds). On CUDA the family's `full` preset, on CPU a deep tiny
+model (`pair_host.deep_tiny`; the pairs keep their side threads as on CUDA). Writes OUT.json
+after each family.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pair_host
+import torch
+
+import lab
+from lab.base.switches import env_set
+from lab.pairing.state import sync
+from lab.pairing.weights import WeightView
+
+
+def parse_switch(text: str) -> tuple[str, list[str]]:
+    """ "NAME=v1,v2" -> ("NAME", ["v1", "v2"]).
+
+    Raises:
+        ValueError: No "=", a name that is no LAB_ switch, or fewer than two values.
+    """
+    name, sep, values = text.partition("=")
+    choices = [v for v in values.split(",") if v]
+    if not sep or not name.startswith("LAB_") or len(choices) < 2:
+        raise ValueError(
+            f"--switch {text!r}: give a LAB_ variable and two or more values, e.g. "
+            "LAB_METRICS_STREAM=1,0."
+        )
+    return name, choices
+
+
+def _peak(device: str, fn: Callable[[], Any]) -> tuple[Any, int]:
+    """`fn()` and, on CUDA, the peak bytes allocated while it ran (0 on CPU)."""
+    if device != "cuda":
+        return fn(), 0
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    return out, torch.cuda.max_memory_allocated()
+
+
+def cases(
+    fam: Any, model: torch.nn.Module, inputs: Any, device: str, switch: str, values: list[str],
+    blocks: bool,
+) -> dict[str, Callable[[], Any]]:  # fmt: skip
+    """plain, one each side alone (for the peak), and the pairs under each value."""
+    plain, paired = pair_host.side_runs(fam, model, inputs, device)
+    out: dict[str, Callable[[], Any]] = {"plain": plain}
+    filters: dict[str, Callable[[str], bool] | None] = {"pair": None}
+    if blocks:
+        block_names = {
+            n
+            for n, m in model.named_modules()
+            if type(m).__name__ in fam.block_classes and n.count(".") <= 1
+        }
+        filters["blocks"] = block_names.__contains__
+    for what, names_filter in filters.items():
+        run = paired(names_filter)
+        for value in values:
+
+            def case(run: Callable[[], Any] = run, value: str = value) -> Any:
+                with env_set(switch, value):
+                    return run()
+
+            out[f"{what}_{value}"] = case
+    return out
+
+
+def measure(
+    name: str, device: str, switch: str, values: list[str], rounds: int, blocks: bool = False
+) -> dict[str, Any]:
+    """One family's row (see the module docstring)."""
+    fam, preset, model, inputs = pair_host.family_case(name, device)
+    runs = cases(fam, model, inputs, device, switch, values, blocks)
+    results: dict[str, Any] = {}
+    peaks: dict[str, int] = {}
+    for key, fn in runs.items():
+        results[key], peaks[key] = _peak(device, fn)
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    keys = list(runs)
+    for round_ in range(rounds):
+        shift = round_ % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            sync(device)
+            start = time.perf_counter()
+            fn = runs[key]
+            if key != "plain" and round_ == rounds - 1:
+                results[key], peaks[key] = _peak(device, fn)
+            else:
+                fn()
+            sync(device)
+            times[key].append(time.perf_counter() - start)
+    row: dict[str, Any] = {"family": name, "preset": preset, "device": device, "rounds": rounds,
+                           "switch": switch, "values": values}  # fmt: skip
+    plain = times["plain"]
+    for key, values_s in times.items():
+        row[f"{key}_s"] = statistics.median(values_s)
+        row[f"{key}_min_s"] = min(values_s)
+        row[f"{key}_vs_plain"] = row[f"{key}_s"] / row["plain_s"]
+        row[f"{key}_vs_plain_min"] = row[f"{key}_min_s"] / row["plain_min_s"]
+        row[f"{key}_vs_plain_rounds"] = statistics.median(
+            c / p for c, p in zip(values_s, plain, strict=True)
+        )
+    if device == "cuda":
+        side_peaks = []
+        for side in (lab.Side.rollout(fam, device=device), lab.Side.trainer(fam, device=device)):
+            view = WeightView(model, side, stream_classes=fam.block_classes)
+            forward = lambda s=side, v=view: lab.forward_side(model, inputs, s, view=v)  # noqa: E731
+            side_peaks.append(_peak(device, forward)[1])
+        for key in runs:
+            if key != "plain":
+                row[f"{key}_peak_vs_plain"] = peaks[key] / max(side_peaks)
+    first = {what: results[f"{what}_{values[0]}"] for what in ("pair", "blocks") if
+             f"{what}_{values[0]}" in results}  # fmt: skip
+    row["pairs"] = len(first["pair"].rows)
+    row["rows_equal"] = all(
+        [r.metrics for r in results[f"{what}_{value}"].rows] == [r.metrics for r in res.rows]
+        and [r.module for r in results[f"{what}_{value}"].rows] == [r.module for r in res.rows]
+        for what, res in first.items()
+        for value in values[1:]
+    )
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("out")
+    parser.add_argument("--switch", required=True, help="LAB_NAME=value1,value2[,...]")
+    parser.add_argument("--families", default="sd3,cosmos3")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--blocks", action="store_true", help="add the block outputs only")
+    args = parser.parse_args()
+    switch, values = parse_switch(args.switch)
+    pair_host.rows_per_family(
+        args.out,
+        args.families,
+        args.device,
+        lambda name: measure(name, args.device, switch, values, args.rounds, args.blocks),
+    )
+
+
+if __name__ == "__main__":
+    main()
