@@ -16,7 +16,8 @@
 # (bench/pair_pin.py: the kept side threads pinned to one core or not, interleaved, PIN_FAMILIES),
 # replay (bench/pair_replay.py: the pairing path's host time without the forwards, REPLAY_FAMILIES),
 # report (bench/ab_report_forwards.py: captured modules reporting from instance forwards against
-# forward hooks, interleaved, REPORT_FAMILIES).
+# forward hooks, interleaved, REPORT_FAMILIES), switch (bench/ab_switch.py: each switch of SWITCHES,
+# "LAB_A=1,0;LAB_B=x,y", its values side by side in one process, SWITCH_FAMILIES, SWITCH_ARGS).
 # Each stage logs to OUT_DIR and a failing stage does not stop the
 # next one. Expects torch with CUDA installed and the other wheels on PYTHONPATH.
 set -uo pipefail
@@ -84,6 +85,17 @@ for stage in "$@"; do
     report)
         python bench/ab_report_forwards.py "$out/ab_report_forwards.json" \
             --families "${REPORT_FAMILIES:-sd3,qwen_image,cosmos3}" >"$out/ab_report_forwards.log" 2>&1
+        ;;
+    switch)
+        IFS=';' read -ra switches <<<"${SWITCHES:-LAB_METRICS_STREAM=1,0}"
+        rc_all=0
+        for sw in "${switches[@]}"; do
+            name="${sw%%=*}"
+            python bench/ab_switch.py "$out/ab_switch_${name#LAB_}.json" --switch "$sw" \
+                --families "${SWITCH_FAMILIES:-sd3,cosmos3}" ${SWITCH_ARGS:-} \
+                >>"$out/ab_switch.log" 2>&1 || rc_all=1
+        done
+        (exit $rc_all)
         ;;
     *) echo "unknown stage $stage" >&2 && false ;;
     esac

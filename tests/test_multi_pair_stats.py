@@ -229,3 +229,21 @@ def test_cuda_batches_hold_a_share_of_the_master() -> None:
     assert Collector({}, master_bytes=flux).batch_bytes == int(DEVICE_BATCH_SHARE * flux)
     assert floor < int(DEVICE_BATCH_SHARE * flux) < ceiling
     assert Collector({}, master_bytes=400 << 30).batch_bytes == ceiling
+
+
+def test_a_batch_holds_what_lab_metric_batch_bytes_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lab
+    from lab.pairing.collect import Collector
+
+    monkeypatch.setenv("LAB_METRIC_BATCH_BYTES", str(3 << 30))
+    assert Collector({}, master_bytes=9 << 30).batch_bytes == 3 << 30
+    fam = lab.family("sd3")
+    model, inputs = fam.build("tiny", 0), fam.make_inputs("tiny", 0)
+    side = lab.Side.rollout(fam)
+    for bad in ("0", "2GB", "-5"):
+        monkeypatch.setenv("LAB_METRIC_BATCH_BYTES", bad)
+        with pytest.raises(ValueError, match=f"LAB_METRIC_BATCH_BYTES={bad!r}: give a positive"):
+            Collector({})
+        # A pair refuses it before any forward runs.
+        with pytest.raises(ValueError, match="LAB_METRIC_BATCH_BYTES"):
+            lab.pair(model, inputs, side, side)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import os
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -116,6 +117,27 @@ def metrics_on_side_stream() -> bool:
     return env_choice("LAB_METRICS_STREAM", choices, "1") == "1"
 
 
+def metric_batch_bytes(master_bytes: int = 0) -> int:
+    """Bytes of held outputs a CUDA metric batch holds at most before its kernels are queued.
+
+    LAB_METRIC_BATCH_BYTES if set (for measuring: `bench/ab_switch.py`), else
+    DEVICE_BATCH_SHARE of the master's bytes, at least 512 MiB and at most 4 GiB. More a batch
+    means fewer batches (each ~0.4-0.6 ms of host time on the H200's host) and a higher peak.
+
+    Raises:
+        ValueError: LAB_METRIC_BATCH_BYTES is set to anything but a positive integer.
+    """
+    value = os.environ.get("LAB_METRIC_BATCH_BYTES")
+    if value is not None:
+        if not value.isdigit() or int(value) == 0:
+            raise ValueError(
+                f"LAB_METRIC_BATCH_BYTES={value!r}: give a positive number of bytes, e.g. "
+                f"{_DEVICE_BYTES} (unset: {DEVICE_BATCH_SHARE:.1%} of the master's bytes)."
+            )
+        return int(value)
+    return min(max(_DEVICE_BYTES, int(DEVICE_BATCH_SHARE * master_bytes)), _DEVICE_BYTES_MAX)
+
+
 class OutputEdited(Exception):
     """A forward edited a captured output in place before its pair was reduced (`_version`)."""
 
@@ -139,9 +161,7 @@ class Collector:
         """
         self.module_classes = module_classes
         self.copies = copies
-        self.batch_bytes = min(
-            max(_DEVICE_BYTES, int(DEVICE_BATCH_SHARE * master_bytes)), _DEVICE_BYTES_MAX
-        )
+        self.batch_bytes = metric_batch_bytes(master_bytes)
         self.reset()
 
     def reset(self, *, copies: bool | None = None) -> None:

@@ -15,7 +15,13 @@ from lab.base.errors import DegenerateOutputError, NonFiniteOutputError, PairErr
 from lab.families import Inputs
 from lab.families.master import master_summary
 from lab.pairing.capture import ROOT, ModuleHooks, OutputReports, flatten_output, output_leaves
-from lab.pairing.collect import Aliases, Collector, OutputEdited, metrics_on_side_stream
+from lab.pairing.collect import (
+    Aliases,
+    Collector,
+    OutputEdited,
+    metric_batch_bytes,
+    metrics_on_side_stream,
+)
 from lab.pairing.dtype_flow import FlowRecorder
 from lab.pairing.guards import (
     _holding_model,
@@ -180,6 +186,7 @@ def pair(
     # The metric switches are read inside the forwards: refuse a bad one before they start.
     metrics_kernel()
     metrics_on_side_stream()
+    metric_batch_bytes()
     check_switches()
     blocks = block_classes(model, side_a, side_b) if stream else ()
     if stream and not blocks:
