@@ -992,18 +992,25 @@ class RunReducer:
         )
         self.count = 0
         self.launches = 0
+        self.batches = {"side": 0, "current": 0}
+        """Batches queued on the side stream and on the caller's current stream."""
 
-    def reduce_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[int, int]]:
+    def reduce_many(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], on_side: bool = True
+    ) -> list[tuple[int, int]]:
         """Queue pairs (same shape, CUDA, numel > 0); returns each one's (output, row).
 
         The kernels read the tensors after this returns (in stream order): the caller keeps
-        them unedited until then, or compares copies.
+        them unedited until then, or compares copies. `on_side=False`: this batch runs on the
+        current stream even where the reducer has a side stream (no event, no `record_stream`:
+        the forward's later kernels are queued behind these anyway); `batches` counts each way.
         """
         groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
         for i, (a, b) in enumerate(pairs):
             groups.setdefault((a.dtype, b.dtype), []).append(i)
         flats, read = _read_in_place(pairs)
-        stream = self.stream
+        stream = self.stream if on_side else None
+        self.batches["side" if stream is not None else "current"] += 1
         if stream is not None:
             # After the copies above: the side stream waits for them and for the outputs, and
             # their memory is not handed out again before its kernels have read them.

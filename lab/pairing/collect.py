@@ -107,14 +107,34 @@ that crosses the limit (below _DEVICE_BATCH_NUMEL elements a side)."""
 _DEVICE_BATCH_NUMEL = 64 << 20
 
 
-def metrics_on_side_stream() -> bool:
-    """LAB_METRICS_STREAM: "1" (default) runs CUDA metric kernels on a side stream, "0" not.
+def metrics_stream_mode() -> str:
+    """LAB_METRICS_STREAM: where CUDA metric kernels run: "1" (default), "0" or "auto".
+
+    "1": on a side stream, overlapping the forward's next kernels; what they read is marked in
+    use there (`record_stream`). "0": on the forward's stream. "auto": each batch of small pairs
+    on the forward's stream when that stream has nothing queued at the batch (the GPU waits for
+    the host, as in sd3 full's forwards: the kernels cost the forward nothing there, and the
+    side stream's events and `record_stream` bookkeeping are saved), else on the side stream;
+    large pairs always on the side stream. The numbers are the same everywhere.
 
     Raises:
         ValueError: Any other value.
     """
-    choices = {"1": "metric kernels on a side stream", "0": "on the forward's stream"}
-    return env_choice("LAB_METRICS_STREAM", choices, "1") == "1"
+    choices = {
+        "1": "metric kernels on a side stream",
+        "0": "on the forward's stream",
+        "auto": "a batch on the forward's stream when that stream is idle, else the side stream",
+    }
+    return env_choice("LAB_METRICS_STREAM", choices, "1")
+
+
+def metrics_on_side_stream() -> bool:
+    """LAB_METRICS_STREAM is not "0": the run keeps a side stream for its metric kernels.
+
+    Raises:
+        ValueError: LAB_METRICS_STREAM has a value `metrics_stream_mode` refuses.
+    """
+    return metrics_stream_mode() != "0"
 
 
 def metric_batch_bytes(master_bytes: int = 0) -> int:
@@ -184,6 +204,8 @@ class Collector:
         """With the fused kernel: the run's `_fused_stats.RunReducer` (rows in its buffers)."""
         self._device_batch: list[tuple[_Pending, torch.Tensor, torch.Tensor, int, int]] = []
         self._device_bytes = 0
+        self._auto_stream = False
+        """LAB_METRICS_STREAM=auto: each batch picks its stream (`_flush_device`)."""
 
     def compare(
         self,
@@ -259,8 +281,10 @@ class Collector:
         if reduce is None:
             # The switches are read once a run, not once a pair (each is an environ lookup).
             reduce = self._reduce = _device_reduction(a.device)
-            if metrics_on_side_stream():
+            mode = metrics_stream_mode()
+            if mode != "0":
                 self._stream = torch.cuda.Stream(device=a.device)
+            self._auto_stream = mode == "auto"
             if _fused_available(a.device):
                 from lab.pairing._fused_stats import RunReducer
 
@@ -289,6 +313,10 @@ class Collector:
         a.record_stream(stream)
         b.record_stream(stream)
 
+    def metric_batches(self) -> dict[str, int] | None:
+        """CUDA metric batches queued on the side stream and the forward's (None: no CUDA pair)."""
+        return None if self._reducer is None else dict(self._reducer.batches)
+
     def _flush_device(self) -> None:
         """Queue the held CUDA pairs on the run's reducer.
 
@@ -301,7 +329,12 @@ class Collector:
         for pending, a, b, version_a, version_b in batch:
             if a._version != version_a or b._version != version_b:
                 raise OutputEdited(pending.module, pending.call, pending.output)
-        handles = self._reducer.reduce_many([(a, b) for _, a, b, _, _ in batch])
+        on_side = True
+        if self._auto_stream:
+            # Nothing queued on the forward's stream: the GPU waits for the host, and the
+            # batch's kernels run in that gap without the side stream's bookkeeping.
+            on_side = not torch.cuda.current_stream(self._stream.device).query()
+        handles = self._reducer.reduce_many([(a, b) for _, a, b, _, _ in batch], on_side=on_side)
         for (pending, *_), handle in zip(batch, handles, strict=True):
             pending.stats = handle
         self._device_batch, self._device_bytes = [], 0

@@ -240,13 +240,18 @@ def pair(
     result_meta["lockstep"] = bool(lockstep)
 
     def partial() -> Result:
+        rows = collector.rows()
+        meta = {**result_meta, "timings_s": dict(timings), "repeated_pairs": collector.repeats}
+        batches = collector.metric_batches()
+        if batches is not None:
+            meta["metric_batches"] = batches
         return Result(
             mode,
             side_a.to_dict(),
             side_b.to_dict(),
-            collector.rows(),
+            rows,
             list(collector.skipped),
-            {**result_meta, "timings_s": dict(timings), "repeated_pairs": collector.repeats},
+            meta,
             flow=recorder.flow(mode, view_a, view_b, inputs.roles),
         )
 
