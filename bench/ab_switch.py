@@ -133,6 +133,9 @@ def measure(
                 row[f"{key}_peak_vs_plain"] = peaks[key] / max(side_peaks)
     first = {what: results[f"{what}_{values[0]}"] for what in ("pair", "blocks") if
              f"{what}_{values[0]}" in results}  # fmt: skip
+    for key, result in results.items():
+        if key != "plain" and "metric_batches" in result.meta:  # CUDA: each stream's batches
+            row[f"{key}_metric_batches"] = result.meta["metric_batches"]
     row["pairs"] = len(first["pair"].rows)
     row["rows_equal"] = all(
         [r.metrics for r in results[f"{what}_{value}"].rows] == [r.metrics for r in res.rows]

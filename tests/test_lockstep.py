@@ -333,12 +333,14 @@ def test_metrics_on_a_side_stream_give_the_same_rows(
     assert any(r.metrics.max_ulp > 0 for r in same_stream.rows)
     assert _rows(side_stream) == _rows(same_stream)
     assert side_stream.meta["metric_batches"]["current"] == 0
-    # auto: each batch of small pairs on the forward's stream when that stream is idle (forced
+    # auto: each batch of small pairs on the forward's stream while the GPU keeps up (forced
     # here both ways), else on the side stream; the same rows every way.
     monkeypatch.setenv("LAB_METRICS_STREAM", "auto")
     for idle in (True, False):
         with monkeypatch.context() as mp:
+            # The stream at the first batch, the event after the previous batch at the others.
             mp.setattr(torch.cuda.Stream, "query", lambda self, idle=idle: idle)
+            mp.setattr(torch.cuda.Event, "query", lambda self, idle=idle: idle)
             auto = lab.pair(model, inputs, a, b, stream=True)
         batches = auto.meta["metric_batches"]
         assert batches["current" if idle else "side"] > 0

@@ -112,10 +112,10 @@ def metrics_stream_mode() -> str:
 
     "1": on a side stream, overlapping the forward's next kernels; what they read is marked in
     use there (`record_stream`). "0": on the forward's stream. "auto": each batch of small pairs
-    on the forward's stream when that stream has nothing queued at the batch (the GPU waits for
-    the host, as in sd3 full's forwards: the kernels cost the forward nothing there, and the
-    side stream's events and `record_stream` bookkeeping are saved), else on the side stream;
-    large pairs always on the side stream. The numbers are the same everywhere.
+    on the forward's stream when the GPU has done everything that stream held at the previous
+    batch (it keeps up with the host, as in sd3 full's forwards: the kernels fill its gaps, and
+    the side stream's events and `record_stream` bookkeeping are saved), else on the side
+    stream; large pairs always on the side stream. The numbers are the same everywhere.
 
     Raises:
         ValueError: Any other value.
@@ -123,7 +123,7 @@ def metrics_stream_mode() -> str:
     choices = {
         "1": "metric kernels on a side stream",
         "0": "on the forward's stream",
-        "auto": "a batch on the forward's stream when that stream is idle, else the side stream",
+        "auto": "a batch on the forward's stream while the GPU keeps up, else the side stream",
     }
     return env_choice("LAB_METRICS_STREAM", choices, "1")
 
@@ -206,6 +206,8 @@ class Collector:
         self._device_bytes = 0
         self._auto_stream = False
         """LAB_METRICS_STREAM=auto: each batch picks its stream (`_flush_device`)."""
+        self._mark: torch.cuda.Event | None = None
+        """auto: an event on the forward's stream, recorded after the previous batch."""
 
     def compare(
         self,
@@ -331,10 +333,17 @@ class Collector:
                 raise OutputEdited(pending.module, pending.call, pending.output)
         on_side = True
         if self._auto_stream:
-            # Nothing queued on the forward's stream: the GPU waits for the host, and the
-            # batch's kernels run in that gap without the side stream's bookkeeping.
-            on_side = not torch.cuda.current_stream(self._stream.device).query()
+            # The GPU has done all the forward's stream held at the previous batch (or holds
+            # nothing now, at the first): it keeps up with the host, so the batch's kernels
+            # run in the forward's gaps, without the side stream's events and `record_stream`.
+            # A GPU-bound forward lags behind its host, and the side stream overlaps them.
+            current = torch.cuda.current_stream(self._stream.device)
+            mark = self._mark
+            on_side = not (mark.query() if mark is not None else current.query())
         handles = self._reducer.reduce_many([(a, b) for _, a, b, _, _ in batch], on_side=on_side)
+        if self._auto_stream:
+            self._mark = torch.cuda.Event()
+            self._mark.record(current)
         for (pending, *_), handle in zip(batch, handles, strict=True):
             pending.stats = handle
         self._device_batch, self._device_bytes = [], 0
