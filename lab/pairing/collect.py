@@ -108,24 +108,28 @@ _DEVICE_BATCH_NUMEL = 64 << 20
 
 
 def metrics_stream_mode() -> str:
-    """LAB_METRICS_STREAM: where CUDA metric kernels run: "1" (default), "0" or "auto".
+    """LAB_METRICS_STREAM: where CUDA metric kernels run: "auto" (default), "1" or "0".
 
-    "1": on a side stream, overlapping the forward's next kernels; what they read is marked in
-    use there (`record_stream`). "0": on the forward's stream. "auto": each batch of small pairs
-    on the forward's stream when the GPU has done everything that stream held at the previous
-    batch (it keeps up with the host, as in sd3 full's forwards: the kernels fill its gaps, and
-    the side stream's events and `record_stream` bookkeeping are saved), else on the side
-    stream; large pairs always on the side stream. The numbers are the same everywhere.
+    "auto": the batches of small pairs (every pair of sd3, cosmos3, flux, qwen_image and ltx2
+    full) on the forward's stream, each pair of _DEVICE_BATCH_NUMEL elements or more (Wan2.2,
+    MiniMax H3 full) on a side stream, where its kernels (milliseconds each) overlap the
+    forward's next ones. A batch's kernels take well under a millisecond, and on the forward's
+    stream it needs no event and no `record_stream` (whose frees cost the caching allocator
+    an event each): in two H200 calls side by side (`bench/ab_switch.py`) the forward's stream
+    read 0.00x-0.24x lower by each round's ratio on sd3, cosmos3, flux and ltx2 full, and
+    0.10x higher on qwen_image in one of them, where the minima agreed within 0.01x.
+    "1": every pair on the side stream (the default until stop 22). "0": every pair on the
+    forward's stream. The numbers are the same everywhere.
 
     Raises:
         ValueError: Any other value.
     """
     choices = {
+        "auto": "batches of small pairs on the forward's stream, large pairs on a side stream",
         "1": "metric kernels on a side stream",
         "0": "on the forward's stream",
-        "auto": "a batch on the forward's stream while the GPU keeps up, else the side stream",
     }
-    return env_choice("LAB_METRICS_STREAM", choices, "1")
+    return env_choice("LAB_METRICS_STREAM", choices, "auto")
 
 
 def metrics_on_side_stream() -> bool:
@@ -204,10 +208,8 @@ class Collector:
         """With the fused kernel: the run's `_fused_stats.RunReducer` (rows in its buffers)."""
         self._device_batch: list[tuple[_Pending, torch.Tensor, torch.Tensor, int, int]] = []
         self._device_bytes = 0
-        self._auto_stream = False
-        """LAB_METRICS_STREAM=auto: each batch picks its stream (`_flush_device`)."""
-        self._mark: torch.cuda.Event | None = None
-        """auto: an event on the forward's stream, recorded after the previous batch."""
+        self._batches_on_forward = False
+        """LAB_METRICS_STREAM=auto: batches on the forward's stream, large pairs on the side."""
 
     def compare(
         self,
@@ -273,11 +275,12 @@ class Collector:
         """One CUDA pair: held for the run's batched fused kernels, or reduced at once.
 
         Below _DEVICE_BATCH_NUMEL with the fused kernel, the pair joins the batch `RunReducer`
-        launches; otherwise its own kernels run now. On a side stream (the default;
-        LAB_METRICS_STREAM=0: the forward's) the metric kernels overlap the forward's next
-        kernels (Wan2.2-A14B full, 1020 pairs on an H200: 7.37 s against 8.18 s on the forward's
-        stream, the same peak memory). What they read is marked as in use by that stream, so
-        the caching allocator does not hand its memory out again before the kernel has read it.
+        launches (on the forward's stream by default, `metrics_stream_mode`); otherwise its own
+        kernels run now, on a side stream (unless LAB_METRICS_STREAM=0), where they overlap the
+        forward's next kernels (Wan2.2-A14B full, 1020 pairs on an H200: 7.37 s against 8.18 s
+        on the forward's stream, the same peak memory). What they read is marked as in use by
+        that stream, so the caching allocator does not hand its memory out again before the
+        kernel has read it.
         """
         reduce = self._reduce
         if reduce is None:
@@ -286,7 +289,7 @@ class Collector:
             mode = metrics_stream_mode()
             if mode != "0":
                 self._stream = torch.cuda.Stream(device=a.device)
-            self._auto_stream = mode == "auto"
+            self._batches_on_forward = mode == "auto"
             if _fused_available(a.device):
                 from lab.pairing._fused_stats import RunReducer
 
@@ -331,19 +334,9 @@ class Collector:
         for pending, a, b, version_a, version_b in batch:
             if a._version != version_a or b._version != version_b:
                 raise OutputEdited(pending.module, pending.call, pending.output)
-        on_side = True
-        if self._auto_stream:
-            # The GPU has done all the forward's stream held at the previous batch (or holds
-            # nothing now, at the first): it keeps up with the host, so the batch's kernels
-            # run in the forward's gaps, without the side stream's events and `record_stream`.
-            # A GPU-bound forward lags behind its host, and the side stream overlaps them.
-            current = torch.cuda.current_stream(self._stream.device)
-            mark = self._mark
-            on_side = not (mark.query() if mark is not None else current.query())
-        handles = self._reducer.reduce_many([(a, b) for _, a, b, _, _ in batch], on_side=on_side)
-        if self._auto_stream:
-            self._mark = torch.cuda.Event()
-            self._mark.record(current)
+        handles = self._reducer.reduce_many(
+            [(a, b) for _, a, b, _, _ in batch], on_side=not self._batches_on_forward
+        )
         for (pending, *_), handle in zip(batch, handles, strict=True):
             pending.stats = handle
         self._device_batch, self._device_bytes = [], 0
