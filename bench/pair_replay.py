@@ -113,7 +113,7 @@ def variants(device: str, timings: dict[str, list]) -> dict[str, list[Swap]]:
         return out
     zeros: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def queue_nothing(self: Any, pairs: list) -> list[tuple[int, int]]:
+    def queue_nothing(self: Any, pairs: list, on_side: bool = True) -> list[tuple[int, int]]:
         if not self._outputs:  # one row of zeros every pair points at
             if not zeros:
                 zeros.append(
