@@ -19,6 +19,11 @@ from lab.pairing.metrics import STAT_FIELDS, ULP_BIN_EDGES, decode_many, pair_st
 from lab.pairing.result import LayerDivergence, Skipped
 
 _new = object.__new__
+_TENSOR = torch.Tensor
+_FLOATING = frozenset(
+    d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point
+)
+"""Every floating dtype (what `Tensor.is_floating_point` answers True for)."""
 _HOST = "host"
 """First item of a CPU batch's handle, (_HOST, batch, row), in `_Pending.stats`."""
 _ORDER = operator.attrgetter("order")
@@ -220,46 +225,55 @@ class Collector:
         *,
         a_owned: bool = False,
         names: tuple[int | None, int | None] | None = None,
-    ) -> None:
+    ) -> bool:
         """Pair one leaf of each side (reduced now, or deferred to a batched flush).
 
         `a_owned`: `a` is already a private copy nothing else edits (no second copy needed).
         `names`: the two leaves' `Aliases` names in their forwards; a pair of names seen
         before takes the earlier pair's numbers instead of being reduced again.
+
+        Returns:
+            True when the leaves could not be compared (a `Skipped` row was added).
         """
         module, call, output = key
-        tensors = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-        if tensors and a.is_complex() and b.is_complex():
-            # RoPE tables are complex in some families: compare real and imaginary parts.
-            a, b = torch.view_as_real(a), torch.view_as_real(b)
+        # The common case, checked first: two plain floating tensors of one shape (a dtype
+        # read each, not two method calls each).
         if not (
-            # The common case, checked inline: two floating tensors of one shape.
-            tensors and a.is_floating_point() and b.is_floating_point() and a.shape == b.shape
+            type(a) is _TENSOR
+            and type(b) is _TENSOR
+            and (dtype_a := a.dtype) in _FLOATING
+            and (dtype_b := b.dtype) in _FLOATING
+            and a.shape == b.shape
         ):
+            tensors = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            if tensors and a.is_complex() and b.is_complex():
+                # RoPE tables are complex in some families: compare real and imaginary parts.
+                a, b = torch.view_as_real(a), torch.view_as_real(b)
             reason = why_not_comparable(a, b)
             if reason:
                 self.skipped.append(Skipped(module, call, output, reason))
-                return
+                return True
+            dtype_a, dtype_b = a.dtype, b.dtype
         pending = _Pending(order, module, call, output, self.module_classes.get(module, "?"),
-                           a.dtype, b.dtype, tuple(a.shape))  # fmt: skip
+                           dtype_a, dtype_b, tuple(a.shape))  # fmt: skip
         self.pending.append(pending)
         if names is not None and None not in names:
             earlier = self._by_names.get(names)
             if earlier is not None:
                 pending.same_as = earlier
                 self.repeats += 1
-                return
+                return False
             self._by_names[names] = pending
         if a.is_cuda:
             # On the GPU the pair joins a batch of fused kernels queued behind the forward (or,
             # if very large, is reduced at once): no host copy, no host wait.
             self._reduce_on_device(pending, a, b, a_owned)
-            return
+            return False
         if a.numel() >= _DEFER_NUMEL:
             # Called from inside a side's forward: the metrics must not run under its autocast.
             with torch.autocast(a.device.type, enabled=False):
                 pending.stats, pending.hist = pair_stats(a, b)
-            return
+            return False
         if self.copies:
             # Cloned: the forward may still edit these tensors in place before the flush.
             a = a.detach() if a_owned else a.detach().clone()
@@ -268,6 +282,7 @@ class Collector:
         self._batch_numel += a.numel()
         if self._batch_numel >= _FLUSH_NUMEL:
             self.flush()
+        return False
 
     def _reduce_on_device(
         self, pending: _Pending, a: torch.Tensor, b: torch.Tensor, a_owned: bool = False

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lab.base.switches import env_choice
-from lab.pairing.capture import ROOT, instance_forwards, output_leaves
+from lab.pairing.capture import ROOT, flatten_output, instance_forwards
 from lab.pairing.collect import Aliases
 from lab.pairing.result import Skipped
 from lab.pairing.side_context import sdpa_context, side_autocast
@@ -321,6 +321,8 @@ _PER_MODULE: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyD
 class _Lockstep:
     def __init__(self, run: PairRun, blocks: set[int], stream: bool, segments: bool) -> None:
         self.run = run
+        self.flow = run.flow
+        self.collector = run.collector
         self.sides = {"a": run.side_a, "b": run.side_b}
         self.inputs = {"a": run.inputs_a, "b": _own_inputs(run.inputs_a, run.inputs_b)}
         self.weights = PairedWeights({"a": run.view_a, "b": run.view_b}, blocks, stream=stream)
@@ -427,47 +429,51 @@ class _Lockstep:
     def _on_output(self, key: str, label: str, args: tuple, kwargs: dict, output: Any) -> None:
         """Pair, park or skip each leaf of one captured output.
 
-        Runs without the autocast emulation's torch-function mode (see `_run_once`).
+        Runs without the autocast emulation's torch-function mode (see `_run_once`). Called
+        once a captured module call (sd3 full: 1912 a pair), so what it reads is bound once.
         """
-        other = "b" if key == "a" else "a"
+        is_a = key == "a"
         calls = self.calls[key]
         call = calls.get(label, 0)
         calls[label] = call + 1
-        self.run.flow.record(key, label, call, args, kwargs)
-        flow = self.run.flow if key == "a" else None
-        collector = self.run.collector
+        flow = self.flow
+        flow.record(key, label, call, args, kwargs)
+        name_of = self.aliases[key].name
+        theirs_held = self.held["b" if is_a else "a"]
         parked = False
-        aliases = self.aliases[key]
-        for idx, leaf in output_leaves(output):
+        leaves = (("", output),) if isinstance(output, torch.Tensor) else flatten_output(output)
+        for idx, leaf in leaves:
             k = (label, call, idx)
-            name = aliases.name(leaf)
-            if flow is not None:
+            name = name_of(leaf)
+            if is_a:
                 flow.note_output(name, k, leaf)
-            if key == "b":
-                seq = self.b_leaves  # side B's leaf sequence: the two-pass order of skips
-                self.b_leaves += 1
-            theirs = self.held[other].pop(k, None)
-            if theirs is not None:
-                if key == "a":
-                    order, a, b, names = self._next_order(), leaf, theirs[1], (name, theirs[3])
-                    seq = theirs[5]
-                else:
-                    order, a, b, names = theirs[0], theirs[1], leaf, (theirs[3], name)
-                skipped = len(collector.skipped)
-                collector.compare(order, k, a, b, names=names)
-                if len(collector.skipped) > skipped:
-                    self.skip_keys.append((0, seq))
-            elif self.done[other]:
-                reason = f"only on side {self.sides[key].name!r}"
-                collector.skipped.append(Skipped(label, call, idx, reason))
-                self.skip_keys.append((0, seq) if key == "b" else (1, self._next_order()))
             else:
-                order = self._next_order() if key == "a" else -1
+                seq = self.b_leaves  # side B's leaf sequence: the two-pass order of skips
+                self.b_leaves = seq + 1
+            theirs = theirs_held.pop(k, None)
+            if theirs is not None:
+                if is_a:
+                    order = self.order
+                    self.order = order + 1
+                    seq = theirs[5]
+                    skipped = self.collector.compare(order, k, leaf, theirs[1],
+                                                     names=(name, theirs[3]))  # fmt: skip
+                else:
+                    skipped = self.collector.compare(theirs[0], k, theirs[1], leaf,
+                                                     names=(theirs[3], name))  # fmt: skip
+                if skipped:
+                    self.skip_keys.append((0, seq))
+            elif self.done["b" if is_a else "a"]:
+                reason = f"only on side {self.sides[key].name!r}"
+                self.collector.skipped.append(Skipped(label, call, idx, reason))
+                self.skip_keys.append((1, self._next_order()) if is_a else (0, seq))
+            else:
+                order = self._next_order() if is_a else -1
                 tensor = isinstance(leaf, torch.Tensor)
                 # [order, leaf, copied yet, alias name, version when parked, B's sequence]
                 self.held[key][k] = [
                     order, leaf, False, name, leaf._version if tensor else None,
-                    seq if key == "b" else -1,
+                    -1 if is_a else seq,
                 ]  # fmt: skip
                 self.parked[key] += 1 + (leaf.numel() * leaf.element_size() if tensor else 0)
                 parked = True
