@@ -52,6 +52,7 @@ def test_pair_synchronizes_only_to_read_its_numbers(name: str) -> None:
             warnings.showwarning = shown
     assert len(result.rows) > 50
     assert sites, "sync debug mode reported nothing: the check itself did not run"
-    # Only the Result's transfer of every pair's numbers waits for the GPU (`RunReducer.rows`,
-    # and `Collector.rows` for pairs reduced one at a time).
-    assert set(sites) <= {("_fused_stats.py", "rows"), ("collect.py", "rows")}, dict(sites)
+    # Only the Result's transfer of every pair's numbers waits for the GPU (`RunReducer.host_rows`,
+    # and `Collector._gathered` for pairs reduced one at a time).
+    allowed = {("_fused_stats.py", "host_rows"), ("collect.py", "_gathered")}
+    assert set(sites) <= allowed, dict(sites)
