@@ -120,9 +120,10 @@ def metrics_stream_mode() -> str:
     MiniMax H3 full) on a side stream, where its kernels (milliseconds each) overlap the
     forward's next ones. A batch's kernels take well under a millisecond, and on the forward's
     stream it needs no event and no `record_stream` (whose frees cost the caching allocator
-    an event each): in two H200 calls side by side (`bench/ab_switch.py`) the forward's stream
-    read 0.00x-0.24x lower by each round's ratio on sd3, cosmos3, flux and ltx2 full, and
-    0.10x higher on qwen_image in one of them, where the minima agreed within 0.01x.
+    an event each). In three H200 calls side by side (`bench/ab_switch.py`; stop 22 in
+    docs/notes/lockstep-pairing.md) each round's ratio read 0.00x-0.24x lower on the forward's
+    stream for sd3, cosmos3, flux and ltx2 full; qwen_image read 0.10x higher in one call and
+    0.16x lower in another, its minima within 0.01x.
     "1": every pair on the side stream (the default until stop 22). "0": every pair on the
     forward's stream. The numbers are the same everywhere.
 
