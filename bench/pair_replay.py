@@ -12,8 +12,10 @@ sides stays referenced), then those calls are made again, in the order they came
 record, alias names, `Collector.compare` and, on CUDA, the metric batches (tables, launches,
 `record_stream`) run as in the pair, and nothing else does. Per family, the minimum over
 --rounds of:
-- `full`: the replay as it is (`*_loop_ms`: the calls and the last batch; `*_rows_ms`: the
-  Result's rows after a sync, `Collector.rows`);
+- `full`: the replay as it is, through the Python per-output path (`*_loop_ms`: the calls and
+  the last batch; `*_rows_ms`: the Result's rows after a sync, `Collector.rows`);
+- `cxx`: the same through the C++ per-output path (`pair_core`; `cxx_matches`: its rows equal
+  the pair's);
 - `noflow`, `noaliases`, `nocompare`: with the dtype-flow record, the alias names or
   `Collector.compare` taken out; on CUDA also `noreduce` (`RunReducer.reduce_many` queues
   nothing) and `norecordstream`;
@@ -40,7 +42,7 @@ from typing import Any
 import pair_host
 import torch
 
-from lab.pairing import _fused_stats, collect, dtype_flow, lockstep
+from lab.pairing import _fused_stats, collect, dtype_flow, lockstep, pair_core
 from lab.pairing.metrics import STAT_FIELDS
 from lab.pairing.state import sync
 
@@ -79,15 +81,22 @@ def record(run_pair: Callable[[], Any]) -> tuple[Any, list[tuple], Any]:
     return result, calls, runs[0]
 
 
-def replay(run: Any, calls: list[tuple], device: str) -> tuple[float, float, list]:
-    """The calls made again on a fresh `_Lockstep` of `run`: (loop s, rows s, rows)."""
+def replay(
+    run: Any, calls: list[tuple], device: str, core: bool = False
+) -> tuple[float, float, list]:
+    """The calls made again on a fresh `_Lockstep` of `run`: (loop s, rows s, rows).
+
+    `core`: through the C++ per-output path (`pair_core.lockstep`) instead of the Python one.
+    """
     run.collector.reset()
     run.flow.reset()
     step = lockstep._Lockstep(run, set(), False, True)
     run.flow.track(step.aliases["a"], step.inputs["a"].kwargs)
     step._pause = _nothing  # no other side to hand over to: it has run already
     step.budget = 1 << 62
-    on_output = step._on_output
+    on_output = pair_core.lockstep(step) if core else step._on_output
+    if on_output is None:
+        raise RuntimeError("pair_replay: the C++ pairing path is off (LAB_PAIR_CORE=python)")
     sync(device)
     start = time.perf_counter()
     for args in calls:
@@ -105,6 +114,7 @@ def variants(device: str, timings: dict[str, list]) -> dict[str, list[Swap]]:
     flow = dtype_flow.FlowRecorder
     out: dict[str, list[Swap]] = {
         "full": [],
+        "cxx": [],  # `full` through the C++ per-output path (`measure` passes core=True)
         "noflow": [(flow, "record", _nothing), (flow, "note_output", _nothing)],
         "noaliases": [(collect.Aliases, "name", _nothing)],
         "nocompare": [(collect.Collector, "compare", _nothing)],
@@ -184,7 +194,9 @@ def measure(name: str, device: str, rounds: int, tiny: bool = False) -> dict[str
         for _ in range(rounds):
             timings.clear()
             with swapped(swaps):
-                loop, rows_time, rows = replay(run, calls, device)
+                loop, rows_time, rows = replay(run, calls, device, core=case == "cxx")
+            if case == "cxx" and "cxx_matches" not in row:
+                row["cxx_matches"] = [r.metrics for r in rows] == [r.metrics for r in result.rows]
             if case == "timed" and (not loops or loop < min(loops)):
                 fastest = {label: list(entry) for label, entry in timings.items()}
             loops.append(loop)

@@ -265,16 +265,26 @@ class Collector:
                 self.repeats += 1
                 return False
             self._by_names[names] = pending
+        self._reduce_now(pending, a, b, a_owned)
+        return False
+
+    def _reduce_now(
+        self, pending: _Pending, a: torch.Tensor, b: torch.Tensor, a_owned: bool = False
+    ) -> None:
+        """Reduce a new pair's two tensors, or add them to the batch (`compare`'s last step).
+
+        Also what `_pair_core.Lockstep` calls for a pair its own batching does not take.
+        """
         if a.is_cuda:
             # On the GPU the pair joins a batch of fused kernels queued behind the forward (or,
             # if very large, is reduced at once): no host copy, no host wait.
             self._reduce_on_device(pending, a, b, a_owned)
-            return False
+            return
         if a.numel() >= _DEFER_NUMEL:
             # Called from inside a side's forward: the metrics must not run under its autocast.
             with torch.autocast(a.device.type, enabled=False):
                 pending.stats, pending.hist = pair_stats(a, b)
-            return False
+            return
         if self.copies:
             # Cloned: the forward may still edit these tensors in place before the flush.
             a = a.detach() if a_owned else a.detach().clone()
@@ -283,7 +293,6 @@ class Collector:
         self._batch_numel += a.numel()
         if self._batch_numel >= _FLUSH_NUMEL:
             self.flush()
-        return False
 
     def _reduce_on_device(
         self, pending: _Pending, a: torch.Tensor, b: torch.Tensor, a_owned: bool = False

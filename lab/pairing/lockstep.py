@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lab.base.switches import env_choice
+from lab.pairing import pair_core
 from lab.pairing.capture import ROOT, flatten_output, instance_forwards
 from lab.pairing.collect import Aliases
 from lab.pairing.result import Skipped
@@ -512,6 +513,10 @@ class _Lockstep:
         skipped[:] = [skipped[i] for i in order]
 
 
+_ON_OUTPUT = _Lockstep._on_output
+"""The Python per-output method (a bench or test that replaces it turns the C++ path off)."""
+
+
 def _reporting_forwards(
     modules: list[tuple[torch.nn.Module, str]],
     on_output: Callable[[str, str, tuple, dict, Any], None],
@@ -522,8 +527,15 @@ def _reporting_forwards(
     on `Module._call_impl`'s slow path, and sd3 full calls 1912 captured modules a pair. The
     module's current forward is wrapped (its class's, or an engine op's dispatch, which is
     installed first). A call from a thread running no side (the kept threads between pairs,
-    any other thread) is passed through unreported.
+    any other thread) is passed through unreported. When `on_output` is the C++ path's
+    (`pair_core.lockstep`), the wrapper is its `Reporter`, which does the same in C++.
     """
+    core = pair_core.extension() if pair_core.mode() == "cxx" else None
+    if core is not None and isinstance(on_output, core.Lockstep):
+        reporter = core.Reporter
+        return instance_forwards(
+            modules, lambda module, inner, label: reporter(inner, label, on_output, _KEYS)
+        )
     no_function_mode = torch._C.DisableTorchFunction
 
     def reporting(module: torch.nn.Module, inner: Callable[..., Any], label: str) -> Any:
@@ -590,6 +602,10 @@ def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -
     model = run.model
     step = _Lockstep(run, block_ids, stream, segments)
     run.flow.track(step.aliases["a"], step.inputs["a"].kwargs)
+    # The per-output path in C++ (`pair_core`), unless LAB_PAIR_CORE=python or a bench or test
+    # has put its own `_on_output` on the class.
+    core = pair_core.lockstep(step) if _Lockstep._on_output is _ON_OUTPUT else None
+    on_output = core if core is not None else step._on_output
     blocks = step.weights.block_modules
     handles = []
 
@@ -608,7 +624,6 @@ def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -
 
     def make_post(label: str, captured: bool) -> Any:
         """A block's forward hook: leave the block, report its output if captured."""
-        on_output = step._on_output
         weights = step.weights
 
         def post(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -649,7 +664,7 @@ def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -
             modules = (m for _, m in run.view_a.named_modules)
             stack.enter_context(ops_dispatched(model, per_side, _current_key, modules))
             # After the engine-op forwards: each wraps whatever forward the module has now.
-            stack.enter_context(_reporting_forwards(reporting, step._on_output))
+            stack.enter_context(_reporting_forwards(reporting, on_output))
             if not step.sdpa_per_turn:
                 stack.enter_context(sdpa_context(run.side_a.attention_backend))
             _run_sides(step)
@@ -659,6 +674,9 @@ def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -
     if run.device.type == "cuda":
         torch.cuda.synchronize(run.device)
     run.timings["lockstep_s"] = time.perf_counter() - start
+    handled, handed = core.counts() if core is not None else (0, None)
+    run.core.update(path="cxx" if core is not None else "python", cxx_outputs=handled,
+                    python_outputs=handed)  # fmt: skip
     if step.errors:
         key, err = next(iter(step.errors.items()))  # the side that failed first
         run.phase["side"] = step.sides[key].name

@@ -224,6 +224,7 @@ def pair(
     )
     recorder = FlowRecorder()
     timings: dict[str, float] = {}
+    core: dict[str, Any] = {}
     result_meta = {
         **(meta or {}),
         "device": str(device),
@@ -245,6 +246,8 @@ def pair(
         batches = collector.metric_batches()
         if batches is not None:
             meta["metric_batches"] = batches
+        if core:
+            meta["pair_core"] = dict(core)
         return Result(
             mode,
             side_a.to_dict(),
@@ -278,6 +281,7 @@ def pair(
                 phase,
                 recorder,
                 outputs,
+                core,
             )
             try:
                 _run_strategy(run, mode, lockstep, stream)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,6 +45,9 @@ class PairRun:
     """Input dtypes (and side A's producers) of every captured call, for `lab.pairing.why`."""
     outputs: dict[str, Any] | None = None
     """When set, each side's model output lands here under "a" and "b" (`pair(outputs=)`)."""
+    core: dict[str, Any] = field(default_factory=dict)
+    """Lockstep: which per-output path ran ("cxx" or "python") and how many outputs each took
+    (`Result.meta["pair_core"]`)."""
 
     def forward(
         self, which: str, hooks: ModuleHooks | None, reports: OutputReports | None = None
