@@ -136,6 +136,8 @@ def measure(
     for key, result in results.items():
         if key != "plain" and "metric_batches" in result.meta:  # CUDA: each stream's batches
             row[f"{key}_metric_batches"] = result.meta["metric_batches"]
+        if key != "plain" and "pair_core" in result.meta:  # lockstep: which per-output path
+            row[f"{key}_pair_core"] = result.meta["pair_core"]
     row["pairs"] = len(first["pair"].rows)
     row["rows_equal"] = all(
         [r.metrics for r in results[f"{what}_{value}"].rows] == [r.metrics for r in res.rows]
