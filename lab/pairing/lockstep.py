@@ -286,7 +286,9 @@ def _budget_switch() -> int | None:
 
 
 def check_switches() -> None:
-    """Refuse a bad LAB_LOCKSTEP_HANDOVER, LAB_PARK_BUDGET or LAB_PAIR_PIN before any forward.
+    """Refuse a bad lockstep switch before any forward.
+
+    LAB_LOCKSTEP_HANDOVER, LAB_PARK_BUDGET, LAB_PAIR_PIN and LAB_PAIR_CORE.
 
     Raises:
         ValueError: Naming the bad value and the values allowed.
@@ -294,6 +296,7 @@ def check_switches() -> None:
     handover_mode()
     _budget_switch()
     pin_mode()
+    pair_core.mode()
 
 
 def park_budget(model: torch.nn.Module, params: Iterable[torch.Tensor] | None = None) -> int:

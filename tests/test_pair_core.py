@@ -1,0 +1,288 @@
+"""The lockstep per-output path in C++ (`lab/pairing/_pair_core.cpp`) against the Python one.
+
+Both work on the same Python objects; the Result (rows, metrics, skips and their order, repeats),
+the recorded dtype flow with its producers and every why must be equal, on every family and on
+the cases that take the rarer branches (one-sided modules, non-floating outputs, in-place edits,
+hand-overs inside a block, outputs the C++ path hands to Python).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+import lab
+from lab.families import FAMILY_NAMES
+from lab.pairing import collect, lockstep, pair_core
+
+
+@pytest.fixture(scope="module")
+def core():
+    ext = pair_core.extension()
+    assert ext is not None, "the C++ pairing path must build here (g++ and Python headers)"
+    return ext
+
+
+def _flow(result: lab.Result) -> tuple:
+    """The recorded flow with producers, without tensor ids (unique only while a tensor lives)."""
+
+    def strip(inputs: dict) -> dict:
+        return {k: tuple(entry[:3] for entry in v) for k, v in inputs.items()}
+
+    return strip(result.flow.inputs_a), strip(result.flow.inputs_b)
+
+
+def _same(result: lab.Result, reference: lab.Result) -> None:
+    rows = [(r.order, r.label(), r.dtype_a, r.dtype_b, r.shape, r.metrics) for r in result.rows]
+    ref = [(r.order, r.label(), r.dtype_a, r.dtype_b, r.shape, r.metrics) for r in reference.rows]
+    assert rows == ref
+    assert result.skipped == reference.skipped
+    assert result.meta["repeated_pairs"] == reference.meta["repeated_pairs"]
+    assert _flow(result) == _flow(reference)
+    assert result.whys() == reference.whys()
+
+
+def _both(monkeypatch: pytest.MonkeyPatch, run) -> tuple[lab.Result, lab.Result]:
+    """`run()` through the Python path, then through the C++ path."""
+    monkeypatch.setenv("LAB_PAIR_CORE", "python")
+    python = run()
+    monkeypatch.setenv("LAB_PAIR_CORE", "cxx")
+    cxx = run()
+    assert python.meta["pair_core"]["path"] == "python"
+    assert cxx.meta["pair_core"]["path"] == "cxx"
+    return python, cxx
+
+
+@pytest.mark.parametrize("family_name", FAMILY_NAMES)
+@pytest.mark.parametrize("stream", [False, True])
+def test_cxx_path_equals_python_path_on_every_family(
+    core, family_name: str, stream: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fam = lab.family(family_name)
+    model, inputs = fam.build("tiny", 0), fam.make_inputs("tiny", 0)
+    a, b = lab.Side.rollout(fam), lab.Side.trainer(fam)
+    python, cxx = _both(monkeypatch, lambda: lab.pair(model, inputs, a, b, lockstep=True,
+                                                      stream=stream))  # fmt: skip
+    _same(cxx, python)
+    assert len(cxx.rows) > 50
+    counts = cxx.meta["pair_core"]
+    # Nearly every captured call is a tensor or a tuple of tensors: the C++ path takes it.
+    assert counts["cxx_outputs"] > 10 * counts["python_outputs"]
+    assert counts["cxx_outputs"] + counts["python_outputs"] == 2 * sum(1 for _ in _calls(python))
+    # Producers were found (side A's inputs traced to the outputs they came from).
+    assert sum(e[2] is not None for v in cxx.flow.inputs_a.values() for e in v) > 20
+
+
+def _calls(result: lab.Result):
+    """The captured module calls of side A (one flow entry each)."""
+    return result.flow.inputs_a.keys()
+
+
+class _Block(torch.nn.Module):
+    """Edits a captured output in place (optionally), calls a module only in bf16, returns a
+    floating and an integer output, and one nested output the C++ path hands to Python."""
+
+    def __init__(self, edit: bool) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.extra = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, 8)
+        self.nested = _Nested()
+        self.edit = edit
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.lin(x)
+        if self.edit:
+            y.mul_(3.0)
+        if y.dtype == torch.bfloat16:
+            y = self.extra(y)
+        y = self.out(y)
+        y = y + self.nested(y)["sum"][0]
+        return y, (y > 0).sum(-1)
+
+
+class _Nested(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> dict:
+        return {"sum": (x * 0.5, None), "scale": x.abs().amax()}
+
+
+class _Toy(torch.nn.Module):
+    _no_split_modules = ("_Block",)
+
+    def __init__(self, edit: bool) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 8)
+        self.blocks = torch.nn.ModuleList([_Block(edit), _Block(False), _Block(edit)])
+        self.head = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)[0]
+        return self.head(x)
+
+
+FP32 = lab.Side(name="fp32", forward_dtype="fp32", rollout_precision="fp32")
+BF16 = lab.Side(name="bf16", input_dtype_policy={"latents": "bf16"})
+
+
+@pytest.mark.parametrize("edit", [False, True])
+@pytest.mark.parametrize("budget", [None, "0"])
+def test_cxx_path_equals_python_path_on_skips_edits_and_handed_outputs(
+    core, edit: bool, budget: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if budget is not None:
+        monkeypatch.setenv("LAB_PARK_BUDGET", budget)  # a hand-over after every parked output
+
+    def run() -> lab.Result:
+        torch.manual_seed(0)
+        model = _Toy(edit)
+        inputs = lab.Inputs(kwargs={"x": torch.randn(4, 8)}, roles={"x": "latents"})
+        return lab.pair(model, inputs, FP32, BF16, lockstep=True)
+
+    python, cxx = _both(monkeypatch, run)
+    _same(cxx, python)
+    reasons = {(s.module, s.output, s.reason) for s in cxx.skipped}
+    assert ("blocks.0.extra", "", "only on side 'bf16'") in reasons
+    assert any(s.output == "1" and "non-floating" in s.reason for s in cxx.skipped)
+    assert any(r.label() == "blocks.0.nested:sum.0" for r in cxx.rows)
+    # The dict outputs went to the Python method, the rest stayed in C++.
+    counts = cxx.meta["pair_core"]
+    assert counts["python_outputs"] == 2 * 3  # one `nested` call a block, on each side
+    assert counts["cxx_outputs"] > counts["python_outputs"]
+
+
+def test_replacing_a_function_it_stands_in_for_turns_it_off(
+    core, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fam = lab.family("flux")
+    model, inputs = fam.build("tiny", 0), fam.make_inputs("tiny", 0)
+    a, b = lab.Side.rollout(fam), lab.Side.trainer(fam)
+    assert pair_core.replaced() == []
+    seen: list[int] = []
+    compare = collect.Collector.compare
+
+    def counted(self, *args, **kwargs):
+        seen.append(1)
+        return compare(self, *args, **kwargs)
+
+    monkeypatch.setattr(collect.Collector, "compare", counted)
+    assert pair_core.replaced() == ["Collector.compare"]
+    result = lab.pair(model, inputs, a, b, lockstep=True)
+    assert result.meta["pair_core"]["path"] == "python"
+    assert len(seen) == len(result.rows)
+
+
+def test_reporter_passes_calls_through_and_reports_side_calls(core) -> None:
+    reports: list[tuple] = []
+
+    def on_output(key, label, args, kwargs, output) -> None:
+        disabled = torch._C._is_torch_function_all_disabled()
+        reports.append((key, label, args, dict(kwargs), output, disabled))
+
+    def inner(x, *, scale=1.0):
+        return x * scale
+
+    keys: dict[int, str] = {}
+    reporter = core.Reporter(inner, "blocks.0.lin", on_output, keys)
+    assert reporter.__wrapped__ is inner
+    x = torch.ones(2)
+    # No side key for this thread: the call is passed through unreported.
+    assert torch.equal(reporter(x, scale=2.0), 2 * x)
+    assert reports == []
+    keys[threading.get_ident()] = "b"
+    out = reporter(x, scale=3.0)
+    assert torch.equal(out, 3 * x)
+    [(key, label, args, kwargs, output, disabled)] = reports
+    assert (key, label, kwargs, disabled) == ("b", "blocks.0.lin", {"scale": 3.0}, True)
+    assert args[0] is x and output is out
+    assert not torch._C._is_torch_function_all_disabled()  # restored after the report
+    reporter(x)  # no kwargs: an empty dict is reported
+    assert reports[-1][3] == {}
+
+    def failing(*args) -> None:
+        raise KeyError("from on_output")
+
+    with pytest.raises(KeyError, match="from on_output"):
+        core.Reporter(inner, "m", failing, keys)(x)
+    assert not torch._C._is_torch_function_all_disabled()
+
+    def broken(x):
+        raise ValueError("from the forward")
+
+    with pytest.raises(ValueError, match="from the forward"):
+        core.Reporter(broken, "m", on_output, keys)(x)
+    keys.clear()
+
+
+def test_lockstep_object_refuses_bad_calls(core) -> None:
+    with pytest.raises(KeyError, match="Lockstep state"):
+        core.Lockstep(object(), {})
+    with pytest.raises(TypeError):
+        core.Lockstep(object())
+
+
+def test_bad_pair_core_switch_is_refused_before_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    fam = lab.family("flux")
+    model, inputs = fam.build("tiny", 0), fam.make_inputs("tiny", 0)
+    monkeypatch.setenv("LAB_PAIR_CORE", "c++")
+    forwards: list[int] = []
+    model.register_forward_pre_hook(lambda *args: forwards.append(1))
+    with pytest.raises(ValueError, match=r"LAB_PAIR_CORE='c\+\+': use 'cxx'"):
+        lab.pair(model, inputs, lab.Side.rollout(fam), lab.Side.trainer(fam), lockstep=True)
+    assert forwards == []
+
+
+def test_a_failed_build_warns_once_and_pairs_through_python(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    monkeypatch.setattr(pair_core, "_STATE", {})
+    monkeypatch.setenv("PATH", str(tmp_path))  # no compiler on PATH
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(RuntimeError, match=r"no C\+\+ compiler on PATH .* LAB_PAIR_CORE=python"):
+        pair_core.build(tmp_path)
+    fam = lab.family("sd3")
+    model, inputs = fam.build("tiny", 0), fam.make_inputs("tiny", 0)
+    a, b = lab.Side.rollout(fam), lab.Side.trainer(fam)
+    with pytest.warns(RuntimeWarning, match=r"C\+\+ pairing path could not be built"):
+        result = lab.pair(model, inputs, a, b, lockstep=True)
+    assert result.meta["pair_core"]["path"] == "python"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once
+        assert pair_core.extension() is None
+
+
+def test_build_is_cached_by_source_and_rebuilt_for_another(
+    core, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    first = pair_core.build(tmp_path)
+    assert first.exists() and pair_core.build(tmp_path) == first  # cached: not rebuilt
+    source = tmp_path / "_pair_core.cpp"
+    source.write_text(pair_core.SOURCE.read_text() + "\n// another source\n")
+    monkeypatch.setattr(pair_core, "SOURCE", source)
+    assert pair_core.build(tmp_path) != first
+    source.write_text("#error broken\n")
+    with pytest.raises(RuntimeError, match=r"failed .*broken"):
+        pair_core.build(tmp_path)
+    assert not list(tmp_path.glob("*.tmp"))  # no half-written build left behind
+
+
+def test_identical_sides_through_cxx_give_zero_ulp_everywhere(core) -> None:
+    fam = lab.family("qwen_image")
+    model, inputs = fam.build("tiny", 0), fam.make_inputs("tiny", 0)
+    side = lab.Side.trainer(fam)
+    result = lab.pair(model, inputs, side, side, lockstep=True)
+    assert result.meta["pair_core"]["path"] == "cxx"
+    assert result.rows and all(r.metrics.max_ulp == 0 for r in result.rows)
+    assert all(r.metrics.bitexact_frac == 1.0 and r.metrics.max_abs_diff == 0 for r in result.rows)
+
+
+def test_kept_threads_leave_no_reporter_behind(core) -> None:
+    fam = lab.family("wan2_2")
+    model, inputs = fam.build("tiny", 0), fam.make_inputs("tiny", 0)
+    lab.pair(model, inputs, lab.Side.rollout(fam), lab.Side.trainer(fam), lockstep=True)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert lockstep._KEYS == {} or all(k for k in lockstep._KEYS.values())
