@@ -35,6 +35,14 @@ from lab.pairing.state import sync
 from lab.pairing.weights import WeightView
 
 
+def _found(result: lab.Result) -> tuple[list[str], list[Any]]:
+    """Every row (order, label, dtypes, shape, metrics) and skip, by repr: a NaN metric equals
+    itself this way (floats compared with == would not)."""
+    rows = [repr((r.order, r.label(), r.dtype_a, r.dtype_b, r.shape, r.metrics))
+            for r in result.rows]  # fmt: skip
+    return rows, list(result.skipped)
+
+
 def parse_switch(text: str) -> tuple[str, list[str]]:
     """ "NAME=v1,v2" -> ("NAME", ["v1", "v2"]).
 
@@ -140,8 +148,7 @@ def measure(
             row[f"{key}_pair_core"] = result.meta["pair_core"]
     row["pairs"] = len(first["pair"].rows)
     row["rows_equal"] = all(
-        [r.metrics for r in results[f"{what}_{value}"].rows] == [r.metrics for r in res.rows]
-        and [r.module for r in results[f"{what}_{value}"].rows] == [r.module for r in res.rows]
+        _found(results[f"{what}_{value}"]) == _found(res)
         for what, res in first.items()
         for value in values[1:]
     )

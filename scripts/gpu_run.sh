@@ -87,7 +87,7 @@ for stage in "$@"; do
             --families "${REPORT_FAMILIES:-sd3,qwen_image,cosmos3}" >"$out/ab_report_forwards.log" 2>&1
         ;;
     switch)
-        IFS=';' read -ra switches <<<"${SWITCHES:-LAB_METRICS_STREAM=1,0}"
+        IFS=';' read -ra switches <<<"${SWITCHES:-LAB_PAIR_CORE=python,cxx}"
         rc_all=0
         for sw in "${switches[@]}"; do
             name="${sw%%=*}"

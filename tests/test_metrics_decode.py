@@ -88,3 +88,23 @@ def test_decode_many_of_real_pairs_and_of_nothing() -> None:
     assert many[1].bitexact_frac == 1.0 and many[-1].degenerate and not many[-2].degenerate
     assert many[-3].rounding_only or many[-3].max_abs_diff == 0
     assert decode_many([], [], []) == []
+
+
+def test_a_pair_whose_reduction_never_ran_is_skipped_not_made_up() -> None:
+    # A run that fails between `compare` and the pair's metrics (out of memory in the reduction)
+    # leaves that pair without numbers: the partial Result reports it as skipped.
+    from lab.pairing.collect import Collector
+
+    collector = Collector({"lin": "Linear"})
+    a, b = torch.ones(4), torch.full((4,), 2.0)
+    collector.compare(0, ("lin", 0, ""), a, b)
+    collector.flush()
+    collector.compare(1, ("lin", 1, ""), a.clone(), b.clone())
+    collector.pending[-1].stats = None  # as a reduction that raised leaves it
+    collector._batch.clear()
+    rows = collector.rows()
+    assert [(r.module, r.call) for r in rows] == [("lin", 0)]
+    assert rows[0].metrics.max_abs_diff == 1.0
+    [skip] = collector.skipped
+    assert (skip.module, skip.call) == ("lin", 1)
+    assert skip.reason.startswith("not reduced: the run failed")

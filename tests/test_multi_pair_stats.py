@@ -240,7 +240,7 @@ def test_a_batch_holds_what_lab_metric_batch_bytes_says(monkeypatch: pytest.Monk
     fam = lab.family("sd3")
     model, inputs = fam.build("tiny", 0), fam.make_inputs("tiny", 0)
     side = lab.Side.rollout(fam)
-    for bad in ("0", "2GB", "-5"):
+    for bad in ("0", "2GB", "-5", "\u0663"):  # an Arabic-Indic 3 is no byte count
         monkeypatch.setenv("LAB_METRIC_BATCH_BYTES", bad)
         with pytest.raises(ValueError, match=f"LAB_METRIC_BATCH_BYTES={bad!r}: give a positive"):
             Collector({})

@@ -42,7 +42,9 @@ class _Pending:
     dtype_a: torch.dtype
     dtype_b: torch.dtype
     shape: tuple[int, ...]
-    stats: torch.Tensor | list[float] | None = None
+    stats: torch.Tensor | list[float] | tuple | None = None
+    """Its numbers: a tensor or list of its own, or a handle into a batch's rows ((_HOST, batch,
+    row) for a CPU batch, (batch, row) for a CUDA one); None until reduced."""
     hist: torch.Tensor | list[float] | None = None
     same_as: _Pending | None = None
     """An earlier pair of the very same two tensors, whose numbers this one takes."""
@@ -159,7 +161,7 @@ def metric_batch_bytes(master_bytes: int = 0) -> int:
     """
     value = os.environ.get("LAB_METRIC_BATCH_BYTES")
     if value is not None:
-        if not value.isdigit() or int(value) == 0:
+        if not (value.isascii() and value.isdigit()) or int(value) == 0:
             raise ValueError(
                 f"LAB_METRIC_BATCH_BYTES={value!r}: give a positive number of bytes, e.g. "
                 f"{_DEVICE_BYTES} (unset: {DEVICE_BATCH_SHARE:.1%} of the master's bytes)."
@@ -452,6 +454,14 @@ class Collector:
     def rows(self) -> list[LayerDivergence]:
         """Every pair so far as LayerDivergence rows, in order (one host transfer)."""
         self.flush()
+        # A pair whose reduction never ran (the run failed between its `compare` and its
+        # metrics, e.g. out of memory) is reported as skipped, never as a row of made-up numbers.
+        unreduced = [p for p in self.pending if p.resolved().stats is None]
+        if unreduced:
+            reason = "not reduced: the run failed before its metrics were computed"
+            for p in unreduced:
+                self.skipped.append(Skipped(p.module, p.call, p.output, reason))
+            self.pending = [p for p in self.pending if p.resolved().stats is not None]
         if not self.pending:
             return []
         if self._stream is not None:

@@ -277,7 +277,7 @@ def _budget_switch() -> int | None:
         ValueError: It is set to anything but a non-negative integer.
     """
     value = os.environ.get("LAB_PARK_BUDGET")
-    if value is not None and not value.isdigit():
+    if value is not None and not (value.isascii() and value.isdigit()):
         raise ValueError(
             f"LAB_PARK_BUDGET={value!r}: give a number of bytes, e.g. 2000000000 (0 hands over "
             "after every parked output)."
