@@ -106,9 +106,11 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def test_interpreted_multi_pair_kernels_equal_single_pair_bit_for_bit() -> None:
+@pytest.mark.parametrize("core", ["cxx", "python"])
+def test_interpreted_multi_pair_kernels_equal_single_pair_bit_for_bit(core: str) -> None:
+    # Both ways of building a batch's table (`_pair_core.scan`/`table`, the Python loops).
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "LAB_PAIR_CORE": core}
     proc = subprocess.run(
         [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600
     )

@@ -286,3 +286,59 @@ def test_kept_threads_leave_no_reporter_behind(core) -> None:
     lab.pair(model, inputs, lab.Side.rollout(fam), lab.Side.trainer(fam), lockstep=True)
     assert not any("forward" in m.__dict__ for m in model.modules())
     assert lockstep._KEYS == {} or all(k for k in lockstep._KEYS.values())
+
+
+def _batch() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Pairs of four dtype pairs, contiguous and not, some off the 16-byte grid, some with b
+    below a's group base in memory (negative offsets)."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(4096, generator=g)
+    half = base.to(torch.bfloat16)
+    pairs = [
+        (half[100:300], half[10:210]),  # b's base below the group's first b
+        (half[1:129], half[3:131]),  # off the 16-byte grid
+        (base[:64].reshape(8, 8).t(), base[64:128].reshape(8, 8).t()),  # strided
+        (base[500:1500], base[:1000].to(torch.float64)),
+        (half[:2048], base[:2048]),
+        (base[7:1031], base[1031:2055]),  # fp32 off the grid
+        (half[64 : 64 + 96].reshape(2, 48)[:, :16], half[:96].reshape(2, 48)[:, 16:32]),
+        (base[:1], base[1:2]),
+    ]
+    return pairs
+
+
+def test_batch_table_in_cxx_equals_the_python_loops(core, monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+
+    from lab.pairing import _fused_stats
+
+    pairs = _batch()
+    groups, strided = core.scan(pairs)
+    expected: dict = {}
+    for i, (a, b) in enumerate(pairs):
+        expected.setdefault((a.dtype, b.dtype), []).append(i)
+    assert list(groups.items()) == list(expected.items())  # the same groups, the same order
+    assert strided == [i for i, (a, b) in enumerate(pairs)
+                       if not (a.is_contiguous() and b.is_contiguous())]  # fmt: skip
+    assert strided == [2, 6]
+    flats, _ = _fused_stats._read_in_place(pairs)
+    reducer = _fused_stats.RunReducer(torch.device("cpu"))
+    reducer._programs = 3  # caps some grids
+    plans = {}
+    for path in ("cxx", "python"):
+        monkeypatch.setenv("LAB_PAIR_CORE", path)
+        plans[path] = [reducer._plan(flats, index, dtypes) for dtypes, index in groups.items()]
+    offsets = []
+    for ours, theirs in zip(plans["cxx"], plans["python"], strict=True):
+        assert np.array_equal(ours.meta, theirs.meta) and ours.meta.dtype == np.int64
+        assert np.array_equal(ours.owners, theirs.owners) and ours.owners.dtype == np.int32
+        assert (ours.first, ours.constexprs) == (theirs.first, theirs.constexprs)
+        offsets += list(ours.meta[1::5])
+    assert min(offsets) < 0  # a b below its group's base: floor division as Python's
+    assert {p.constexprs["ALIGN_A"] for p in plans["cxx"]} >= {1}  # a misaligned group
+    with pytest.raises(TypeError, match="table"):
+        core.table(flats, [0])
+    with pytest.raises(IndexError, match="out of the batch"):
+        core.table(flats, [len(flats)], 256, 3, 0, 0, 2, 2)
+    with pytest.raises(TypeError, match="not an \\(a, b\\) pair"):
+        core.scan([(pairs[0][0],)])

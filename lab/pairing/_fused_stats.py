@@ -934,8 +934,10 @@ class _Group:
     """Positions of its pairs in the batch."""
     base_a: torch.Tensor
     base_b: torch.Tensor
-    meta: list[int]
+    meta: np.ndarray
     """`_PAIR_META` int64s a pair: offsets of a and b from the bases, numel, grid, first row."""
+    owners: np.ndarray
+    """The pair (int32, its position in the group) each program of the pair launch reads."""
     first: int
     """Programs of its pair launch (partial rows)."""
     constexprs: dict[str, Any]
@@ -945,6 +947,13 @@ class _Group:
     parts_at: int = 0
     rows_at: int = 0
     """Its first partial row and first output row in the batch's buffers."""
+
+
+def _core() -> Any:
+    """The C++ pairing extension (`pair_core`) for the batch's table, or None (LAB_PAIR_CORE)."""
+    from lab.pairing import pair_core
+
+    return pair_core.extension()
 
 
 class RunReducer:
@@ -1005,11 +1014,26 @@ class RunReducer:
         current stream even where the reducer has a side stream (no event, no `record_stream`:
         the forward's later kernels are queued behind these anyway); `batches` counts each way.
         """
-        groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
-        for i, (a, b) in enumerate(pairs):
-            groups.setdefault((a.dtype, b.dtype), []).append(i)
-        flats, read = _read_in_place(pairs)
+        core = _core()
         stream = self.stream if on_side else None
+        if core is None:
+            groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
+            for i, (a, b) in enumerate(pairs):
+                groups.setdefault((a.dtype, b.dtype), []).append(i)
+            flats, read = _read_in_place(pairs)
+        else:
+            # The same groups and flats, the pairs' walk in C++: only the pairs with a
+            # non-contiguous tensor go through `_read_in_place` (whose copies group those alone).
+            groups, strided = core.scan(pairs)
+            flats, read = pairs, []
+            if strided:
+                copied, read = _read_in_place([pairs[i] for i in strided])
+                flats = list(pairs)
+                for i, flat in zip(strided, copied, strict=True):
+                    flats[i] = flat
+            if stream is not None:
+                skip = set(strided)
+                read += [t for i, pair in enumerate(pairs) if i not in skip for t in pair]
         self.batches["side" if stream is not None else "current"] += 1
         if stream is not None:
             # After the copies above: the side stream waits for them and for the outputs, and
@@ -1041,11 +1065,7 @@ class RunReducer:
         view = host.numpy()
         for plan in plans:
             view[plan.table_at : plan.table_at + 8 * len(plan.meta)].view(np.int64)[:] = plan.meta
-            owners = view[plan.owners_at : plan.owners_at + 4 * plan.first].view(np.int32)
-            # Owners are laid out here (numpy) rather than by `repeat_interleave` on the device
-            # (five small ops a group).
-            grids = plan.meta[3::_PAIR_META]
-            owners[:] = np.repeat(np.arange(len(plan.index), dtype=np.int32), grids)
+            view[plan.owners_at : plan.owners_at + 4 * plan.first].view(np.int32)[:] = plan.owners
         handles: list[tuple[int, int]] = [(0, 0)] * len(pairs)
         out = len(self._outputs)
         # The buffers are made on the stream that reads them.
@@ -1089,20 +1109,33 @@ class RunReducer:
         origin_a, origin_b = base_a.data_ptr(), base_b.data_ptr()
         size_a, size_b = base_a.element_size(), base_b.element_size()
         programs = self._programs
-        misaligned = 0
-        for i in index:
-            fa, fb = flats[i]
-            n = fa.numel()
-            grid = min(-(-n // tile), programs)
-            address_a, address_b = fa.data_ptr(), fb.data_ptr()
-            misaligned |= (address_a & 15) | ((address_b & 15) << 4)
-            # Element offsets from the bases (every tensor sits on its element size).
-            meta += ((address_a - origin_a) // size_a, (address_b - origin_b) // size_b, n,
-                     grid, first)  # fmt: skip
-            first += grid
+        core = _core()
+        if core is not None:  # the same table, the loop in C++ (`_pair_core.table`)
+            table, owned, first, misaligned = core.table(
+                flats, index, tile, programs, origin_a, origin_b, size_a, size_b
+            )
+            meta_array = np.frombuffer(table, dtype=np.int64)
+            owners = np.frombuffer(owned, dtype=np.int32)
+        else:
+            misaligned = 0
+            for i in index:
+                fa, fb = flats[i]
+                n = fa.numel()
+                grid = min(-(-n // tile), programs)
+                address_a, address_b = fa.data_ptr(), fb.data_ptr()
+                misaligned |= (address_a & 15) | ((address_b & 15) << 4)
+                # Element offsets from the bases (every tensor sits on its element size).
+                meta += ((address_a - origin_a) // size_a, (address_b - origin_b) // size_b, n,
+                         grid, first)  # fmt: skip
+                first += grid
+            meta_array = np.array(meta, dtype=np.int64)
+            # Owners are laid out here (numpy) rather than by `repeat_interleave` on the device
+            # (five small ops a group).
+            grids = meta_array[3::_PAIR_META]
+            owners = np.repeat(np.arange(len(index), dtype=np.int32), grids)
         constexprs["ALIGN_A"] = 1 if misaligned & 15 else 16 // size_a
         constexprs["ALIGN_B"] = 1 if misaligned >> 4 else 16 // size_b
-        return _Group(index, base_a, base_b, meta, first, constexprs)
+        return _Group(index, base_a, base_b, meta_array, owners, first, constexprs)
 
     def host_rows(self) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """Every queued batch's rows on the host, one array each, and where each batch starts.

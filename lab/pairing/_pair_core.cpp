@@ -16,6 +16,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <exception>
 #include <string>
@@ -810,6 +811,134 @@ PyGetSetDef reporter_getset[] = {
 
 PyTypeObject ReporterType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
+// ---- a CUDA metric batch's table (`_fused_stats.RunReducer.reduce_many`) -------------------------
+
+// scan(pairs) -> (groups, strided): the pairs' positions by (dtype_a, dtype_b), in the order the
+// dtype pairs first appear (as the Python dict), and the positions of the pairs with a
+// non-contiguous tensor (what `_read_in_place` copies).
+PyObject* scan(PyObject*, PyObject* pairs) {
+  try {
+    if (!PyList_Check(pairs)) {
+      PyErr_SetString(PyExc_TypeError, "scan(pairs): a list of (a, b) tensor pairs");
+      return nullptr;
+    }
+    Ref groups(check(PyDict_New()));
+    Ref strided(check(PyList_New(0)));
+    Py_ssize_t n = PyList_GET_SIZE(pairs);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* pair = PyList_GET_ITEM(pairs, i);
+      if (!(PyTuple_Check(pair) || PyList_Check(pair)) || PySequence_Fast_GET_SIZE(pair) != 2) {
+        PyErr_Format(PyExc_TypeError, "scan: pair %zd is not an (a, b) pair", i);
+        return nullptr;
+      }
+      PyObject* a = PySequence_Fast_GET_ITEM(pair, 0);
+      PyObject* b = PySequence_Fast_GET_ITEM(pair, 1);
+      if (!is_tensor(a) || !is_tensor(b)) {
+        PyErr_Format(PyExc_TypeError, "scan: pair %zd holds a non-tensor", i);
+        return nullptr;
+      }
+      Ref dtype_a(check(PyObject_GetAttr(a, s.dtype)));
+      Ref dtype_b(check(PyObject_GetAttr(b, s.dtype)));
+      Ref key(check(PyTuple_Pack(2, dtype_a.get(), dtype_b.get())));
+      Ref index(check(PyLong_FromSsize_t(i)));
+      PyObject* members = PyDict_GetItemWithError(groups.get(), key.get());
+      if (members == nullptr) {
+        if (PyErr_Occurred()) return nullptr;
+        Ref fresh(check(PyList_New(0)));
+        check_rc(PyDict_SetItem(groups.get(), key.get(), fresh.get()));
+        members = fresh.get();
+      }
+      check_rc(PyList_Append(members, index.get()));
+      if (!unpack(a).is_contiguous() || !unpack(b).is_contiguous())
+        check_rc(PyList_Append(strided.get(), index.get()));
+    }
+    return check(PyTuple_Pack(2, groups.get(), strided.get()));
+  } catch (const PyFailed&) {
+    return nullptr;
+  } catch (const std::exception& err) {
+    set_error(err);
+    return nullptr;
+  }
+}
+
+inline int64_t floor_div(int64_t x, int64_t y) {
+  int64_t q = x / y;
+  return (x % y != 0 && ((x < 0) != (y < 0))) ? q - 1 : q;
+}
+
+// table(flats, index, tile, programs, origin_a, origin_b, size_a, size_b)
+//   -> (meta bytes, owners bytes, programs in all, misaligned)
+// One dtype pair's launch table, as `RunReducer._plan` lays it out: five int64s a pair (element
+// offsets of a and b from the group's bases, numel, grid = min(tiles, programs), first
+// program), the pair each program belongs to (int32 a program), the programs in all, and the
+// low four address bits of every a or'ed together, every b's above them.
+PyObject* table(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 8 || !PyList_Check(args[0]) || !PyList_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError,
+                    "table(flats, index, tile, programs, origin_a, origin_b, size_a, size_b)");
+    return nullptr;
+  }
+  try {
+    PyObject* flats = args[0];
+    PyObject* index = args[1];
+    int64_t tile = as_int(args[2]), programs = as_int(args[3]);
+    int64_t origin_a = as_int(args[4]), origin_b = as_int(args[5]);
+    int64_t size_a = as_int(args[6]), size_b = as_int(args[7]);
+    if (tile <= 0 || programs <= 0 || size_a <= 0 || size_b <= 0) {
+      PyErr_SetString(PyExc_ValueError, "table: tile, programs and sizes must be positive");
+      return nullptr;
+    }
+    Py_ssize_t count = PyList_GET_SIZE(index);
+    std::string meta(sizeof(int64_t) * 5 * count, '\0');
+    int64_t* row = reinterpret_cast<int64_t*>(meta.data());
+    std::string owners;
+    int64_t first = 0, misaligned = 0;
+    Py_ssize_t flat_count = PyList_GET_SIZE(flats);
+    for (Py_ssize_t k = 0; k < count; ++k) {
+      Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(index, k));
+      if (i == -1 && PyErr_Occurred()) return nullptr;
+      if (i < 0 || i >= flat_count) {
+        PyErr_Format(PyExc_IndexError, "table: index %zd out of the batch", i);
+        return nullptr;
+      }
+      PyObject* pair = PyList_GET_ITEM(flats, i);
+      if (!(PyTuple_Check(pair) || PyList_Check(pair)) || PySequence_Fast_GET_SIZE(pair) != 2) {
+        PyErr_Format(PyExc_TypeError, "table: flat %zd is not an (a, b) pair", i);
+        return nullptr;
+      }
+      const at::Tensor& fa = unpack(PySequence_Fast_GET_ITEM(pair, 0));
+      const at::Tensor& fb = unpack(PySequence_Fast_GET_ITEM(pair, 1));
+      int64_t n = fa.numel();
+      int64_t grid = std::min((n + tile - 1) / tile, programs);
+      int64_t address_a = (int64_t)(intptr_t)fa.data_ptr();
+      int64_t address_b = (int64_t)(intptr_t)fb.data_ptr();
+      misaligned |= (address_a & 15) | ((address_b & 15) << 4);
+      row[0] = floor_div(address_a - origin_a, size_a);
+      row[1] = floor_div(address_b - origin_b, size_b);
+      row[2] = n;
+      row[3] = grid;
+      row[4] = first;
+      row += 5;
+      int32_t owner = (int32_t)k;
+      owners.append(reinterpret_cast<const char*>(&owner), sizeof owner);
+      for (int64_t g = 1; g < grid; ++g)
+        owners.append(reinterpret_cast<const char*>(&owner), sizeof owner);
+      first += grid;
+    }
+    Ref meta_bytes(check(PyBytes_FromStringAndSize(meta.data(), (Py_ssize_t)meta.size())));
+    Ref owner_bytes(check(PyBytes_FromStringAndSize(owners.data(), (Py_ssize_t)owners.size())));
+    Ref first_obj(check(PyLong_FromLongLong(first)));
+    Ref misaligned_obj(check(PyLong_FromLongLong(misaligned)));
+    return check(PyTuple_Pack(4, meta_bytes.get(), owner_bytes.get(), first_obj.get(),
+                              misaligned_obj.get()));
+  } catch (const PyFailed&) {
+    return nullptr;
+  } catch (const std::exception& err) {
+    set_error(err);
+    return nullptr;
+  }
+}
+
 // ---- module ---------------------------------------------------------------------------------------
 
 // setup(Tensor, _Pending, Skipped, defer_numel, flush_numel, device_pairs, device_batch_numel)
@@ -845,6 +974,11 @@ PyObject* setup(PyObject*, PyObject* args) {
 }
 
 PyMethodDef module_methods[] = {
+    {"scan", (PyCFunction)scan, METH_O,
+     "scan(pairs) -> ({(dtype_a, dtype_b): [position, ...]}, [strided position, ...])"},
+    {"table", (PyCFunction)(void (*)(void))table, METH_FASTCALL,
+     "table(flats, index, tile, programs, origin_a, origin_b, size_a, size_b) -> (meta bytes, "
+     "owners bytes, programs, misaligned)"},
     {"setup", (PyCFunction)setup, METH_VARARGS,
      "setup(Tensor, _Pending, Skipped, defer_numel, flush_numel, device_pairs, "
      "device_batch_numel)"},
