@@ -15,6 +15,7 @@
 # the sides and lead hand-overs against the code before stop 16, interleaved, SHARE_FAMILIES), pin
 # (bench/pair_pin.py: the kept side threads pinned to one core or not, interleaved, PIN_FAMILIES),
 # replay (bench/pair_replay.py: the pairing path's host time without the forwards, REPLAY_FAMILIES),
+# ops (bench/pair_ops.py: the torch ops a pair adds over two plain forwards, every thread, OPS_FAMILIES),
 # report (bench/ab_report_forwards.py: captured modules reporting from instance forwards against
 # forward hooks, interleaved, REPORT_FAMILIES), switch (bench/ab_switch.py: each switch of SWITCHES,
 # "LAB_A=1,0;LAB_B=x,y", its values side by side in one process, SWITCH_FAMILIES, SWITCH_ARGS).
@@ -73,6 +74,9 @@ for stage in "$@"; do
     pin)
         python bench/pair_pin.py "$out/pair_pin.json" --families "${PIN_FAMILIES:-sd3,cosmos3,qwen_image}" \
             >"$out/pair_pin.log" 2>&1
+        ;;
+    ops)
+        python bench/pair_ops.py "$out/ops" --families "${OPS_FAMILIES:-sd3,cosmos3}" >"$out/pair_ops.log" 2>&1
         ;;
     replay)
         python bench/pair_replay.py "$out/pair_replay.json" --families "${REPLAY_FAMILIES:-sd3,cosmos3}" \
