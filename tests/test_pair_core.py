@@ -327,7 +327,9 @@ def test_batch_table_in_cxx_equals_the_python_loops(core, monkeypatch: pytest.Mo
     plans = {}
     for path in ("cxx", "python"):
         monkeypatch.setenv("LAB_PAIR_CORE", path)
-        plans[path] = [reducer._plan(flats, index, dtypes) for dtypes, index in groups.items()]
+        on = _fused_stats._core()
+        assert (on is None) == (path == "python")
+        plans[path] = [reducer._plan(flats, index, dtypes, on) for dtypes, index in groups.items()]
     offsets = []
     for ours, theirs in zip(plans["cxx"], plans["python"], strict=True):
         assert np.array_equal(ours.meta, theirs.meta) and ours.meta.dtype == np.int64
@@ -342,3 +344,71 @@ def test_batch_table_in_cxx_equals_the_python_loops(core, monkeypatch: pytest.Mo
         core.table(flats, [len(flats)], 256, 3, 0, 0, 2, 2)
     with pytest.raises(TypeError, match="not an \\(a, b\\) pair"):
         core.scan([(pairs[0][0],)])
+
+
+def _strided_batch() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every kind `_read_in_place` tells apart: contiguous (read where it is), rows of one
+    length (one cat per dtype and width: adaLN-like chunks, 2-D and 3-D, bf16 and fp32),
+    permuted views (one stack per dtype and shape), and tensors off the 16-byte grid (copied
+    one by one, bf16 as its int16 bits)."""
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(4096, generator=g)
+    emb = base[: 2 * 96].reshape(2, 96)
+    chunks = emb.to(torch.bfloat16).chunk(6, dim=1)
+    chunks_b = (emb * 1.002).to(torch.bfloat16).chunk(6, dim=1)
+    cube = base[: 3 * 4 * 24].reshape(3, 4, 24)
+    heads = base[: 2 * 6 * 3 * 8].reshape(2, 6, 3, 8)
+    odd = base[: 5 * 3].reshape(5, 3)
+    odd_half = odd.to(torch.bfloat16)
+    pairs = [(base[:512], base[512:1024])]
+    pairs += list(zip(chunks[:3], chunks_b[:3]))
+    pairs += [
+        (cube[..., :8], (cube * 0.999)[..., 8:16]),
+        (cube[..., :5], cube[..., 5:10]),  # 20-byte rows: a stack, not a cat
+        (cube.transpose(0, 1)[..., :8], cube.transpose(0, 1)[..., 8:16]),
+        (heads.transpose(1, 2), (heads * 1.003).transpose(1, 2)),
+        ((heads * 0.997).transpose(1, 2), base[:144].reshape(2, 3, 6, 4).transpose(2, 3)),
+        (odd.t(), (odd * 1.01).t()),
+        (odd_half.t(), (odd_half * 2).t()),  # bf16 off the grid: copied as int16 bits
+        ((heads * 1.002).transpose(1, 2).to(torch.bfloat16), heads.transpose(1, 2)),
+        (base[1024:1040], base[2048:2064]),
+    ]
+    return pairs
+
+
+def test_read_in_place_in_cxx_makes_the_python_copies(core) -> None:
+    from lab.pairing import _fused_stats
+
+    pairs = _strided_batch()
+    ours, ours_read = core.read_in_place(pairs)
+    theirs, theirs_read = _fused_stats._read_in_place(pairs)
+    assert len(ours) == len(theirs) == len(pairs)
+    for (a, b), (c, d), original in zip(ours, theirs, pairs, strict=True):
+        assert isinstance(a, torch.Tensor) and type((a, b)) is tuple
+        for x, y, o in ((a, c, original[0]), (b, d, original[1])):
+            assert (x.dtype, x.shape, x.stride()) == (y.dtype, y.shape, y.stride())
+            assert torch.equal(x, y)
+            if o.is_contiguous():
+                assert x is o  # read where it is, the same object
+            else:
+                assert x.data_ptr() != o.data_ptr() or x.numel() == 0
+    # The same copies: the same tensors read (shapes, dtypes, values), in the same order, and
+    # the flats of one cat or one stack share its storage, at the same offsets.
+    assert [(t.dtype, t.shape) for t in ours_read] == [(t.dtype, t.shape) for t in theirs_read]
+    assert all(torch.equal(x, y) for x, y in zip(ours_read, theirs_read, strict=True))
+    assert sum(1 for t in ours_read if t.dim() >= 1 and t.numel() > 32) >= 3
+
+    def layout(flats, read):
+        storages = {t.untyped_storage().data_ptr(): k for k, t in enumerate(read)}
+        return [(storages.get(t.untyped_storage().data_ptr()), t.storage_offset())
+                for pair in flats for t in pair]  # fmt: skip
+
+    assert layout(ours, ours_read) == layout(theirs, theirs_read)
+    kinds = {k for k, _ in layout(ours, ours_read)}
+    assert None not in kinds  # every flat is a tensor the batch reads
+    assert ours[10][0].dtype == torch.int16  # a bf16 copy as its bits
+    assert core.read_in_place([]) == ([], [])
+    with pytest.raises(TypeError, match="read_in_place"):
+        core.read_in_place([(pairs[0][0],)])
+    with pytest.raises(TypeError, match="non-tensor"):
+        core.read_in_place([(pairs[0][0], 1.0)])

@@ -1023,11 +1023,11 @@ class RunReducer:
             flats, read = _read_in_place(pairs)
         else:
             # The same groups and flats, the pairs' walk in C++: only the pairs with a
-            # non-contiguous tensor go through `_read_in_place` (whose copies group those alone).
+            # non-contiguous tensor are copied (`read_in_place`, `_read_in_place`'s copies).
             groups, strided = core.scan(pairs)
             flats, read = pairs, []
             if strided:
-                copied, read = _read_in_place([pairs[i] for i in strided])
+                copied, read = core.read_in_place([pairs[i] for i in strided])
                 flats = list(pairs)
                 for i, flat in zip(strided, copied, strict=True):
                     flats[i] = flat
@@ -1042,7 +1042,7 @@ class RunReducer:
             stream.wait_event(self._event)
             for tensor in read:
                 tensor.record_stream(stream)
-        plans = [self._plan(flats, index, dtypes) for dtypes, index in groups.items()]
+        plans = [self._plan(flats, index, dtypes, core) for dtypes, index in groups.items()]
         # One buffer for every group's table and owners (one host-to-device copy a batch) and
         # one each for the partial rows, stats and histograms, each group in its own slice: the
         # host work of a batch does not grow with its dtype pairs (sd3 full: two or three).
@@ -1099,8 +1099,13 @@ class RunReducer:
         flats: list[tuple[torch.Tensor, torch.Tensor]],
         index: list[int],
         dtypes: tuple[torch.dtype, torch.dtype],
+        core: Any = None,
     ) -> _Group:
-        """One dtype pair's launch: its table (`_PAIR_META` a pair), programs and constexprs."""
+        """One dtype pair's launch: its table (`_PAIR_META` a pair), programs and constexprs.
+
+        `core`: the C++ extension (`_core()`, asked once a batch) builds the table; None: the
+        Python loop below, the same table.
+        """
         tile, plan = _launch_plan(*dtypes, 32 * NUM_WARPS)
         constexprs = dict(plan)
         meta: list[int] = []
@@ -1109,7 +1114,6 @@ class RunReducer:
         origin_a, origin_b = base_a.data_ptr(), base_b.data_ptr()
         size_a, size_b = base_a.element_size(), base_b.element_size()
         programs = self._programs
-        core = _core()
         if core is not None:  # the same table, the loop in C++ (`_pair_core.table`)
             table, owned, first, misaligned = core.table(
                 flats, index, tile, programs, origin_a, origin_b, size_a, size_b

@@ -16,10 +16,15 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <ATen/ATen.h>
+
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <exception>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -939,6 +944,176 @@ PyObject* table(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
 }
 
+// ---- a batch's non-contiguous tensors, copied a few kernels a batch ------------------------------
+
+// `tensor.view(-1, last dim)` where its leading dimensions merge (`_fused_stats._rows_view`): each
+// non-trivial one's stride is the next non-trivial inner one's stride times its size.
+bool rows_view(const at::Tensor& t, at::Tensor& out) {
+  auto sizes = t.sizes();
+  auto strides = t.strides();
+  bool have = false;
+  int64_t expected = 0;
+  for (int64_t dim = t.dim() - 2; dim >= 0; --dim) {
+    if (sizes[dim] == 1) continue;
+    if (have && strides[dim] != expected) return false;
+    expected = strides[dim] * sizes[dim];
+    have = true;
+  }
+  try {
+    out = t.detach().view({-1, sizes[t.dim() - 1]});
+  } catch (const c10::Error&) { // not expected after the check above; copied instead
+    return false;
+  }
+  return true;
+}
+
+// `_fused_stats._bits`: bf16 as its int16 bits, any other dtype as it is.
+inline at::Tensor bits(const at::Tensor& t) {
+  return t.scalar_type() == at::kBFloat16 ? t.view(at::kShort) : t;
+}
+
+// read_in_place(pairs) -> (flats, read): `_fused_stats._read_in_place`, the same copies in the
+// same order (one cat per dtype and row length, one stack per dtype and shape, the rest one by
+// one), the same flats and the same `read` list.
+PyObject* read_in_place(PyObject*, PyObject* pairs) {
+  try {
+    if (!PyList_Check(pairs)) {
+      PyErr_SetString(PyExc_TypeError, "read_in_place(pairs): a list of (a, b) tensor pairs");
+      return nullptr;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(pairs);
+    // flats[i][j]: the original object (borrowed from `pairs`) or a new tensor.
+    struct Slot {
+      PyObject* original = nullptr;
+      at::Tensor made;
+      bool is_made = false;
+    };
+    std::vector<std::array<Slot, 2>> flats((size_t)n);
+    struct Member {
+      Py_ssize_t i;
+      int j;
+      at::Tensor tensor;
+    };
+    struct Rows {
+      at::ScalarType dtype;
+      int64_t width;
+      std::vector<Member> members;
+    };
+    struct Alike {
+      at::ScalarType dtype;
+      std::vector<int64_t> shape;
+      std::vector<Member> members;
+    };
+    std::vector<Rows> rows;
+    std::vector<Alike> alike;
+    Ref read(check(PyList_New(0)));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* pair = PyList_GET_ITEM(pairs, i);
+      if (!(PyTuple_Check(pair) || PyList_Check(pair)) || PySequence_Fast_GET_SIZE(pair) != 2) {
+        PyErr_Format(PyExc_TypeError, "read_in_place: pair %zd is not an (a, b) pair", i);
+        return nullptr;
+      }
+      for (int j = 0; j < 2; ++j) {
+        PyObject* obj = PySequence_Fast_GET_ITEM(pair, j);
+        if (!is_tensor(obj)) {
+          PyErr_Format(PyExc_TypeError, "read_in_place: pair %zd holds a non-tensor", i);
+          return nullptr;
+        }
+        flats[i][j].original = obj;
+        const at::Tensor& t = unpack(obj);
+        if (t.is_contiguous()) {
+          check_rc(PyList_Append(read.get(), obj));
+          continue;
+        }
+        int64_t size = (int64_t)t.element_size();
+        int64_t width = t.dim() ? t.size(-1) : 0;
+        if (width && (width * size) % 16 == 0) {
+          at::Tensor view;
+          if (rows_view(t, view)) {
+            auto it = std::find_if(rows.begin(), rows.end(), [&](const Rows& r) {
+              return r.dtype == t.scalar_type() && r.width == width;
+            });
+            if (it == rows.end()) {
+              rows.push_back({t.scalar_type(), width, {}});
+              it = rows.end() - 1;
+            }
+            it->members.push_back({i, j, std::move(view)});
+            continue;
+          }
+        }
+        if ((t.numel() * size) % 16 == 0) {
+          std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
+          auto it = std::find_if(alike.begin(), alike.end(), [&](const Alike& r) {
+            return r.dtype == t.scalar_type() && r.shape == shape;
+          });
+          if (it == alike.end()) {
+            alike.push_back({t.scalar_type(), std::move(shape), {}});
+            it = alike.end() - 1;
+          }
+          it->members.push_back({i, j, t.detach()});
+          continue;
+        }
+        at::Tensor copy = bits(t.detach().reshape({-1}).contiguous());
+        flats[i][j].made = copy;
+        flats[i][j].is_made = true;
+        Ref wrapped(check(THPVariable_Wrap(copy)));
+        check_rc(PyList_Append(read.get(), wrapped.get()));
+      }
+    }
+    for (Rows& group : rows) {
+      std::vector<at::Tensor> views;
+      views.reserve(group.members.size());
+      for (const Member& m : group.members) views.push_back(m.tensor);
+      at::Tensor flat = at::cat(views).view({-1});
+      Ref wrapped(check(THPVariable_Wrap(flat)));
+      check_rc(PyList_Append(read.get(), wrapped.get()));
+      int64_t start = 0;
+      for (const Member& m : group.members) {
+        int64_t count = m.tensor.numel();
+        flats[m.i][m.j].made = flat.slice(0, start, start + count);
+        flats[m.i][m.j].is_made = true;
+        start += count;
+      }
+    }
+    for (Alike& group : alike) {
+      std::vector<at::Tensor> tensors;
+      tensors.reserve(group.members.size());
+      for (const Member& m : group.members) tensors.push_back(m.tensor);
+      at::Tensor stacked = at::stack(tensors);
+      Ref wrapped(check(THPVariable_Wrap(stacked)));
+      check_rc(PyList_Append(read.get(), wrapped.get()));
+      at::Tensor flat = stacked.view({(int64_t)group.members.size(), -1});
+      int64_t k = 0;
+      for (const Member& m : group.members) {
+        flats[m.i][m.j].made = flat.select(0, k++);
+        flats[m.i][m.j].is_made = true;
+      }
+    }
+    Ref out(check(PyList_New(n)));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      Ref pair(check(PyTuple_New(2)));
+      for (int j = 0; j < 2; ++j) {
+        Slot& slot = flats[i][j];
+        PyObject* item;
+        if (slot.is_made) {
+          item = check(THPVariable_Wrap(slot.made));
+        } else {
+          Py_INCREF(slot.original);
+          item = slot.original;
+        }
+        PyTuple_SET_ITEM(pair.get(), j, item);
+      }
+      PyList_SET_ITEM(out.get(), i, pair.release());
+    }
+    return check(PyTuple_Pack(2, out.get(), read.get()));
+  } catch (const PyFailed&) {
+    return nullptr;
+  } catch (const std::exception& err) {
+    set_error(err);
+    return nullptr;
+  }
+}
+
 // ---- module ---------------------------------------------------------------------------------------
 
 // setup(Tensor, _Pending, Skipped, defer_numel, flush_numel, device_pairs, device_batch_numel)
@@ -979,6 +1154,8 @@ PyMethodDef module_methods[] = {
     {"table", (PyCFunction)(void (*)(void))table, METH_FASTCALL,
      "table(flats, index, tile, programs, origin_a, origin_b, size_a, size_b) -> (meta bytes, "
      "owners bytes, programs, misaligned)"},
+    {"read_in_place", (PyCFunction)read_in_place, METH_O,
+     "read_in_place(pairs) -> (flats, read): `_fused_stats._read_in_place` in C++"},
     {"setup", (PyCFunction)setup, METH_VARARGS,
      "setup(Tensor, _Pending, Skipped, defer_numel, flush_numel, device_pairs, "
      "device_batch_numel)"},
