@@ -361,7 +361,7 @@ def _strided_batch() -> list[tuple[torch.Tensor, torch.Tensor]]:
     odd = base[: 5 * 3].reshape(5, 3)
     odd_half = odd.to(torch.bfloat16)
     pairs = [(base[:512], base[512:1024])]
-    pairs += list(zip(chunks[:3], chunks_b[:3]))
+    pairs += list(zip(chunks[:3], chunks_b[:3], strict=True))
     pairs += [
         (cube[..., :8], (cube * 0.999)[..., 8:16]),
         (cube[..., :5], cube[..., 5:10]),  # 20-byte rows: a stack, not a cat
