@@ -896,7 +896,9 @@ PyObject* table(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     Py_ssize_t count = PyList_GET_SIZE(index);
     std::string meta(sizeof(int64_t) * 5 * count, '\0');
     int64_t* row = reinterpret_cast<int64_t*>(meta.data());
-    std::string owners;
+    // One int32 a program: filled a pair at a time (a big pair has a thousand programs; sd3
+    // full's batches tens of thousands).
+    std::vector<int32_t> owners;
     int64_t first = 0, misaligned = 0;
     Py_ssize_t flat_count = PyList_GET_SIZE(flats);
     for (Py_ssize_t k = 0; k < count; ++k) {
@@ -924,14 +926,12 @@ PyObject* table(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       row[3] = grid;
       row[4] = first;
       row += 5;
-      int32_t owner = (int32_t)k;
-      owners.append(reinterpret_cast<const char*>(&owner), sizeof owner);
-      for (int64_t g = 1; g < grid; ++g)
-        owners.append(reinterpret_cast<const char*>(&owner), sizeof owner);
+      owners.insert(owners.end(), (size_t)grid, (int32_t)k);
       first += grid;
     }
     Ref meta_bytes(check(PyBytes_FromStringAndSize(meta.data(), (Py_ssize_t)meta.size())));
-    Ref owner_bytes(check(PyBytes_FromStringAndSize(owners.data(), (Py_ssize_t)owners.size())));
+    Ref owner_bytes(check(PyBytes_FromStringAndSize(reinterpret_cast<const char*>(owners.data()),
+                                                    (Py_ssize_t)(owners.size() * sizeof(int32_t)))));
     Ref first_obj(check(PyLong_FromLongLong(first)));
     Ref misaligned_obj(check(PyLong_FromLongLong(misaligned)));
     return check(PyTuple_Pack(4, meta_bytes.get(), owner_bytes.get(), first_obj.get(),
