@@ -412,3 +412,33 @@ def test_read_in_place_in_cxx_makes_the_python_copies(core) -> None:
         core.read_in_place([(pairs[0][0],)])
     with pytest.raises(TypeError, match="non-tensor"):
         core.read_in_place([(pairs[0][0], 1.0)])
+
+
+def test_read_in_place_stacks_channels_last_outputs(core) -> None:
+    """A permuted NHWC output (channels-last memory seen as NCHW) is stacked into a contiguous
+    buffer by both paths: `stack` alone would keep the channels-last format, with no flat view."""
+    from lab.pairing import _fused_stats
+
+    x = torch.randn(2, 4, 4, 8).permute(0, 3, 1, 2)  # strides (128, 1, 32, 8)
+    squeezed = torch.randn(5, 5, 16).reshape(5, 5, 1, 16).permute(0, 3, 2, 1)
+    pairs = [(x, x * 2), (squeezed, squeezed * 3)]
+    for flats, read in (core.read_in_place(pairs), _fused_stats._read_in_place(pairs)):
+        assert all(t.is_contiguous() for t in read)
+        for (a, b), (c, d) in zip(flats, pairs, strict=True):
+            assert a.dim() == 1 and torch.equal(a, c.reshape(-1))
+            assert torch.equal(b, d.reshape(-1))
+
+
+def test_read_in_place_keeps_torchs_error_types(core) -> None:
+    """Errors from the copies come back as torch raises them (an out-of-memory error stays
+    `torch.OutOfMemoryError`): a tensor on the meta device has no data to copy."""
+    from lab.pairing import _fused_stats
+
+    meta = torch.empty(4, 8, device="meta")
+    pairs = [(torch.randn(4, 8)[:, :4], meta[:, :4])]
+    with pytest.raises(Exception) as ours:
+        core.read_in_place(pairs)
+    with pytest.raises(Exception) as theirs:
+        _fused_stats._read_in_place(pairs)
+    assert type(ours.value) is type(theirs.value)
+    assert "At:" not in str(ours.value)  # the message, not a flattened traceback

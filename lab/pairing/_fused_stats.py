@@ -870,7 +870,12 @@ def _read_in_place(
             flats[i][j] = flat[start : start + view.numel()]
             start += view.numel()
     for group in alike.values():
-        stacked = torch.stack([tensor.detach() for _, _, tensor in group])
+        tensors = [tensor.detach() for _, _, tensor in group]
+        # Into a contiguous buffer: `stack` keeps its inputs' memory format, and a stack of
+        # channels-last tensors (an NHWC output seen as NCHW) would have no flat view.
+        first = tensors[0]
+        stacked = torch.empty((len(tensors), *first.shape), dtype=first.dtype, device=first.device)
+        torch.stack(tensors, out=stacked)
         read.append(stacked)
         flat = stacked.view(len(group), -1)
         for k, (i, j, _) in enumerate(group):

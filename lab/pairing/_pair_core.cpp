@@ -14,6 +14,7 @@
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <ATen/ATen.h>
@@ -975,7 +976,10 @@ inline at::Tensor bits(const at::Tensor& t) {
 // read_in_place(pairs) -> (flats, read): `_fused_stats._read_in_place`, the same copies in the
 // same order (one cat per dtype and row length, one stack per dtype and shape, the rest one by
 // one), the same flats and the same `read` list.
+// Torch's own error translation (`HANDLE_TH_ERRORS`): its copies allocate, and an out-of-memory
+// error stays a `torch.OutOfMemoryError`, as `torch.cat` raises it.
 PyObject* read_in_place(PyObject*, PyObject* pairs) {
+  HANDLE_TH_ERRORS
   try {
     if (!PyList_Check(pairs)) {
       PyErr_SetString(PyExc_TypeError, "read_in_place(pairs): a list of (a, b) tensor pairs");
@@ -1079,7 +1083,12 @@ PyObject* read_in_place(PyObject*, PyObject* pairs) {
       std::vector<at::Tensor> tensors;
       tensors.reserve(group.members.size());
       for (const Member& m : group.members) tensors.push_back(m.tensor);
-      at::Tensor stacked = at::stack(tensors);
+      // Into a contiguous buffer, as `_read_in_place`: `stack` keeps its inputs' memory format
+      // (channels-last ones would leave no flat view).
+      std::vector<int64_t> sizes{(int64_t)tensors.size()};
+      sizes.insert(sizes.end(), group.shape.begin(), group.shape.end());
+      at::Tensor stacked = at::empty(sizes, tensors.front().options());
+      at::stack_out(stacked, tensors);
       Ref wrapped(check(THPVariable_Wrap(stacked)));
       check_rc(PyList_Append(read.get(), wrapped.get()));
       at::Tensor flat = stacked.view({(int64_t)group.members.size(), -1});
@@ -1108,10 +1117,8 @@ PyObject* read_in_place(PyObject*, PyObject* pairs) {
     return check(PyTuple_Pack(2, out.get(), read.get()));
   } catch (const PyFailed&) {
     return nullptr;
-  } catch (const std::exception& err) {
-    set_error(err);
-    return nullptr;
   }
+  END_HANDLE_TH_ERRORS
 }
 
 // ---- module ---------------------------------------------------------------------------------------
