@@ -22,6 +22,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,9 +80,11 @@ def _without_launches(fn: Any) -> Any:
         _fused_stats._launch = launch
 
 
-def measure(
-    name: str, preset: str, device: str, rounds: int, ablate: bool = False
-) -> dict[str, Any]:
+def make_cases(
+    name: str, preset: str, device: str, ablate: bool = False
+) -> dict[str, Callable[[], Any]]:
+    """The cases of one family, built once: `plain`, `nothing`, `blocks`, `every` (and
+    `every_nolaunch` with `ablate` on CUDA). bench/pair_spy.py samples the same cases."""
     fam = lab.family(name)
     model = fam.build(preset, 0, device=device, expert=fam.expert_for_sigma(0.75))
     inputs = fam.make_inputs(preset, 0, device=device)
@@ -100,7 +103,7 @@ def measure(
         return lab.pair(model, inputs, a, b, stream=True, names_filter=names_filter,
                         check_outputs=check)  # fmt: skip
 
-    cases = {
+    cases: dict[str, Callable[[], Any]] = {
         "plain": plain,
         "nothing": lambda: paired(lambda _: False, check=False),
         "blocks": lambda: paired(block_names.__contains__),
@@ -110,6 +113,13 @@ def measure(
         # The metric kernels not launched (their buffers still made, rows decoded from them):
         # what the kernels and their launches cost the pair, the rest of its path unchanged.
         cases["every_nolaunch"] = lambda: _without_launches(paired)
+    return cases
+
+
+def measure(
+    name: str, preset: str, device: str, rounds: int, ablate: bool = False
+) -> dict[str, Any]:
+    cases = make_cases(name, preset, device, ablate)
     pairs = {}
     for key, fn in cases.items():  # warm-up; the pair counts
         result = fn()

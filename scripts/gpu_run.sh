@@ -16,7 +16,8 @@
 # (bench/pair_pin.py: the kept side threads pinned to one core or not, interleaved, PIN_FAMILIES),
 # replay (bench/pair_replay.py: the pairing path's host time without the forwards, REPLAY_FAMILIES),
 # ops (bench/pair_ops.py: the torch ops a pair adds over two plain forwards, every thread, OPS_FAMILIES),
-# batch (bench/batch_host.py: one metric batch's host time, part by part),
+# batch (bench/batch_host.py: one metric batch's host time, part by part), spy (bench/pair_spy.py:
+# py-spy's samples of each pair case against plain's, SPY_FAMILIES; needs py-spy on PYTHONPATH's bin/),
 # report (bench/ab_report_forwards.py: captured modules reporting from instance forwards against
 # forward hooks, interleaved, REPORT_FAMILIES), switch (bench/ab_switch.py: each switch of SWITCHES,
 # "LAB_A=1,0;LAB_B=x,y", its values side by side in one process, SWITCH_FAMILIES, SWITCH_ARGS).
@@ -75,6 +76,9 @@ for stage in "$@"; do
     pin)
         python bench/pair_pin.py "$out/pair_pin.json" --families "${PIN_FAMILIES:-sd3,cosmos3,qwen_image}" \
             >"$out/pair_pin.log" 2>&1
+        ;;
+    spy)
+        python bench/pair_spy.py "$out/spy" --families "${SPY_FAMILIES:-sd3}" ${SPY_ARGS:-} >"$out/pair_spy.log" 2>&1
         ;;
     batch) python bench/batch_host.py "$out/batch_host.json" >"$out/batch_host.log" 2>&1 ;;
     ops)
