@@ -72,6 +72,10 @@ def test_cxx_path_equals_python_path_on_every_family(
     # Nearly every captured call is a tensor or a tuple of tensors: the C++ path takes it.
     assert counts["cxx_outputs"] > 10 * counts["python_outputs"]
     assert counts["cxx_outputs"] + counts["python_outputs"] == 2 * sum(1 for _ in _calls(python))
+    # Both paths hand over at the same points, under the same budget.
+    reference = python.meta["pair_core"]
+    assert counts["handovers"] == reference["handovers"] > 2
+    assert counts["park_budget"] == reference["park_budget"] >= (64 << 20 if stream else 0)
     # Producers were found (side A's inputs traced to the outputs they came from).
     assert sum(e[2] is not None for v in cxx.flow.inputs_a.values() for e in v) > 20
 

@@ -679,7 +679,8 @@ def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -
     run.timings["lockstep_s"] = time.perf_counter() - start
     handled, handed = core.counts() if core is not None else (0, None)
     run.core.update(path="cxx" if core is not None else "python", cxx_outputs=handled,
-                    python_outputs=handed)  # fmt: skip
+                    python_outputs=handed, handovers=step.handovers,
+                    park_budget=step.budget)  # fmt: skip
     if step.errors:
         key, err = next(iter(step.errors.items()))  # the side that failed first
         run.phase["side"] = step.sides[key].name

@@ -46,8 +46,8 @@ class PairRun:
     outputs: dict[str, Any] | None = None
     """When set, each side's model output lands here under "a" and "b" (`pair(outputs=)`)."""
     core: dict[str, Any] = field(default_factory=dict)
-    """Lockstep: which per-output path ran ("cxx" or "python") and how many outputs each took
-    (`Result.meta["pair_core"]`)."""
+    """Lockstep: which per-output path ran ("cxx" or "python"), how many outputs each took, the
+    hand-overs between the sides and the park budget in bytes (`Result.meta["pair_core"]`)."""
 
     def forward(
         self, which: str, hooks: ModuleHooks | None, reports: OutputReports | None = None
