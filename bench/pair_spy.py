@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from pair_ops import make_cases  # bench/ is this script's folder
 
+from lab.pairing.lockstep import current_cpu
 from lab.pairing.state import sync
 
 CASES = ("plain", "nothing", "blocks", "every")
@@ -163,10 +164,22 @@ def over(case: dict[str, Any], base: dict[str, Any], top: int = 30) -> list[dict
 
 
 class Spy:
-    """py-spy recording this process until `stop()`; the raw samples land in `path`."""
+    """py-spy recording this process until `stop()`; the raw samples land in `path`.
+
+    A pair pins its side threads to the core it starts from (`LAB_PAIR_PIN`). py-spy itself
+    takes a core's worth of time at 500 Hz, and on the pair's core it slows every hand-over
+    (sd3 full's every-module pair read 1.78x in one H200 call against 1.30x in another). So
+    while it records, this thread stays on its core (`os.sched_setaffinity`, undone by `stop`)
+    and py-spy runs on the others.
+    """
 
     def __init__(self, spy: str, path: Path, rate: float, attach_timeout_s: float = 30.0):
         self.path = path
+        self._affinity = os.sched_getaffinity(0)
+        here = current_cpu()
+        others = self._affinity - {here}
+        if here is not None and others:
+            os.sched_setaffinity(0, {here})
         command = [
             spy, "record", "--pid", str(os.getpid()), "--rate", str(int(rate)),
             "--nonblocking", "--threads", "--format", "raw", "--output", str(path),
@@ -174,6 +187,8 @@ class Spy:
         self.proc = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
+        if here is not None and others:
+            os.sched_setaffinity(self.proc.pid, others)
         seen = []
         deadline = time.monotonic() + attach_timeout_s
         assert self.proc.stdout is not None
@@ -185,6 +200,7 @@ class Spy:
             if "Sampling process" in line:
                 return
         self.proc.kill()
+        os.sched_setaffinity(0, self._affinity)
         raise RuntimeError(
             f"py-spy did not attach to pid {os.getpid()}: {''.join(seen)[-400:]!r}. It needs "
             "ptrace rights over this process (the same user; kernel.yama.ptrace_scope=0)"
@@ -197,6 +213,8 @@ class Spy:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             raise
+        finally:
+            os.sched_setaffinity(0, self._affinity)
         return self.path.read_text() if self.path.exists() else ""
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -85,6 +86,7 @@ def test_measure_samples_the_side_threads_of_every_case(
         spy = bench.find_spy()
     except FileNotFoundError:
         pytest.skip("py-spy is not installed (it is no dependency of the lab: pip install py-spy)")
+    affinity = os.sched_getaffinity(0)
     row = bench.measure("sd3", "tiny", "cpu", runs=3, rate=400.0, spy=spy, out=tmp_path)
     assert row["pairs"]["plain"] == 0 and 0 < row["pairs"]["blocks"] < row["pairs"]["every"]
     for key in bench.CASES:
@@ -96,3 +98,24 @@ def test_measure_samples_the_side_threads_of_every_case(
     assert row["every"]["inclusive_ms"]["pair (lab/pairing/run.py)"] > 0
     assert "pair (lab/pairing/run.py)" not in row["plain"]["inclusive_ms"]
     assert bench.text(row).startswith("===== sd3 tiny cpu, 3 runs a case")
+    assert os.sched_getaffinity(0) == affinity  # each case's spy gave the cores back
+
+
+def test_spy_keeps_off_the_pairs_core_and_gives_the_thread_back_its_cores(
+    load_bench: Callable[[str], ModuleType], tmp_path: Path
+) -> None:
+    bench = load_bench("pair_spy")
+    try:
+        spy = bench.find_spy()
+    except FileNotFoundError:
+        pytest.skip("py-spy is not installed (it is no dependency of the lab: pip install py-spy)")
+    before = os.sched_getaffinity(0)
+    if len(before) < 2:
+        pytest.skip("one core: nowhere else to put py-spy")
+    running = bench.Spy(spy, tmp_path / "raw.txt", 100.0)
+    try:
+        mine, theirs = os.sched_getaffinity(0), os.sched_getaffinity(running.proc.pid)
+    finally:
+        running.stop()
+    assert len(mine) == 1 and not (mine & theirs) and mine | theirs == before
+    assert os.sched_getaffinity(0) == before
