@@ -106,6 +106,56 @@ def parse_raw(text: str) -> list[tuple[str, list[str], int]]:
     return stacks
 
 
+PARTS = (
+    "wait", "plain forward", "side: forward", "side: weight casts", "side: metric batches",
+    "side: module calls", "side: other pairing", "side: hand-over", "main: set-up",
+    "main: lockstep set-up", "main: final flush", "main: rows", "main: after the call",
+)  # fmt: skip
+"""What a sample was doing (`part`), in the order the text prints them."""
+
+
+def part(thread: str, frames: list[str]) -> str:
+    """One sample's part of a run (PARTS), read from its thread and Python frames.
+
+    `wait`: a side waiting for the other (or the caller for the sides): sampled as on a CPU
+    when py-spy reads it mid-wake, not work. `side: module calls`: `Module._call_impl`'s own
+    lines, which for a captured module hold the C++ reporter and its `on_output` (the C++
+    per-output path has no Python frame): its excess over `blocks` is that path.
+    `main: after the call`: the calling thread outside `pair` and `forward_side`: the garbage
+    collector's young pass over what the call made (it is paused inside), the call's frame
+    freed, and the bench's own sync, which for `plain` waits for the GPU's last kernels.
+    """
+    if not frames:
+        return "main: after the call"
+    names = [f.rsplit(" (", 1)[0] for f in frames]
+    if names[-1] in ("Condition.wait", "Event.wait"):
+        return "wait"
+    if thread == "MainThread":
+        if "forward_side" in names:
+            return "plain forward"
+        if "pair" not in names:
+            return "main: after the call"
+        inner = names[names.index("pair") + 1 :]
+        if inner[:1] == ["pair.<locals>.partial"]:
+            return "main: rows"
+        if inner[:1] == ["_run_strategy"]:
+            return "main: final flush" if inner[1:2] == ["Collector.flush"] else (
+                "main: lockstep set-up")  # fmt: skip
+        return "main: set-up"
+    if "Collector._flush_device" in names:
+        return "side: metric batches"
+    if any(n in ("_Lockstep.boundary", "_Lockstep._pause") for n in names):
+        return "side: hand-over"
+    if any(n.startswith(("PairedWeights.", "WeightView.")) for n in names):
+        return "side: weight casts"
+    func, path, _ = parse_frame(frames[-1])
+    if func == "Module._call_impl" and path.endswith("module.py"):
+        return "side: module calls"
+    if path.startswith("lab/pairing/"):
+        return "side: other pairing"
+    return "side: forward"
+
+
 def summarize(text: str, rate: float, runs: int, top: int = 40) -> dict[str, Any]:
     """Sampled CPU milliseconds a run: in total, by thread, by leaf line and by function."""
     per_run = 1e3 / rate / runs
@@ -114,11 +164,13 @@ def summarize(text: str, rate: float, runs: int, top: int = 40) -> dict[str, Any
     own_func: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
     by_area: Counter[str] = Counter()
+    parts: Counter[str] = Counter()
     total = 0
     for thread, frames, count in parse_raw(text):
         total += count
         # Side threads are named by the lab; a kept side thread keeps its name between pairs.
         by_thread[re.sub(r"\d+$", "", thread) or "?"] += count
+        parts[part(thread, frames)] += count
         if not frames:
             continue
         func, path, line = parse_frame(frames[-1])
@@ -136,6 +188,8 @@ def summarize(text: str, rate: float, runs: int, top: int = 40) -> dict[str, Any
         "cpu_ms": total * per_run,
         "by_thread_ms": ms(by_thread, None),
         "by_area_ms": ms(by_area, None),
+        "parts_ms": {k: parts[k] * per_run for k in PARTS if parts[k]},
+        "work_ms": (total - parts["wait"]) * per_run,
         "own_ms": ms(own),
         "own_function_ms": ms(own_func),
         "inclusive_ms": ms(inclusive, None),
@@ -266,6 +320,7 @@ def text(row: dict[str, Any]) -> str:
             f"{key:8s} wall {row[f'{key}_s'] * 1e3:7.1f} ms, sampled CPU {s['cpu_ms']:7.1f} ms "
             f"a run ({s['samples']} samples); threads: {threads}; leaf areas: {areas}"
         )
+    lines.append(parts_table({key: row[key] for key in CASES}))
     for key in ("every_over_blocks", "every_over_plain", "blocks_over_plain"):
         lines.append(f"--- {key}: function, extra ms a run (inclusive), ms a run")
         for r in row[key]:
@@ -274,6 +329,31 @@ def text(row: dict[str, Any]) -> str:
         lines.append(f"--- {key}: top leaf lines, ms a run")
         lines += [f"  {k[:100]:100s} {v:8.2f}" for k, v in list(row[key]["own_ms"].items())[:25]]
     return "\n".join(lines) + "\n"
+
+
+def parts_table(summaries: dict[str, dict[str, Any]]) -> str:
+    """Each case's sampled milliseconds a run by part (PARTS), side by side."""
+    cases = list(summaries)
+    head = f"--- parts, ms a run: {'':22s}" + "".join(f"{c:>9s}" for c in cases)
+    lines = [head]
+    for name in PARTS:
+        if any(s["parts_ms"].get(name) for s in summaries.values()):
+            cells = "".join(f"{s['parts_ms'].get(name, 0.0):9.1f}" for s in summaries.values())
+            lines.append(f"  {name:41s}{cells}")
+    cells = "".join(f"{s['work_ms']:9.1f}" for s in summaries.values())
+    lines.append(f"  {'work (all but wait)':41s}{cells}")
+    return "\n".join(lines)
+
+
+def from_raw(folder: Path, family: str, runs: int, rate: float) -> str:
+    """The parts table again from a run's saved samples (`<family>_<case>.txt` in `folder`)."""
+    summaries = {}
+    for case in CASES:
+        path = folder / f"{family}_{case}.txt"
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no samples of case {case!r} for {family!r} there")
+        summaries[case] = summarize(path.read_text(), rate, runs)
+    return parts_table(summaries)
 
 
 def main() -> None:
@@ -285,8 +365,16 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--rate", type=float, default=250.0)
     parser.add_argument("--spy", default=None, help="the py-spy executable")
+    parser.add_argument(
+        "--from-raw", action="store_true",
+        help="measure nothing: the parts of the samples saved in OUT_DIR (same --runs, --rate)",
+    )  # fmt: skip
     args = parser.parse_args()
     out = Path(args.out)
+    if args.from_raw:
+        for name in args.families.split(","):
+            print(f"===== {name}\n{from_raw(out, name, args.runs, args.rate)}")
+        return
     out.mkdir(parents=True, exist_ok=True)
     spy = find_spy(args.spy)
     rows, texts = [], []

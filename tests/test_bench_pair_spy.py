@@ -44,6 +44,63 @@ def test_summarize_adds_samples_up_a_run_by_thread_line_function_and_area(
     assert s["inclusive_ms"]["pair (lab/pairing/run.py)"] == pytest.approx(150.0)
 
 
+def test_parts_split_waits_forwards_and_pairing_work(
+    load_bench: Callable[[str], ModuleType], tmp_path: Path
+) -> None:
+    bench = load_bench("pair_spy")
+    side = ["Thread.run (threading.py:975)", "_Worker._loop (lab/pairing/lockstep.py:120)"]
+    call = "Module._call_impl (torch/nn/modules/module.py:1790)"
+    batches = ["Collector._flush_device (lab/pairing/collect.py:364)",
+               "RunReducer.reduce_many (lab/pairing/_fused_stats.py:1042)"]  # fmt: skip
+    casts = ["PairedWeights.enter_block (lab/pairing/weights.py:700)",
+             "WeightView.cast (lab/pairing/weights.py:343)"]  # fmt: skip
+    cases = {
+        "wait": [*side, "_Baton.wait (lab/pairing/lockstep.py:66)",
+                 "Condition.wait (threading.py:355)"],
+        "side: metric batches": [*side, *batches],
+        "side: module calls": [*side, call],
+        "side: forward": [*side, call, "forward (diffusers/models/attention.py:88)"],
+        "side: weight casts": [*side, *casts],
+        "side: hand-over": [*side, "_Lockstep.boundary (lab/pairing/lockstep.py:500)"],
+        "side: other pairing": [*side, "_Lockstep.thread (lab/pairing/lockstep.py:640)"],
+    }  # fmt: skip
+    for want, frames in cases.items():
+        assert bench.part("lab-pair-a", frames) == want, want
+    main = ["<module> (pair_spy.py:9)", "pair (lab/pairing/run.py:40)"]
+    assert (
+        bench.part(
+            "MainThread",
+            [
+                *main,
+                "pair.<locals>.partial (lab/pairing/run.py:9)",
+                "Collector.rows (lab/pairing/collect.py:3)",
+            ],
+        )
+        == "main: rows"
+    )
+    assert bench.part("MainThread", [*main, "_run_strategy (lab/pairing/run.py:5)",
+                                     "Collector.flush (lab/pairing/collect.py:3)"]) == (
+        "main: final flush")  # fmt: skip
+    assert bench.part("MainThread", [*main, "_run_strategy (lab/pairing/run.py:5)"]) == (
+        "main: lockstep set-up")  # fmt: skip
+    assert bench.part("MainThread", [*main, "WeightView.both (lab/pairing/weights.py:1)"]) == (
+        "main: set-up")  # fmt: skip
+    assert bench.part("MainThread", ["forward_side (lab/pairing/run.py:1)"]) == "plain forward"
+    assert bench.part("MainThread", ["holding (lab/pairing/guards.py:70)"]) == (
+        "main: after the call")  # fmt: skip
+    s = bench.summarize(RAW, rate=100.0, runs=2)
+    # The RAW's caller flushes straight from `pair` (set-up's part); a bare `_call_impl` frame
+    # (no `Module.`) is the forward's own.
+    assert s["parts_ms"] == pytest.approx({"main: set-up": 150.0, "side: forward": 350.0})
+    assert s["work_ms"] == pytest.approx(500.0)
+    for case in bench.CASES:
+        (tmp_path / f"sd3_{case}.txt").write_text(RAW)
+    table = bench.from_raw(tmp_path, "sd3", runs=2, rate=100.0)
+    assert "side: forward" in table and table.count("350.0") == 4
+    with pytest.raises(FileNotFoundError, match="no samples of case 'plain' for 'flux'"):
+        bench.from_raw(tmp_path, "flux", runs=2, rate=100.0)
+
+
 def test_over_orders_functions_by_the_time_a_case_adds(
     load_bench: Callable[[str], ModuleType],
 ) -> None:
