@@ -18,6 +18,8 @@
 # ops (bench/pair_ops.py: the torch ops a pair adds over two plain forwards, every thread, OPS_FAMILIES),
 # batch (bench/batch_host.py: one metric batch's host time, part by part), spy (bench/pair_spy.py:
 # py-spy's samples of each pair case against plain's, SPY_FAMILIES; needs py-spy on PYTHONPATH's bin/),
+# stored (bench/ab_as_stored.py: dense pairs of one layout read where they are against copied first,
+# interleaved, STORED_FAMILIES),
 # report (bench/ab_report_forwards.py: captured modules reporting from instance forwards against
 # forward hooks, interleaved, REPORT_FAMILIES), switch (bench/ab_switch.py: each switch of SWITCHES,
 # "LAB_A=1,0;LAB_B=x,y", its values side by side in one process, SWITCH_FAMILIES, SWITCH_ARGS).
@@ -79,6 +81,10 @@ for stage in "$@"; do
         ;;
     spy)
         python bench/pair_spy.py "$out/spy" --families "${SPY_FAMILIES:-sd3}" ${SPY_ARGS:-} >"$out/pair_spy.log" 2>&1
+        ;;
+    stored)
+        python bench/ab_as_stored.py "$out/ab_as_stored.json" --families "${STORED_FAMILIES:-sd3,cosmos3}" \
+            >"$out/ab_as_stored.log" 2>&1
         ;;
     batch) python bench/batch_host.py "$out/batch_host.json" >"$out/batch_host.log" 2>&1 ;;
     ops)

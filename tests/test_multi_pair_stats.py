@@ -93,7 +93,24 @@ _SCRIPT = textwrap.dedent(
         r.metrics == decode_stats(*fused.fused_pair_stats(a, b), a.dtype, b.dtype)
         for r, (a, b) in zip(collector.rows(), pairs)
     ]
+    # Dense pairs with one layout (transposed, permuted heads, the odd one, bf16 against fp32)
+    # are read where they are, in memory order: every order-free stat and the histogram equal
+    # those of contiguous copies (reshape order), the float64 sums equal up to their rounding.
+    from lab.pairing.metrics import STAT_FIELDS
+    free = [STAT_FIELDS.index(k) for k in ("numel", "finite", "max_abs_diff", "max_abs_a",
+            "max_abs_b", "max_ulp", "bitexact", "nonfinite_a", "nonfinite_b",
+            "max_abs_diff_rounded")]
+    stored, stored_exact, stored_close = [], [], []
+    for i, (a, b) in enumerate(pairs):
+        if fused._as_stored(a, b) and not (a.is_contiguous() and b.is_contiguous()):
+            stored.append(i)
+            s1, h1 = fused.fused_pair_stats(a, b)
+            s2, h2 = fused.fused_pair_stats(a.contiguous(), b.contiguous())
+            stored_exact.append(bool(torch.equal(s1[free], s2[free]) and torch.equal(h1, h2)))
+            stored_close.append(bool(torch.allclose(s1, s2, rtol=1e-12, atol=0)))
     print(json.dumps({"same": same, "launches": reducer.launches, "count": reducer.count,
+                      "stored": stored, "stored_exact": stored_exact,
+                      "stored_close": stored_close,
                       "host_same": host_same, "row_starts": row_starts,
                       "decoded_same": decoded_same,
                       "handles": handles, "aligned": [p % 16 == 0 for p in starts],
@@ -118,6 +135,9 @@ def test_interpreted_multi_pair_kernels_equal_single_pair_bit_for_bit(core: str)
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["same"] == [True] * 22
     assert got["count"] == 22
+    # The dense pairs with one layout on both sides: read where they are by both kernels.
+    assert got["stored"] == [10, 18, 19, 20, 21]
+    assert got["stored_exact"] == [True] * 5 and got["stored_close"] == [True] * 5
     # `host_rows`: both batches in one array (batch 1 starts after batch 0's 6 rows, padded to
     # an even count a group), and a Collector decodes every pair from it as from its own launch.
     assert got["host_same"] == [True] * 22

@@ -323,8 +323,8 @@ def test_batch_table_in_cxx_equals_the_python_loops(core, monkeypatch: pytest.Mo
         expected.setdefault((a.dtype, b.dtype), []).append(i)
     assert list(groups.items()) == list(expected.items())  # the same groups, the same order
     assert strided == [i for i, (a, b) in enumerate(pairs)
-                       if not (a.is_contiguous() and b.is_contiguous())]  # fmt: skip
-    assert strided == [2, 6]
+                       if not _fused_stats._as_stored(a, b)]  # fmt: skip
+    assert strided == [6]  # pair 2, transposed on both sides alike, is read where it is
     flats, _ = _fused_stats._read_in_place(pairs)
     reducer = _fused_stats.RunReducer(torch.device("cpu"))
     reducer._programs = 3  # caps some grids
@@ -348,6 +348,52 @@ def test_batch_table_in_cxx_equals_the_python_loops(core, monkeypatch: pytest.Mo
         core.table(flats, [len(flats)], 256, 3, 0, 0, 2, 2)
     with pytest.raises(TypeError, match="not an \\(a, b\\) pair"):
         core.scan([(pairs[0][0],)])
+
+
+def test_scan_reads_dense_pairs_of_one_layout_where_they_are(core) -> None:
+    """`scan` (C++) and `_as_stored` (Python) agree on which pairs the kernels read where they
+    are: contiguous, or dense with the same strides on both sides; and `_dense` is torch's
+    `is_non_overlapping_and_dense`."""
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
+
+    from lab.pairing import _fused_stats
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 3, 4, 8, generator=g)
+    y = torch.randn(2, 3, 4, 8, generator=g)
+    nhwc = torch.randn(2, 8, 4, 4, generator=g).to(memory_format=torch.channels_last)
+    z = torch.randn(4, 2, 8, generator=g).transpose(0, 1).unsqueeze(1)  # (2, 1, 4, 8)
+    w = torch.randn(3, 2, 4, 8, generator=g)  # permuted to x.transpose(1, 2)'s shape, not strides
+    cases = {
+        "contiguous": ((x, y), True),
+        "same permutation": ((x.transpose(1, 2), y.transpose(1, 2)), True),
+        "channels-last on both": ((nhwc, nhwc * 2), True),
+        "permuted, with a size-1 dim": ((z, z * 3), True),
+        "bf16 against fp32, one layout": (
+            (x.transpose(1, 2).to(torch.bfloat16), y.transpose(1, 2)), True),
+        "two permutations": ((x.transpose(1, 2), w.permute(1, 2, 0, 3)), False),
+        "contiguous against permuted": ((x.transpose(1, 2).contiguous(), y.transpose(1, 2)),
+                                        False),
+        "sliced (gaps)": ((x[..., :4], y[..., :4]), False),
+        "a size-1 slice (gaps)": ((x[:, :1].transpose(0, 1), y[:, :1].transpose(0, 1)), False),
+        "expanded (overlap)": ((x[:, :, :1].expand(2, 3, 4, 8), y[:, :, :1].expand(2, 3, 4, 8)),
+                               False),
+    }  # fmt: skip
+    pairs = [pair for pair, _ in cases.values()]
+    for name, (pair, want) in cases.items():
+        assert _fused_stats._as_stored(*pair) is want, name
+    _, strided = core.scan(pairs)
+    assert strided == [i for i, (_, want) in enumerate(cases.values()) if not want]
+    for tensor in [t for pair in pairs for t in pair] + [x[0, 0, :, ::2], x.transpose(0, 3)]:
+        assert _fused_stats._dense(tensor) == dense(tensor)
+    # The single-pair kernel's inputs: memory-order blocks for such a pair, copies otherwise.
+    a, b = cases["same permutation"][0]
+    flat_a, flat_b = _fused_stats._flat_pair(a, b)
+    assert flat_a.data_ptr() == a.data_ptr() and flat_a.is_contiguous()
+    assert torch.equal(flat_a, x.view(-1)) and torch.equal(flat_b, y.view(-1))  # x's memory
+    a, b = cases["two permutations"][0]
+    flat_a, flat_b = _fused_stats._flat_pair(a, b)
+    assert torch.equal(flat_a, a.reshape(-1)) and torch.equal(flat_b, b.reshape(-1))
 
 
 def _strided_batch() -> list[tuple[torch.Tensor, torch.Tensor]]:

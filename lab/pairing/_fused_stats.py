@@ -673,8 +673,9 @@ def fused_pair_stats(
     """All `lab.pairing.metrics` statistics of one pair in one pass over both tensors.
 
     Equal to `lab.pairing.metrics._single_core(a.reshape(-1), b.reshape(-1), coarse, compute)` (its
-    `[0]` rows), up to the order of the float64 additions in the sums. Non-contiguous inputs
-    are made contiguous first (a copy).
+    `[0]` rows), up to the order of the float64 additions in the sums. Two dense tensors with
+    the same strides (a permuted view on both sides) are read where they are, in memory order
+    (`_as_stored`); other non-contiguous inputs are made contiguous first (a copy).
 
     Args:
         a: Reference tensor (bf16, fp16, fp32 or fp64).
@@ -716,7 +717,8 @@ def fused_pair_stats(
     # Triton launches on the current CUDA device: make it the inputs' one.
     switch = device.type == "cuda" and device.index != torch.cuda.current_device()
     with torch.cuda.device(device) if switch else contextlib.nullcontext():
-        _launch(_pair_stats_kernel, grid, (_flat(a), _flat(b), partials, a.numel()), constexprs)
+        flat_a, flat_b = _flat_pair(a, b)
+        _launch(_pair_stats_kernel, grid, (flat_a, flat_b, partials, a.numel()), constexprs)
         return _finish(partials)
 
 
@@ -908,6 +910,48 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return _bits(x.detach().reshape(-1).contiguous())
 
 
+def _flat_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two tensors as the single-pair kernel reads them.
+
+    Where they are when `_as_stored` (a dense block each, in memory order), else `_flat`'s
+    contiguous copies (reshape order).
+    """
+    if _as_stored(a, b) and not (a.is_contiguous() and b.is_contiguous()):
+        n = a.numel()
+        return _bits(a.detach().as_strided((n,), (1,))), _bits(b.detach().as_strided((n,), (1,)))
+    return _flat(a), _flat(b)
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """Non-overlapping and dense (torch's `is_non_overlapping_and_dense`).
+
+    The elements fill one block of memory with no gap and no element twice, in some order of
+    the dimensions (size-1 dimensions take any stride).
+    """
+    expected = 1
+    dims = zip(x.shape, x.stride(), strict=True)
+    for stride, size in sorted((st, sz) for sz, st in dims if sz >= 2):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _as_stored(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the kernels read `a` and `b` where they are, element k against element k.
+
+    Both contiguous, or both dense with the same strides (sd3 full's 244 q/k-norm outputs a
+    pair: (B, H, S, D) views of (B, S, H, D) memory on both sides). The same strides over the
+    same shape put every element at the same place in both blocks, so memory order pairs the
+    same elements as `reshape(-1)` order does; the stats are the same but for the order of the
+    float64 additions in the sums. `_pair_core.scan` is the same rule in C++ (with torch's
+    `is_non_overlapping_and_dense`).
+    """
+    if a.is_contiguous() and b.is_contiguous():
+        return True
+    return a.stride() == b.stride() and _dense(a) and _dense(b)
+
+
 def _bits(x: torch.Tensor) -> torch.Tensor:
     """`x` as the kernels take it: bf16 as its int16 bits, any other dtype as it is."""
     return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
@@ -1028,24 +1072,28 @@ class RunReducer:
         """
         core = _core()
         stream = self.stream if on_side else None
+        # Pairs the kernels read where they are (`_as_stored`: contiguous, or dense with the
+        # same strides on both sides) go in the table as they are; only the others are copied
+        # (`_read_in_place`, or its C++ twin `read_in_place`: the same copies).
         if core is None:
             groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
+            strided = []
             for i, (a, b) in enumerate(pairs):
                 groups.setdefault((a.dtype, b.dtype), []).append(i)
-            flats, read = _read_in_place(pairs)
+                if not _as_stored(a, b):
+                    strided.append(i)
         else:
-            # The same groups and flats, the pairs' walk in C++: only the pairs with a
-            # non-contiguous tensor are copied (`read_in_place`, `_read_in_place`'s copies).
-            groups, strided = core.scan(pairs)
-            flats, read = pairs, []
-            if strided:
-                copied, read = core.read_in_place([pairs[i] for i in strided])
-                flats = list(pairs)
-                for i, flat in zip(strided, copied, strict=True):
-                    flats[i] = flat
-            if stream is not None:
-                skip = set(strided)
-                read += [t for i, pair in enumerate(pairs) if i not in skip for t in pair]
+            groups, strided = core.scan(pairs)  # the same groups and the same rule, in C++
+        flats, read = pairs, []
+        if strided:
+            copy = _read_in_place if core is None else core.read_in_place
+            copied, read = copy([pairs[i] for i in strided])
+            flats = list(pairs)
+            for i, flat in zip(strided, copied, strict=True):
+                flats[i] = flat
+        if stream is not None:
+            skip = set(strided)
+            read += [t for i, pair in enumerate(pairs) if i not in skip for t in pair]
         self.batches["side" if stream is not None else "current"] += 1
         if stream is not None:
             # After the copies above: the side stream waits for them and for the outputs, and

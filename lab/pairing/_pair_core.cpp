@@ -819,9 +819,17 @@ PyTypeObject ReporterType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 // ---- a CUDA metric batch's table (`_fused_stats.RunReducer.reduce_many`) -------------------------
 
+// `_fused_stats._as_stored`: the kernels read a and b where they are, element k against element
+// k in memory: both contiguous, or both dense (no gap, no overlap) with the same strides.
+inline bool as_stored(const at::Tensor& a, const at::Tensor& b) {
+  if (a.is_contiguous() && b.is_contiguous()) return true;
+  return a.strides() == b.strides() && a.is_non_overlapping_and_dense() &&
+         b.is_non_overlapping_and_dense();
+}
+
 // scan(pairs) -> (groups, strided): the pairs' positions by (dtype_a, dtype_b), in the order the
-// dtype pairs first appear (as the Python dict), and the positions of the pairs with a
-// non-contiguous tensor (what `_read_in_place` copies).
+// dtype pairs first appear (as the Python dict), and the positions of the pairs the kernels
+// cannot read where they are (not `as_stored`: what `read_in_place` copies).
 PyObject* scan(PyObject*, PyObject* pairs) {
   try {
     if (!PyList_Check(pairs)) {
@@ -855,7 +863,7 @@ PyObject* scan(PyObject*, PyObject* pairs) {
         members = fresh.get();
       }
       check_rc(PyList_Append(members, index.get()));
-      if (!unpack(a).is_contiguous() || !unpack(b).is_contiguous())
+      if (!as_stored(unpack(a), unpack(b)))
         check_rc(PyList_Append(strided.get(), index.get()));
     }
     return check(PyTuple_Pack(2, groups.get(), strided.get()));
