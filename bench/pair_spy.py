@@ -90,20 +90,28 @@ def parse_frame(frame: str) -> tuple[str, str, int | None]:
     return match.group("func"), short_path(match.group("path")), int(line) if line else None
 
 
-def parse_raw(text: str) -> list[tuple[str, list[str], int]]:
-    """py-spy's raw (collapsed) output -> [(thread, frames outermost first, samples)]."""
-    stacks = []
+def parse_raw(text: str) -> tuple[list[tuple[str, list[str], int]], int]:
+    """py-spy's raw (collapsed, --threads) output -> ([(thread, frames outermost first,
+    samples)], torn lines).
+
+    Without pausing the process py-spy now and then reads a frame mid-change: its "function
+    name" is then whatever bytes were there (once a docstring, newlines and all), which breaks
+    the line. A line that does not start with a thread or end with a count is torn: counted,
+    not parsed.
+    """
+    stacks, torn = [], 0
     for raw in text.splitlines():
         raw = raw.strip()
         if not raw:
             continue
         stack, _, count = raw.rpartition(" ")
+        if not raw.startswith("thread (") or not count.isdigit():
+            torn += 1
+            continue
         frames = stack.split(";")
-        thread = ""
-        if frames and frames[0].startswith("thread ("):
-            thread = frames.pop(0).split(": ", 1)[-1]
+        thread = frames.pop(0).split(": ", 1)[-1]
         stacks.append((thread, frames, int(count)))
-    return stacks
+    return stacks, torn
 
 
 PARTS = (
@@ -166,7 +174,8 @@ def summarize(text: str, rate: float, runs: int, top: int = 40) -> dict[str, Any
     by_area: Counter[str] = Counter()
     parts: Counter[str] = Counter()
     total = 0
-    for thread, frames, count in parse_raw(text):
+    stacks, torn = parse_raw(text)
+    for thread, frames, count in stacks:
         total += count
         # Side threads are named by the lab; a kept side thread keeps its name between pairs.
         by_thread[re.sub(r"\d+$", "", thread) or "?"] += count
@@ -185,6 +194,7 @@ def summarize(text: str, rate: float, runs: int, top: int = 40) -> dict[str, Any
 
     return {
         "samples": total,
+        "torn_lines": torn,
         "cpu_ms": total * per_run,
         "by_thread_ms": ms(by_thread, None),
         "by_area_ms": ms(by_area, None),

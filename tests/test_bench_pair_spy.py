@@ -28,7 +28,12 @@ def test_summarize_adds_samples_up_a_run_by_thread_line_function_and_area(
 ) -> None:
     bench = load_bench("pair_spy")
     s = bench.summarize(RAW, rate=100.0, runs=2)  # one sample = 10 ms, over 2 runs = 5 ms a run
-    assert s["samples"] == 100 and s["cpu_ms"] == pytest.approx(500.0)
+    assert s["samples"] == 100 and s["cpu_ms"] == pytest.approx(500.0) and s["torn_lines"] == 0
+    # A frame read mid-change (a docstring's bytes, newlines and all) breaks its line into
+    # pieces: each counted as torn, that stack's samples lost, every other line's kept.
+    torn = RAW.replace("flush (/w/lab", "flush (~25 us for\nthis launch.)\n (/w/lab")
+    t = bench.summarize(torn, rate=100.0, runs=2)
+    assert t["torn_lines"] == 3 and t["samples"] == 100 - 30
     assert s["by_thread_ms"] == pytest.approx(
         {"lab-pair-a": 250.0, "lab-pair-b": 100.0, "MainThread": 150.0}
     )
