@@ -836,9 +836,12 @@ def _read_in_place(
       slice along the last dimension, as adaLN chunks) with one `torch.cat` per dtype and row
       length; a cat's pieces start 16 bytes apart or a multiple of it (only row lengths that
       keep them so are batched), so the group's vector loads stay on;
-    - the rest (permuted views, as sd3 full's 244 q/k-norm outputs a pair, (B, H, S, D) views
-      of (B, S, H, D) memory) with one `torch.stack` per dtype and shape, where a tensor's
-      bytes are a multiple of 16 (the same alignment); the few left are copied one by one.
+    - the rest (permuted views with no rows view) with one `torch.stack` per dtype and shape,
+      where a tensor's bytes are a multiple of 16 (the same alignment); the few left are
+      copied one by one.
+    A batch sends here only the pairs it cannot read where they are (`_as_stored`): sd3 full's
+    244 permuted q/k-norm outputs a pair, the same layout on both sides, are read in place
+    since stop 25; a permuted view whose other side is laid out otherwise is still stacked.
     Whether the rows view exists is read from the strides: asking `view` costs a raised and
     caught error, ~30-50 us, a tensor that has none. Every copy holds the values in the order
     of `reshape(-1)`.
@@ -1029,8 +1032,8 @@ class RunReducer:
     each batch, was measured once with sd3 full's peak at 1.13x of a plain forward's on the
     H200, against 1.07x before: likely memory coming back a batch later, not isolated, as
     another change went in with it.) Contiguous outputs are read where they are (their
-    address and length go in the batch's table); only non-contiguous ones are copied
-    (`_read_in_place`).
+    address and length go in the batch's table), and so are two dense tensors with the same
+    strides, in memory order (`_as_stored`); only the other pairs are copied (`_read_in_place`).
     """
 
     def __init__(self, device: torch.device, stream: torch.cuda.Stream | None = None) -> None:
