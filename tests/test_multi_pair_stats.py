@@ -164,6 +164,49 @@ def test_interpreted_multi_pair_kernels_equal_single_pair_bit_for_bit(core: str)
     assert all(got["flat"]) and got["aligned"][:8] == [True] * 8
 
 
+_NEG_SCRIPT = textwrap.dedent(
+    """
+    import json, warnings
+    import torch
+    warnings.simplefilter("ignore")
+    from lab.pairing import _fused_stats as fused
+    from lab.pairing.metrics import STAT_FIELDS
+
+    x = torch.randn(16, 24, generator=torch.Generator().manual_seed(2))
+    # Negated views (`is_neg`) hold the values' negatives in memory; each pair here is the same
+    # values on both sides: contiguous, transposed alike (dense, one layout), and a slice.
+    neg = torch._neg_view
+    pairs = [(neg(x), -x), (neg(x.t()), (-x).t()), (neg(x.t()), neg(x.t())),
+             (neg(x[:, :8]), -x[:, :8])]
+    bitexact = STAT_FIELDS.index("bitexact")
+    reducer = fused.RunReducer(torch.device("cpu"))
+    handles = reducer.reduce_many(pairs)
+    rows = reducer.rows()
+    print(json.dumps({
+        "stored": [fused._as_stored(a, b) for a, b in pairs],
+        "single": [fused.fused_pair_stats(a, b)[0][bitexact].item() for a, b in pairs],
+        "batch": [rows[o][0][r][bitexact].item() for o, r in handles],
+        "numel": [a.numel() for a, _ in pairs],
+    }))
+    """
+)
+
+
+@pytest.mark.parametrize("core", ["cxx", "python"])
+def test_interpreted_kernels_apply_a_negated_views_sign(core: str) -> None:
+    # The kernels read raw memory: a negated view is copied (its sign applied), never read as
+    # it is stored, contiguous or not; so identical values are bit-exact on every element.
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "LAB_PAIR_CORE": core}
+    proc = subprocess.run(
+        [sys.executable, "-c", _NEG_SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["stored"] == [False] * 4
+    assert got["single"] == got["numel"] and got["batch"] == got["numel"]
+
+
 @pytest.mark.gpu
 def test_pair_reduces_in_batches_with_the_numbers_of_one_pair_at_a_time(monkeypatch) -> None:
     import lab

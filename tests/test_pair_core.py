@@ -384,8 +384,24 @@ def test_scan_reads_dense_pairs_of_one_layout_where_they_are(core) -> None:
         assert _fused_stats._as_stored(*pair) is want, name
     _, strided = core.scan(pairs)
     assert strided == [i for i, (_, want) in enumerate(cases.values()) if not want]
-    for tensor in [t for pair in pairs for t in pair] + [x[0, 0, :, ::2], x.transpose(0, 3)]:
-        assert _fused_stats._dense(tensor) == dense(tensor)
+    # `_dense` against torch's own C++ check (through `scan` of a tensor against itself: not
+    # strided iff contiguous or dense). torch._prims_common's Python twin differs on size-1
+    # dims with stride 0, as (4, 1, 4) with strides (1, 0, 4), which torch calls dense.
+    storage = torch.randn(64, generator=g)
+    odd = [storage.as_strided((4, 1, 4), (1, 0, 4)), storage.as_strided((4, 1, 4), (1, 7, 4)),
+           storage.as_strided((2, 3), (0, 1)), x[0, 0, :, ::2], x.transpose(0, 3)]  # fmt: skip
+    for tensor in [t for pair in pairs for t in pair] + odd:
+        by_torch = tensor.is_contiguous() or not core.scan([(tensor, tensor)])[1]
+        assert (tensor.is_contiguous() or _fused_stats._dense(tensor)) == by_torch
+    assert _fused_stats._dense(odd[0]) and not dense(odd[0])  # the Python twin's blind spot
+    # A negated view is never read as stored: its memory holds the negatives.
+    negated = torch._neg_view(x)
+    assert not _fused_stats._as_stored(negated, -x)
+    assert core.scan([(negated, -x), (x, y)])[1] == [0]
+    copies = (core.read_in_place([(negated, -x)]), _fused_stats._read_in_place([(negated, -x)]))
+    for flats, _ in copies:
+        assert not flats[0][0].is_neg()
+        assert torch.equal(flats[0][0].reshape(-1), (-x).reshape(-1))  # the sign applied
     # The single-pair kernel's inputs: memory-order blocks for such a pair, copies otherwise.
     a, b = cases["same permutation"][0]
     flat_a, flat_b = _fused_stats._flat_pair(a, b)

@@ -852,7 +852,7 @@ def _read_in_place(
     alike: dict[tuple[torch.dtype, torch.Size], list[tuple[int, int, torch.Tensor]]] = {}
     for i, pair in enumerate(pairs):
         for j, tensor in enumerate(pair):
-            if tensor.is_contiguous():
+            if tensor.is_contiguous() and not tensor.is_neg():
                 read.append(tensor)
                 continue
             size = tensor.element_size()
@@ -909,8 +909,11 @@ def _rows_view(tensor: torch.Tensor) -> torch.Tensor | None:
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
-    """Contiguous 1-D view; bf16 as its int16 bits (the kernel widens them itself)."""
-    return _bits(x.detach().reshape(-1).contiguous())
+    """Contiguous 1-D view; bf16 as its int16 bits (the kernel widens them itself).
+
+    A negated view (`is_neg`) is copied with its sign applied: the kernels read raw memory.
+    """
+    return _bits(x.detach().reshape(-1).contiguous().resolve_neg())
 
 
 def _flat_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -948,8 +951,11 @@ def _as_stored(a: torch.Tensor, b: torch.Tensor) -> bool:
     same shape put every element at the same place in both blocks, so memory order pairs the
     same elements as `reshape(-1)` order does; the stats are the same but for the order of the
     float64 additions in the sums. `_pair_core.scan` is the same rule in C++ (with torch's
-    `is_non_overlapping_and_dense`).
+    `is_non_overlapping_and_dense`). Never a negated view (`is_neg`): its memory holds the
+    values' negatives, and the kernels read raw memory; it is copied, which applies the sign.
     """
+    if a.is_neg() or b.is_neg():
+        return False
     if a.is_contiguous() and b.is_contiguous():
         return True
     return a.stride() == b.stride() and _dense(a) and _dense(b)

@@ -820,8 +820,10 @@ PyTypeObject ReporterType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 // ---- a CUDA metric batch's table (`_fused_stats.RunReducer.reduce_many`) -------------------------
 
 // `_fused_stats._as_stored`: the kernels read a and b where they are, element k against element
-// k in memory: both contiguous, or both dense (no gap, no overlap) with the same strides.
+// k in memory: both contiguous, or both dense (no gap, no overlap) with the same strides; never
+// a negated view (its memory holds the values' negatives: copied, which applies the sign).
 inline bool as_stored(const at::Tensor& a, const at::Tensor& b) {
+  if (a.is_neg() || b.is_neg()) return false;
   if (a.is_contiguous() && b.is_contiguous()) return true;
   return a.strides() == b.strides() && a.is_non_overlapping_and_dense() &&
          b.is_non_overlapping_and_dense();
@@ -1033,7 +1035,7 @@ PyObject* read_in_place(PyObject*, PyObject* pairs) {
         }
         flats[i][j].original = obj;
         const at::Tensor& t = unpack(obj);
-        if (t.is_contiguous()) {
+        if (t.is_contiguous() && !t.is_neg()) {
           check_rc(PyList_Append(read.get(), obj));
           continue;
         }
@@ -1065,7 +1067,7 @@ PyObject* read_in_place(PyObject*, PyObject* pairs) {
           it->members.push_back({i, j, t.detach()});
           continue;
         }
-        at::Tensor copy = bits(t.detach().reshape({-1}).contiguous());
+        at::Tensor copy = bits(t.detach().reshape({-1}).contiguous().resolve_neg());
         flats[i][j].made = copy;
         flats[i][j].is_made = true;
         Ref wrapped(check(THPVariable_Wrap(copy)));

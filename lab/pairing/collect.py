@@ -505,9 +505,12 @@ class Collector:
 def _device_reduction(device: torch.device) -> Any:
     """`pair_stats` for one CUDA pair, with what it looks up each call looked up once.
 
-    With the fused kernel (the default) that is `fused_pair_stats` itself: the same flattening
-    and the same launch as `pair_stats` makes, so the same numbers. It needs no autocast guard
-    (Triton and `torch.empty` ignore autocast); the other cores run with autocast off.
+    With the fused kernel (the default) that is `fused_pair_stats` itself: the same launch as
+    `pair_stats` makes, so the same numbers, but for a pair of dense tensors with the same
+    strides, which it reads in memory order where `pair_stats` copies it in `reshape(-1)` order
+    (`_fused_stats._as_stored`: the float64 sums may differ in their last bit). It needs no
+    autocast guard (Triton and `torch.empty` ignore autocast); the other cores run with
+    autocast off.
     """
     from lab.pairing import _fused_stats
 
