@@ -27,12 +27,13 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pair_host
 import torch
+from ab_switch import peak  # bench/ is this script's folder
 
 from lab.pairing import _fused_stats
 from lab.pairing.state import sync
@@ -68,14 +69,6 @@ def copied_first() -> Iterator[None]:
         _fused_stats._as_stored, _fused_stats._core = as_stored, core
 
 
-def _peak(device: str, fn: Callable[[], Any]) -> tuple[Any, int]:
-    if device != "cuda":
-        return fn(), 0
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    return out, torch.cuda.max_memory_allocated()
-
-
 def compare_rows(stored: Any, copied: Any) -> dict[str, Any]:
     """Whether the two Results' rows agree but for the sums, and by how much the sums differ."""
     same, rel = len(stored.rows) == len(copied.rows), 0.0
@@ -103,7 +96,7 @@ def measure(name: str, device: str, rounds: int) -> dict[str, Any]:
     cases = {"plain": plain, "stored": every, "copied": copied}
     results, peaks = {}, {}
     for key, fn in cases.items():  # warm, and the Results compared below
-        results[key], peaks[key] = _peak(device, fn)
+        results[key], peaks[key] = peak(device, fn)
     times: dict[str, list[float]] = {k: [] for k in cases}
     keys = list(cases)
     for r in range(rounds):

@@ -59,7 +59,7 @@ def parse_switch(text: str) -> tuple[str, list[str]]:
     return name, choices
 
 
-def _peak(device: str, fn: Callable[[], Any]) -> tuple[Any, int]:
+def peak(device: str, fn: Callable[[], Any]) -> tuple[Any, int]:
     """`fn()` and, on CUDA, the peak bytes allocated while it ran (0 on CPU)."""
     if device != "cuda":
         return fn(), 0
@@ -104,7 +104,7 @@ def measure(
     results: dict[str, Any] = {}
     peaks: dict[str, int] = {}
     for key, fn in runs.items():
-        results[key], peaks[key] = _peak(device, fn)
+        results[key], peaks[key] = peak(device, fn)
     times: dict[str, list[float]] = {k: [] for k in runs}
     keys = list(runs)
     for round_ in range(rounds):
@@ -114,7 +114,7 @@ def measure(
             start = time.perf_counter()
             fn = runs[key]
             if key != "plain" and round_ == rounds - 1:
-                results[key], peaks[key] = _peak(device, fn)
+                results[key], peaks[key] = peak(device, fn)
             else:
                 fn()
             sync(device)
@@ -135,7 +135,7 @@ def measure(
         for side in (lab.Side.rollout(fam, device=device), lab.Side.trainer(fam, device=device)):
             view = WeightView(model, side, stream_classes=fam.block_classes)
             forward = lambda s=side, v=view: lab.forward_side(model, inputs, s, view=v)  # noqa: E731
-            side_peaks.append(_peak(device, forward)[1])
+            side_peaks.append(peak(device, forward)[1])
         for key in runs:
             if key != "plain":
                 row[f"{key}_peak_vs_plain"] = peaks[key] / max(side_peaks)

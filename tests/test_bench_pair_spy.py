@@ -23,6 +23,14 @@ RAW = "\n".join([
 ])  # fmt: skip
 
 
+def _installed_spy(bench: ModuleType) -> str:
+    """py-spy's path, or skip: it is no dependency of the lab."""
+    try:
+        return bench.find_spy()
+    except FileNotFoundError:
+        pytest.skip("py-spy is not installed (it is no dependency of the lab: pip install py-spy)")
+
+
 def test_summarize_adds_samples_up_a_run_by_thread_line_function_and_area(
     load_bench: Callable[[str], ModuleType],
 ) -> None:
@@ -144,10 +152,7 @@ def test_measure_samples_the_side_threads_of_every_case(
     load_bench: Callable[[str], ModuleType], tmp_path: Path
 ) -> None:
     bench = load_bench("pair_spy")
-    try:
-        spy = bench.find_spy()
-    except FileNotFoundError:
-        pytest.skip("py-spy is not installed (it is no dependency of the lab: pip install py-spy)")
+    spy = _installed_spy(bench)
     affinity = os.sched_getaffinity(0)
     row = bench.measure("sd3", "tiny", "cpu", runs=3, rate=400.0, spy=spy, out=tmp_path)
     assert row["pairs"]["plain"] == 0 and 0 < row["pairs"]["blocks"] < row["pairs"]["every"]
@@ -167,10 +172,7 @@ def test_spy_keeps_off_the_pairs_core_and_gives_the_thread_back_its_cores(
     load_bench: Callable[[str], ModuleType], tmp_path: Path
 ) -> None:
     bench = load_bench("pair_spy")
-    try:
-        spy = bench.find_spy()
-    except FileNotFoundError:
-        pytest.skip("py-spy is not installed (it is no dependency of the lab: pip install py-spy)")
+    spy = _installed_spy(bench)
     before = os.sched_getaffinity(0)
     if len(before) < 2:
         pytest.skip("one core: nowhere else to put py-spy")

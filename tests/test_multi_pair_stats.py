@@ -123,16 +123,22 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("core", ["cxx", "python"])
-def test_interpreted_multi_pair_kernels_equal_single_pair_bit_for_bit(core: str) -> None:
-    # Both ways of building a batch's table (`_pair_core.scan`/`table`, the Python loops).
+def _interpreted(script: str, core: str) -> dict:
+    """`script` under Triton's interpreter in a subprocess (TRITON_INTERPRET must be set before
+    the kernels are decorated), with LAB_PAIR_CORE=`core`: its last printed line, as JSON."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "LAB_PAIR_CORE": core}
     proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("core", ["cxx", "python"])
+def test_interpreted_multi_pair_kernels_equal_single_pair_bit_for_bit(core: str) -> None:
+    # Both ways of building a batch's table (`_pair_core.scan`/`table`, the Python loops).
+    got = _interpreted(_SCRIPT, core)
     assert got["same"] == [True] * 22
     assert got["count"] == 22
     # The dense pairs with one layout on both sides: read where they are by both kernels.
@@ -196,13 +202,7 @@ _NEG_SCRIPT = textwrap.dedent(
 def test_interpreted_kernels_apply_a_negated_views_sign(core: str) -> None:
     # The kernels read raw memory: a negated view is copied (its sign applied), never read as
     # it is stored, contiguous or not; so identical values are bit-exact on every element.
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "LAB_PAIR_CORE": core}
-    proc = subprocess.run(
-        [sys.executable, "-c", _NEG_SCRIPT], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = _interpreted(_NEG_SCRIPT, core)
     assert got["stored"] == [False] * 4
     assert got["single"] == got["numel"] and got["batch"] == got["numel"]
 
