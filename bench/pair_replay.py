@@ -162,6 +162,9 @@ def variants(device: str, timings: dict[str, list]) -> dict[str, list[Swap]]:
         timed(torch, "empty"),
         timed(torch.Tensor, "to"),
     ]
+    extension = pair_core.extension()
+    if extension is not None:  # the C++ path copies through its own `read_in_place`
+        out["timed"].append(timed(extension, "read_in_place"))
     return out
 
 

@@ -50,3 +50,25 @@ def test_replay_cases_take_their_part_out(load_bench: Callable[[str], ModuleType
     _, _, rows = bench.replay(run, calls, "cpu")
     assert [r.metrics for r in rows] == [r.metrics for r in result.rows]
     assert run.flow.inputs["a"] and run.flow.inputs["b"]  # recorded again, both sides
+
+
+def test_timed_case_times_the_cxx_copies_too(load_bench: Callable[[str], ModuleType]) -> None:
+    # The C++ path copies a batch's strided pairs through the extension's own `read_in_place`,
+    # not `_fused_stats._read_in_place`: the timed case wraps both, and puts both back.
+    import torch
+
+    from lab.pairing import pair_core
+
+    bench = load_bench("pair_replay")
+    extension = pair_core.extension()
+    if extension is None:
+        pytest.skip("the C++ extension did not build here")
+    original = extension.read_in_place
+    timings: dict = {}
+    swaps = bench.variants("cuda", timings)["timed"]
+    assert any(owner is extension and name == "read_in_place" for owner, name, _ in swaps)
+    x = torch.randn(4, 8)
+    with bench.swapped(swaps):
+        extension.read_in_place([(x[:, :4], x[:, 4:])])
+    assert extension.read_in_place is original
+    assert timings["_pair_core.read_in_place"][0] == 1
