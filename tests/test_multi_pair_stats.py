@@ -123,11 +123,15 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def _interpreted(script: str, core: str) -> dict:
+def _interpreted(script: str, core: str, interpret: bool = True) -> dict:
     """`script` under Triton's interpreter in a subprocess (TRITON_INTERPRET must be set before
-    the kernels are decorated), with LAB_PAIR_CORE=`core`: its last printed line, as JSON."""
+    the kernels are decorated), with LAB_PAIR_CORE=`core`: its last printed line, as JSON.
+    `interpret=False`: the same subprocess with the kernels compiled (a GPU's)."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "LAB_PAIR_CORE": core}
+    env = {**os.environ, "LAB_PAIR_CORE": core}
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
     proc = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
     )
@@ -178,14 +182,15 @@ _NEG_SCRIPT = textwrap.dedent(
     from lab.pairing import _fused_stats as fused
     from lab.pairing.metrics import STAT_FIELDS
 
-    x = torch.randn(16, 24, generator=torch.Generator().manual_seed(2))
+    device = torch.device("DEVICE")
+    x = torch.randn(16, 24, generator=torch.Generator().manual_seed(2)).to(device)
     # Negated views (`is_neg`) hold the values' negatives in memory; each pair here is the same
     # values on both sides: contiguous, transposed alike (dense, one layout), and a slice.
     neg = torch._neg_view
     pairs = [(neg(x), -x), (neg(x.t()), (-x).t()), (neg(x.t()), neg(x.t())),
              (neg(x[:, :8]), -x[:, :8])]
     bitexact = STAT_FIELDS.index("bitexact")
-    reducer = fused.RunReducer(torch.device("cpu"))
+    reducer = fused.RunReducer(device)
     handles = reducer.reduce_many(pairs)
     rows = reducer.rows()
     print(json.dumps({
@@ -202,7 +207,16 @@ _NEG_SCRIPT = textwrap.dedent(
 def test_interpreted_kernels_apply_a_negated_views_sign(core: str) -> None:
     # The kernels read raw memory: a negated view is copied (its sign applied), never read as
     # it is stored, contiguous or not; so identical values are bit-exact on every element.
-    got = _interpreted(_NEG_SCRIPT, core)
+    got = _interpreted(_NEG_SCRIPT.replace("DEVICE", "cpu"), core)
+    assert got["stored"] == [False] * 4
+    assert got["single"] == got["numel"] and got["batch"] == got["numel"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("core", ["cxx", "python"])
+def test_compiled_kernels_apply_a_negated_views_sign(core: str) -> None:
+    # The same pairs through the compiled kernels, batched on the side stream and one by one.
+    got = _interpreted(_NEG_SCRIPT.replace("DEVICE", "cuda"), core, interpret=False)
     assert got["stored"] == [False] * 4
     assert got["single"] == got["numel"] and got["batch"] == got["numel"]
 
