@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What one device call runs (H200): `bash scripts/gpu_run.sh OUT_DIR STAGE...`.
-# Stages: tests (metrics, lockstep and no-sync gpu tests), fused (Triton kernel gpu tests), paths (the
+# Stages: tests (metrics, fingerprint, lockstep and no-sync gpu tests), fused (Triton kernel gpu tests), paths (the
 # pairing paths bit for bit at reduced), full (Wan2.2 full pair test), sharded (2-GPU FSDP2 tests),
 # bench (bench/full_pair.py), drift (bench/gpu_drift.py: reduced trajectories, seeded trained-like
 # weights), parity (dtype flow, bitwise parity, scenarios and FSDP2 gpu tests), size
@@ -35,8 +35,8 @@ for stage in "$@"; do
     start=$(date +%s)
     case "$stage" in
     tests)
-        gpu_pytest tests/test_metrics_gpu.py tests/test_lockstep.py tests/test_pair_syncs_gpu.py \
-            >"$out/gpu_tests.log" 2>&1
+        gpu_pytest tests/test_metrics_gpu.py tests/test_metrics.py tests/test_dump.py tests/test_lockstep.py \
+            tests/test_pair_syncs_gpu.py >"$out/gpu_tests.log" 2>&1
         ;;
     fused) gpu_pytest tests/test_fused_stats.py tests/test_multi_pair_stats.py >"$out/fused_gpu.log" 2>&1 ;;
     paths) gpu_pytest -s tests/test_pairing_paths.py >"$out/paths_gpu.log" 2>&1 ;;

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -166,3 +167,17 @@ def test_every_room_is_a_regular_package() -> None:
     folders = {p.parent for p in ROOT.rglob("*.py")} - {ROOT}
     missing = sorted(str(f.relative_to(ROOT)) for f in folders if not (f / "__init__.py").is_file())
     assert missing == [], missing
+
+
+def test_every_gpu_test_file_runs_in_a_device_stage() -> None:
+    # A gpu test runs only where scripts/gpu_run.sh sends it (the CI machine has no GPU): a file
+    # of gpu tests that no stage names never runs; a stage naming a missing file runs nothing.
+    tests = ROOT.parent / "tests"
+    script = (ROOT.parent / "scripts" / "gpu_run.sh").read_text()
+    marked = re.compile(r"^(@pytest\.mark\.gpu\b|pytestmark = .*pytest\.mark\.gpu\b)", re.M)
+    gpu_files = {p.name for p in tests.glob("test_*.py") if marked.search(p.read_text())}
+    named = set(re.findall(r"tests/(test_\w+\.py)", script))
+    assert gpu_files, "no gpu test file found: the marker's spelling changed?"
+    assert not gpu_files - named, f"gpu tests no stage of gpu_run.sh runs: {gpu_files - named}"
+    missing = {name for name in named if not (tests / name).exists()}
+    assert not missing, f"gpu_run.sh names test files that do not exist: {missing}"
