@@ -407,6 +407,52 @@ def test_plot_check_draws_every_check(results: dict, backend: str) -> None:
             plt.close(fig)
 
 
+def test_plot_check_ulp_axes_label_the_floor_and_say_when_all_is_bit_exact(results: dict) -> None:
+    import matplotlib.pyplot as plt
+
+    from lab.views.plots.checks import _ulp_ticks
+
+    # Whole decades only, the floor labelled; past three decades "1" would sit on the floor.
+    assert _ulp_ticks(8.0) == ([0.5, 1.0], ["0", "1"])
+    assert _ulp_ticks(2e3)[1] == ["0", "1", "10", "100", "1000"]
+    assert _ulp_ticks(4e9)[1] == ["0", "100", "1e4", "1e6", "1e8"]
+    exact = dataclasses.replace(
+        results["cfg_batching"], rows=[{**r, "max_ulp": 0} for r in results["cfg_batching"].rows]
+    )
+    first_cond = next(i for i, r in enumerate(exact.rows) if r["branch"] == "cond")
+    one_off = dataclasses.replace(
+        exact,
+        rows=[{**r, "max_ulp": 3 if i == first_cond else 0} for i, r in enumerate(exact.rows)],
+    )
+    notes = {}
+    for name, result in {"exact": exact, "one_off": one_off, **results}.items():
+        if name == "n/a":
+            continue
+        fig = plot_check(result, backend="matplotlib")
+        ax = fig.axes[0]
+        labels = [t.get_text() for t in ax.get_yticklabels()]
+        assert labels[0] == ("0 / n/a" if result.check == "weight_sync" else "0"), (name, labels)
+        assert not ax.yaxis.get_minorticklabels() or not any(
+            t.get_text() for t in ax.yaxis.get_minorticklabels()
+        ), name
+        notes[name] = [t.get_text() for t in ax.texts]
+        plt.close(fig)
+        twin = plot_check(result)
+        notes[name + " (plotly)"] = [
+            a.text for a in twin.layout.annotations if "bit-exact" in a.text
+        ]
+    rows = len([r for r in exact.rows if r["branch"] in ("uncond", "cond")])
+    assert notes["exact"] == [f"all {rows} bit-exact (0 ULP)"]
+    # plotly: the main axis's note and the guided-velocity panel's (one output)
+    assert sorted(notes["exact (plotly)"]) == [
+        "all 1 bit-exact (0 ULP)",
+        f"all {rows} bit-exact (0 ULP)",
+    ]
+    # One output off by 3 ULP: no note on its axis; the guided panel is still all bit-exact.
+    assert notes["one_off"] == [] and notes["one_off (plotly)"] == ["all 1 bit-exact (0 ULP)"]
+    assert notes["weight_sync"] == []  # its floor also holds tensors not compared by ULP
+
+
 def test_plot_check_refuses_bad_input(results: dict) -> None:
     with pytest.raises(ValueError, match=r"unknown backend 'svg'"):
         plot_check(results["sigma_parity"], backend="svg")

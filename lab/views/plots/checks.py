@@ -79,6 +79,58 @@ def _ulp(values: Sequence[Any]) -> list[float]:
     ]
 
 
+def _ulp_ticks(top: float, floor_label: str = "0") -> tuple[list[float], list[str]]:
+    """Ticks of a ULP log axis that ends at `top`.
+
+    The floor, labelled `floor_label`, then whole decades (each one up to six of them, then
+    every other, ...): never matplotlib's 6x10^-1-style minor labels around the floor.
+    """
+    decades = max(0, math.floor(math.log10(top))) if top >= 1 else 0
+    step = max(1, math.ceil(decades / 6))
+    # Past three decades the "1" tick would sit on the floor's label: start a step up.
+    powers = list(range(0 if decades <= 3 else step, decades + 1, step))
+    labels = [f"{10**k:d}" if k <= 3 else f"1e{k}" for k in powers]
+    return [_FLOOR, *(10.0**k for k in powers)], [floor_label, *labels]
+
+
+def _ulp_axis_mpl(ax: Any, values: Sequence[float], headroom: float = 2.0,
+                  floor_label: str = "0", note: bool = True) -> None:  # fmt: skip
+    """A matplotlib ULP axis over `values` (floored by `_ulp`).
+
+    Log scale, the floor drawn dotted and labelled, decade ticks only, and a note where every
+    value sits on the floor (`note`; a passing check then reads as one, not as an empty axis).
+    """
+    from matplotlib.ticker import NullLocator
+
+    top = max([_FLOOR * 4, *values]) * headroom
+    ax.axhline(_FLOOR, color="grey", lw=0.6, ls=":")
+    ax.set_yscale("log")
+    ax.set_ylim(_FLOOR / 2, top)
+    ticks, labels = _ulp_ticks(top, floor_label)
+    ax.set_yticks(ticks, labels)
+    ax.yaxis.set_minor_locator(NullLocator())
+    if note and values and all(v == _FLOOR for v in values):
+        ax.text(0.5, 0.6, f"all {len(values)} bit-exact (0 ULP)", transform=ax.transAxes,
+                ha="center", va="center", fontsize=10, color="#2ca02c")  # fmt: skip
+
+
+def _ulp_axis_plotly(fig: Any, values: Sequence[float], row: int, col: int,
+                     floor_label: str = "0", note: bool = True, **title: str) -> None:  # fmt: skip
+    """The plotly twin of `_ulp_axis_mpl` for the subplot at (row, col)."""
+    top = max([_FLOOR * 4, *values]) * 2
+    ticks, labels = _ulp_ticks(top, floor_label)
+    fig.update_yaxes(
+        type="log", range=[math.log10(_FLOOR / 2), math.log10(top)], tickvals=ticks,
+        ticktext=labels, row=row, col=col, **title,
+    )  # fmt: skip
+    fig.add_hline(y=_FLOOR, line={"color": "#bbb", "dash": "dot", "width": 1}, row=row, col=col)
+    if note and values and all(v == _FLOOR for v in values):
+        fig.add_annotation(
+            text=f"all {len(values)} bit-exact (0 ULP)", xref="x domain", yref="y domain",
+            x=0.5, y=0.6, showarrow=False, font={"color": "#2ca02c"}, row=row, col=col,
+        )  # fmt: skip
+
+
 def _text_figure(result: CheckResult, title: str, backend: Backend) -> Any:
     text = "\n".join(textwrap.wrap(result.verdict, 90)) or "(no rows)"
     if backend == "plotly":
@@ -139,8 +191,9 @@ def _draw_modules(
             _, labels, values = side_panel
             fig.add_bar(x=labels, y=_ulp(values), name="model output", row=1, col=2,
                         marker={"color": "#7f7f7f"})  # fmt: skip
-            fig.update_yaxes(type="log", row=1, col=2)
-        fig.update_yaxes(type="log", title="max ULP (0 drawn at 0.5)", row=1, col=1)
+            _ulp_axis_plotly(fig, _ulp(values), 1, 2)
+        plotted = [v for rows in series.values() for v in _ulp([r["max_ulp"] for r in rows])]
+        _ulp_axis_plotly(fig, plotted, 1, 1, title="max ULP (dotted line = bit-exact)")
         fig.update_xaxes(title="module output", row=1, col=1)
         fig.update_layout(title=title, template="plotly_white", height=420, hovermode="closest")
         return attach_static_twin(
@@ -153,23 +206,20 @@ def _draw_modules(
         )
     else:
         fig, ax = plt.subplots(figsize=(11, 4.2), layout="constrained")
+    plotted = []
     for name, rows in series.items():
-        ax.plot(range(len(rows)), _ulp([r["max_ulp"] for r in rows]), marker="o", ms=3, lw=0.8,
-                label=name, color=_BRANCH_COLORS.get(name))  # fmt: skip
-    ax.axhline(_FLOOR, color="grey", lw=0.6, ls=":")
-    top = max(
-        [_FLOOR * 4, *(v for rows in series.values() for v in _ulp([r["max_ulp"] for r in rows]))]
-    )
-    ax.set_ylim(_FLOOR / 2, top * 2)
-    ax.set_yscale("log")
+        ys = _ulp([r["max_ulp"] for r in rows])
+        plotted += ys
+        ax.plot(range(len(rows)), ys, marker="o", ms=3, lw=0.8, label=name,
+                color=_BRANCH_COLORS.get(name))  # fmt: skip
+    _ulp_axis_mpl(ax, plotted)
     ax.set_xlabel("module output (forward order)")
     ax.set_ylabel("max ULP (dotted line = bit-exact)")
     ax.legend(fontsize=8, loc="best")
     if side_panel:
         name, labels, values = side_panel
         side_ax.bar(labels, _ulp(values), color="#7f7f7f")
-        side_ax.set_ylim(_FLOOR / 2, max([_FLOOR * 4, *_ulp(values)]) * 2)
-        side_ax.set_yscale("log")
+        _ulp_axis_mpl(side_ax, _ulp(values))
         side_ax.set_title(name, fontsize=9)
     fig.suptitle(title, fontsize=10)
     return fig
@@ -236,7 +286,7 @@ def _sigma_parity(result: CheckResult, title: str, backend: Backend) -> Any:
             row=1,
             col=2,
         )
-        fig.update_yaxes(type="log", row=1, col=1)
+        _ulp_axis_plotly(fig, [*sigma_ulp, *ts_ulp], 1, 1)
         fig.update_yaxes(exponentformat="e", row=1, col=2)
         fig.update_xaxes(title="denoising step (sigma 1 -> 0)")
         fig.update_layout(title=title, template="plotly_white", height=400, barmode="group")
@@ -246,10 +296,7 @@ def _sigma_parity(result: CheckResult, title: str, backend: Backend) -> Any:
     width = 0.4
     ax.bar([s - width / 2 for s in steps], sigma_ulp, width, label="sigma (fp32 ULP)")
     ax.bar([s + width / 2 for s in steps], ts_ulp, width, label="timestep as presented (ULP)")
-    ax.axhline(_FLOOR, color="grey", lw=0.6, ls=":")
-    # Headroom above the bars for the legend.
-    ax.set_ylim(_FLOOR / 2, max([_FLOOR * 4, *sigma_ulp, *ts_ulp]) * 50)
-    ax.set_yscale("log")
+    _ulp_axis_mpl(ax, [*sigma_ulp, *ts_ulp], headroom=50)  # headroom: the legend
     ax.set_xlabel("denoising step (sigma 1 -> 0)")
     ax.set_ylabel("ULP (dotted line = bit-exact)")
     ax.legend(fontsize=8)
@@ -276,7 +323,7 @@ def _weight_sync(result: CheckResult, title: str, backend: Backend) -> Any:
 
         fig = make_subplots(
             rows=1, cols=2, column_widths=[0.75, 0.25],
-            subplot_titles=["max ULP per tensor (0 or unknown drawn at 0.5)", "tensors by status"],
+            subplot_titles=["max ULP per tensor (dotted line = 0 or unknown)", "tensors by status"],
         )  # fmt: skip
         for status in statuses:
             idx = [i for i, r in enumerate(rows) if r["status"] == status]
@@ -295,7 +342,8 @@ def _weight_sync(result: CheckResult, title: str, backend: Backend) -> Any:
             x=statuses, y=[counts[s] for s in statuses], showlegend=False,
             marker={"color": [_STATUS_COLORS[s] for s in statuses]}, row=1, col=2,
         )  # fmt: skip
-        fig.update_yaxes(type="log", row=1, col=1)
+        ys = _ulp([r["max_ulp"] for r in rows])
+        _ulp_axis_plotly(fig, ys, 1, 1, floor_label="0 / n/a", note=False)
         fig.update_xaxes(title="tensor (reference order, then extras)", row=1, col=1)
         fig.update_layout(title=title, template="plotly_white", height=420)
         return attach_static_twin(fig, lambda: _weight_sync(result, title, "matplotlib"))
@@ -309,9 +357,8 @@ def _weight_sync(result: CheckResult, title: str, backend: Backend) -> Any:
         ys = _ulp([rows[i]["max_ulp"] for i in idx])
         values += ys
         ax.scatter(idx, ys, s=12, color=_STATUS_COLORS[status], label=status)
-    ax.axhline(_FLOOR, color="grey", lw=0.6, ls=":")
-    ax.set_ylim(_FLOOR / 2, max([_FLOOR * 4, *values]) * 2)
-    ax.set_yscale("log")
+    # The floor also holds tensors not compared by ULP: the status panel says what they are.
+    _ulp_axis_mpl(ax, values, floor_label="0 / n/a", note=False)
     ax.set_xlabel("tensor (reference order, then extras)")
     ax.set_ylabel("max ULP (dotted line = 0 or unknown)")
     ax.legend(fontsize=8)
