@@ -1,6 +1,7 @@
 """Every family at full size on one H200: paired forwards against two plain forwards (issue 16).
 
     python bench/full_size.py OUT_DIR [--families flux,sd3,sd3:large,...] [--dump sd3] [--repeat 7]
+        [--fixed-order]
 
 For each family's `full` preset (seeded weights, the lab's own inputs), measured side by side in
 one process, warm (one untimed run of each case first, so one-off kernel compilation and
@@ -13,7 +14,9 @@ autotuning are never timed):
 - the four timed cases (plain a, plain b, every module, blocks only) run in rounds, one of each
   case a round, `--repeat` rounds (one where the forwards take seconds): a burst of host noise
   (the short forwards' plain time moves by 70 % between runs on the H200's host) lands on every
-  case alike instead of on one case's runs. Each case keeps `{case}_times_s`; `{case}_vs_plain`
+  case alike instead of on one case's runs. The order rotates one step a round, so no case
+  always runs right after another (`--fixed-order`: plain a, plain b, every module, blocks only
+  in every round, as before stop 26). Each case keeps `{case}_times_s`; `{case}_vs_plain`
   is the medians' ratio, `{case}_vs_plain_min` the minima's, and `{case}_vs_plain_rounds` the
   median over rounds of the round's own ratio;
 - for the families in `--dump` (default sd3): the block outputs dumped to disk per side and
@@ -67,14 +70,22 @@ def _timed(fn: Any, repeat: int) -> tuple[float, float, Any]:
 
 
 def in_rounds(
-    cases: dict[str, Callable[[], Any]], repeat: int
+    cases: dict[str, Callable[[], Any]], repeat: int, rotate: bool = True
 ) -> tuple[dict[str, list[float]], dict[str, float], dict[str, Any]]:
-    """`repeat` rounds of every case in turn: each case's seconds, its peak GiB, its last value."""
+    """`repeat` rounds of every case in turn: each case's seconds, its peak GiB, its last value.
+
+    `rotate`: round r starts at the r-th case (mod their count), so no case always follows
+    the same one (what a case leaves behind, such as a large Result to free or the allocator's
+    cache, lands on each of the others in turn). False: the cases' order in every round.
+    """
     times: dict[str, list[float]] = {key: [] for key in cases}
     peaks = dict.fromkeys(cases, 0.0)
     last: dict[str, Any] = {}
-    for _ in range(repeat):
-        for key, fn in cases.items():
+    keys = list(cases)
+    for r in range(repeat):
+        shift = r % len(keys) if rotate and keys else 0
+        for key in keys[shift:] + keys[:shift]:
+            fn = cases[key]
             last.pop(key, None)  # a case's earlier value is not held through its next run
             seconds, peak, last[key] = _timed(fn, 1)
             times[key].append(seconds)
@@ -108,8 +119,9 @@ def runs_for(warm_s: list[float], repeat: int) -> int:
     return 1 if min(warm_s) > 2.0 else repeat
 
 
-def measure(name: str, repeat: int, dump: bool = False) -> dict[str, Any]:
-    """One family (`name` or `name:variant`) at full; `dump`: add the dump-then-compare case."""
+def measure(name: str, repeat: int, dump: bool = False, rotate: bool = True) -> dict[str, Any]:
+    """One family (`name` or `name:variant`) at full; `dump`: add the dump-then-compare case;
+    `rotate`: the rounds' order (`in_rounds`)."""
     name, _, variant = name.partition(":")
     variant = variant or None
     fam = lab.family(name)
@@ -157,7 +169,8 @@ def measure(name: str, repeat: int, dump: bool = False) -> dict[str, Any]:
         "every_module": paired,
         "blocks_only": lambda: paired(block_names.__contains__),
     }
-    times, peaks, results = in_rounds(cases, repeat)
+    times, peaks, results = in_rounds(cases, repeat, rotate=rotate)
+    row["order"] = "rotated" if rotate else "fixed"
     for key in ("plain_a", "plain_b"):
         row[f"{key}_s"] = statistics.median(times[key])
         row[f"{key}_peak_gib"] = peaks[key]
@@ -240,6 +253,10 @@ def main() -> None:
     parser.add_argument("--dump", default="sd3", help="families that also dump-then-compare")
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument(
+        "--fixed-order", action="store_true",
+        help="every round in the same order (plain a, plain b, every module, blocks only)",
+    )  # fmt: skip
+    parser.add_argument(
         "--sharded", choices=("on", "off"), default="on",
         help="MiniMax H3 full (trained master) paired sharded on 2 GPUs when two exist (the row "
         "says why not otherwise); off: leave it out",
@@ -254,11 +271,14 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(),
         "gpu_total_gib": torch.cuda.get_device_properties(0).total_memory / 2**30,
         "repeat": args.repeat,
+        "order": "fixed" if args.fixed_order else "rotated",
     }
     rows: list[dict[str, Any]] = []
     for name in args.families.split(","):
         try:
-            row = measure(name, args.repeat, dump=name in args.dump.split(","))
+            row = measure(
+                name, args.repeat, dump=name in args.dump.split(","), rotate=not args.fixed_order
+            )
         except Exception as err:  # keep the other families' figures
             row = {"family": name, "preset": "full", "error": repr(err)[:400]}
             traceback.print_exc()

@@ -50,7 +50,7 @@ for stage in "$@"; do
         ;;
     size)
         python bench/full_size.py "$out/size" --families "${SIZE_FAMILIES:-flux,sd3,sd3:large,cosmos3,qwen_image,ltx2,wan2_2,minimax_h3}" \
-            >"$out/full_size.log" 2>&1
+            ${SIZE_ARGS:-} >"$out/full_size.log" 2>&1
         ;;
     profile)
         python bench/pair_profile.py "$out/profile" --families "${PROFILE_FAMILIES:-flux,sd3}" \

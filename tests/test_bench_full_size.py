@@ -35,12 +35,16 @@ def test_cases_run_in_rounds_and_keep_only_their_last_value(
 
         return run
 
-    times, peaks, last = bench.in_rounds({k: case(k) for k in ("p", "q", "r")}, 3)
-    assert order == ["p", "q", "r"] * 3
-    assert {k: len(v) for k, v in times.items()} == {"p": 3, "q": 3, "r": 3}
+    times, peaks, last = bench.in_rounds({k: case(k) for k in ("p", "q", "r")}, 4)
+    # Rotated a step a round: each case follows each of the others.
+    assert order == ["p", "q", "r", "q", "r", "p", "r", "p", "q", "p", "q", "r"]
+    assert {k: len(v) for k, v in times.items()} == {"p": 4, "q": 4, "r": 4}
     assert all(s >= 0.0 for v in times.values() for s in v)
-    assert last == {"p": ("p", 7), "q": ("q", 8), "r": ("r", 9)}
+    assert last == {"p": ("p", 10), "q": ("q", 11), "r": ("r", 12)}
     assert set(peaks) == {"p", "q", "r"}
+    order.clear()
+    bench.in_rounds({k: case(k) for k in ("p", "q", "r")}, 2, rotate=False)
+    assert order == ["p", "q", "r"] * 2
 
 
 def test_ratios_of_medians_minima_and_rounds(load_bench: Callable[[str], ModuleType]) -> None:
