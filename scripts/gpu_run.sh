@@ -4,7 +4,7 @@
 # pairing paths bit for bit at reduced), full (Wan2.2 full pair test), sharded (2-GPU FSDP2 tests),
 # bench (bench/full_pair.py), drift (bench/gpu_drift.py: reduced trajectories, seeded trained-like
 # weights), parity (dtype flow, bitwise parity, scenarios and FSDP2 gpu tests), size
-# (bench/full_size.py: every family at full), profile (bench/pair_profile.py: where a full pair's
+# (bench/full_size.py: every family at full; SIZE_FAMILIES, SIZE_ARGS such as --fixed-order), profile (bench/pair_profile.py: where a full pair's
 # host time goes, PROFILE_FAMILIES), master (MiniMax H3 full: compact master pairs, trained
 # refused), causes (checks + attribution at reduced, figures under OUT_DIR/causes; streamed
 # trajectories at reduced; pairing paths), trajfull (Qwen-Image and Wan2.2 full trajectories),
