@@ -119,24 +119,32 @@ def runs_for(warm_s: list[float], repeat: int) -> int:
     return 1 if min(warm_s) > 2.0 else repeat
 
 
-def measure(name: str, repeat: int, dump: bool = False, rotate: bool = True) -> dict[str, Any]:
-    """One family (`name` or `name:variant`) at full; `dump`: add the dump-then-compare case;
-    `rotate`: the rounds' order (`in_rounds`)."""
+def measure(
+    name: str,
+    repeat: int,
+    dump: bool = False,
+    rotate: bool = True,
+    preset: str = "full",
+    device: str = "cuda",
+) -> dict[str, Any]:
+    """One family (`name` or `name:variant`) at `preset` on `device` (the bench: full, CUDA;
+    the tests: tiny, CPU); `dump`: add the dump-then-compare case; `rotate`: the rounds' order
+    (`in_rounds`)."""
     name, _, variant = name.partition(":")
     variant = variant or None
     fam = lab.family(name)
-    row: dict[str, Any] = {"family": name, "variant": variant, "preset": "full",
+    row: dict[str, Any] = {"family": name, "variant": variant, "preset": preset,
                            "init": INIT.get(name, "trained")}  # fmt: skip
     start = time.perf_counter()
     model = fam.build(
-        "full", 0, variant=variant, device="cuda", expert=fam.expert_for_sigma(0.75),
+        preset, 0, variant=variant, device=device, expert=fam.expert_for_sigma(0.75),
         init=row["init"],
     )  # fmt: skip
     row["build_s"] = time.perf_counter() - start
     row["params_b"] = sum(p.numel() for p in model.parameters()) / 1e9
-    row["resident_gib"] = torch.cuda.memory_allocated() / 2**30
-    inputs = fam.make_inputs("full", 0, variant=variant, device="cuda")
-    a, b = lab.Side.rollout(fam, device="cuda"), lab.Side.trainer(fam, device="cuda")
+    row["resident_gib"] = torch.cuda.memory_allocated() / 2**30 if device == "cuda" else 0.0
+    inputs = fam.make_inputs(preset, 0, variant=variant, device=device)
+    a, b = lab.Side.rollout(fam, device=device), lab.Side.trainer(fam, device=device)
     blocks = fam.block_classes
     views = {s.name: WeightView(model, s, stream_classes=blocks) for s in (a, b)}
     block_names = {
@@ -147,8 +155,12 @@ def measure(name: str, repeat: int, dump: bool = False, rotate: bool = True) -> 
         # The output is dropped: the rounds' other cases must not hold it in their peaks.
         lab.forward_side(model, inputs, side, view=views[side.name])
 
+    pins: list[int | None] = []
+
     def paired(names_filter: Any = None) -> Any:
-        return lab.pair(model, inputs, a, b, stream=True, names_filter=names_filter)
+        result = lab.pair(model, inputs, a, b, stream=True, names_filter=names_filter)
+        pins.append(result.meta.get("pair_core", {}).get("pinned_cpu"))
+        return result
 
     warm = []
     for side in (a, b):
@@ -163,11 +175,21 @@ def measure(name: str, repeat: int, dump: bool = False, rotate: bool = True) -> 
     cold_s, _, _ = _timed(paired, 1)
     row["every_module_cold_s"] = cold_s
     paired(block_names.__contains__)  # warm-up
+    case_pins: dict[str, list[int | None]] = {"every_module": [], "blocks_only": []}
+
+    def pinned(case: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            value = fn()
+            case_pins[case].append(pins[-1])
+            return value
+
+        return run
+
     cases = {
         "plain_a": lambda: plain(a),
         "plain_b": lambda: plain(b),
-        "every_module": paired,
-        "blocks_only": lambda: paired(block_names.__contains__),
+        "every_module": pinned("every_module", paired),
+        "blocks_only": pinned("blocks_only", lambda: paired(block_names.__contains__)),
     }
     times, peaks, results = in_rounds(cases, repeat, rotate=rotate)
     row["order"] = "rotated" if rotate else "fixed"
@@ -180,7 +202,7 @@ def measure(name: str, repeat: int, dump: bool = False, rotate: bool = True) -> 
         row[f"{case}_s"] = statistics.median(times[case])
         row.update(ratios(times, case))
         row[f"{case}_peak_gib"] = peaks[case]
-        row[f"{case}_peak_vs_plain"] = peaks[case] / plain_peak
+        row[f"{case}_peak_vs_plain"] = peaks[case] / plain_peak if plain_peak else None  # 0: CPU
         row[f"{case}_pairs"] = len(result.rows)
         row[f"{case}_timings_s"] = result.meta.get("timings_s")
         row[f"{case}_lockstep"] = result.meta.get("lockstep")
@@ -190,13 +212,17 @@ def measure(name: str, repeat: int, dump: bool = False, rotate: bool = True) -> 
         del result
     for key, seconds in times.items():
         row[f"{key}_times_s"] = seconds
+    for case, cpus in case_pins.items():
+        # The CPU each timed run's side threads were pinned to, round by round (None: not
+        # pinned): a pair's host-bound time depends on its core.
+        row[f"{case}_pinned_cpus"] = cpus
     del results
     if dump:
         # Block outputs only: every module's outputs of a full forward are tens of GB a side.
         root = Path(tempfile.mkdtemp(prefix="lab-dump-"))
         try:
             row["dump_blocks_s"] = dump_then_compare(
-                model, inputs, a, b, "cuda", block_names.__contains__, root
+                model, inputs, a, b, device, block_names.__contains__, root
             )
             row["dump_vs_blocks_only"] = row["dump_blocks_s"] / row["blocks_only_s"]
         except Exception as err:  # keep the family's measured cases

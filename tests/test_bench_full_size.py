@@ -1,8 +1,9 @@
 """bench/full_size.py: how many runs a family's cases get, in rounds, and their ratios (its
-main needs CUDA; these parts run anywhere)."""
+main needs CUDA; these parts, and `measure` at tiny on the CPU, run anywhere)."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from types import ModuleType
 
@@ -59,3 +60,35 @@ def test_ratios_of_medians_minima_and_rounds(load_bench: Callable[[str], ModuleT
     assert got["every_module_vs_plain"] == pytest.approx(0.33 / (0.10 + 0.12))
     assert got["every_module_vs_plain_min"] == pytest.approx(0.26 / 0.20)
     assert got["every_module_vs_plain_rounds"] == pytest.approx(1.3)  # 1.3, 1.3, 1.5
+
+
+def test_measure_runs_every_case_in_rounds_and_records_each_runs_core(
+    load_bench: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The bench's own measure, end to end at tiny on the CPU, with the kept side threads of a
+    # CUDA pair (pinned to the core the pair starts from), so each run's core is recorded.
+    import os
+
+    from lab.pairing import lockstep
+
+    monkeypatch.setattr(lockstep, "KEEP_WORKERS_ON", ("cpu", "cuda"))
+    bench = load_bench("full_size")
+    row = bench.measure("sd3", 3, preset="tiny", device="cpu")
+    assert row["preset"] == "tiny" and row["order"] == "rotated" and row["repeat"] == 3
+    for case in ("plain_a", "plain_b", "every_module", "blocks_only"):
+        assert len(row[f"{case}_times_s"]) == 3 and all(t > 0 for t in row[f"{case}_times_s"])
+    assert row["every_module_pairs"] > 100 and 0 < row["blocks_only_pairs"] < 10
+    assert row["every_module_lockstep"] and row["blocks_only_lockstep"]
+    allowed = os.sched_getaffinity(0)
+    for case in ("every_module", "blocks_only"):
+        cpus = row[f"{case}_pinned_cpus"]
+        assert len(cpus) == 3 and all(cpu in allowed for cpu in cpus), cpus
+        assert row[f"{case}_vs_plain"] == pytest.approx(
+            statistics.median(row[f"{case}_times_s"])
+            / (
+                statistics.median(row["plain_a_times_s"])
+                + statistics.median(row["plain_b_times_s"])
+            )
+        )
+        assert row[f"{case}_peak_vs_plain"] is None  # no device peaks on the CPU
+    assert row["model_output_rel_max"] > 0  # rollout against trainer: they differ

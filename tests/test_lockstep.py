@@ -463,17 +463,20 @@ def test_kept_side_threads_run_on_the_core_the_pair_started_from(
     model, inputs = _toy()
     a, b = _toy_sides()
     allowed = os.sched_getaffinity(0)
-    results = []
+    results, pins = [], []
 
     def paired(mode: str) -> list[set[int]]:
         monkeypatch.setenv("LAB_PAIR_PIN", mode)
-        results.append(_rows(lab.pair(model, inputs, a, b, lockstep=True)))
+        result = lab.pair(model, inputs, a, b, lockstep=True)
+        results.append(_rows(result))
+        pins.append(result.meta["pair_core"]["pinned_cpu"])  # what the Result says it ran on
         workers = lockstep._WORKERS._workers.values()
         return [os.sched_getaffinity(w.thread.native_id) for w in workers]
 
     assert paired("off") == [allowed] * 2  # the kept threads exist, on every CPU
+    cores = sorted(allowed)[-2:]
     try:
-        for core in sorted(allowed)[-2:]:
+        for core in cores:
             os.sched_setaffinity(0, {core})  # this thread now runs on `core` only
             assert paired("core") == [{core}] * 2
             assert lockstep._WORKERS.pinned == core
@@ -482,6 +485,7 @@ def test_kept_side_threads_run_on_the_core_the_pair_started_from(
             assert paired("off") == [allowed] * 2 and lockstep._WORKERS.pinned is None
     finally:
         os.sched_setaffinity(0, allowed)
+    assert pins == [None, *(p for core in cores for p in (core, None))]
     assert all(rows == results[0] for rows in results)  # where a thread runs changes no number
 
     monkeypatch.setenv("LAB_PAIR_PIN", "numa")

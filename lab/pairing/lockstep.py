@@ -242,6 +242,7 @@ def _run_sides(step: _Lockstep) -> None:
     keep = step.run.device.type in KEEP_WORKERS_ON
     with _WORKERS.claimed() if keep else contextlib.nullcontext() as workers:
         if workers is not None:
+            step.pinned_cpu = _WORKERS.pinned
             waits = [workers[k].submit(lambda k=k: step.thread(k)).wait for k in ("a", "b")]
         else:
             threads = [
@@ -349,6 +350,9 @@ class _Lockstep:
         """Bytes (plus one per leaf) the side parked since it last handed over (0: none)."""
         self.b_leaves = 0
         self.handovers = 0
+        self.pinned_cpu: int | None = None
+        """The CPU the kept side threads ran on (`_Workers.pin`); None: fresh threads, or not
+        pinned. A pair's host-bound time depends on that core (benches record it per run)."""
         self.skip_keys: list[tuple[float, int]] = []
         """Sort key of each `collector.skipped` entry: two-pass order, whoever reached it."""
 
@@ -680,7 +684,7 @@ def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -
     handled, handed = core.counts() if core is not None else (0, None)
     run.core.update(path="cxx" if core is not None else "python", cxx_outputs=handled,
                     python_outputs=handed, handovers=step.handovers,
-                    park_budget=step.budget)  # fmt: skip
+                    park_budget=step.budget, pinned_cpu=step.pinned_cpu)  # fmt: skip
     if step.errors:
         key, err = next(iter(step.errors.items()))  # the side that failed first
         run.phase["side"] = step.sides[key].name
