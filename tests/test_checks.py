@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -416,40 +417,53 @@ def test_plot_check_ulp_axes_label_the_floor_and_say_when_all_is_bit_exact(resul
     assert _ulp_ticks(8.0) == ([0.5, 1.0], ["0", "1"])
     assert _ulp_ticks(2e3)[1] == ["0", "1", "10", "100", "1000"]
     assert _ulp_ticks(4e9)[1] == ["0", "100", "1e4", "1e6", "1e8"]
-    exact = dataclasses.replace(
-        results["cfg_batching"], rows=[{**r, "max_ulp": 0} for r in results["cfg_batching"].rows]
-    )
-    first_cond = next(i for i, r in enumerate(exact.rows) if r["branch"] == "cond")
-    one_off = dataclasses.replace(
-        exact,
-        rows=[{**r, "max_ulp": 3 if i == first_cond else 0} for i, r in enumerate(exact.rows)],
-    )
+
+    def edited(name: str, **columns: Any) -> CheckResult:
+        """`name`'s result with each column set row by row (a value, or a function of i)."""
+        rows = [
+            {**r, **{k: v(i) if callable(v) else v for k, v in columns.items()}}
+            for i, r in enumerate(results[name].rows)
+        ]
+        return dataclasses.replace(results[name], rows=rows)
+
+    cfg = results["cfg_batching"]
+    first_cond = next(i for i, r in enumerate(cfg.rows) if r["branch"] == "cond")
+    sigma_rows = len(results["sigma_parity"].rows)
+    cases = {
+        **{k: v for k, v in results.items() if k != "n/a"},
+        "exact": edited("cfg_batching", max_ulp=0),
+        "one_off": edited("cfg_batching", max_ulp=lambda i: 3 if i == first_cond else 0),
+        # NaN and inf sit on the same floor as 0: never "bit-exact".
+        "nan": edited("cfg_batching", max_ulp=lambda i: math.nan if i == first_cond else 0),
+        "sigma_exact": edited("sigma_parity", sigma_ulp=0, timestep_ulp=0),
+        "no_timestep": edited("sigma_parity", sigma_ulp=0, timestep_ulp=math.inf),
+    }
     notes = {}
-    for name, result in {"exact": exact, "one_off": one_off, **results}.items():
-        if name == "n/a":
-            continue
+    for name, result in cases.items():
         fig = plot_check(result, backend="matplotlib")
         ax = fig.axes[0]
         labels = [t.get_text() for t in ax.get_yticklabels()]
         assert labels[0] == ("0 / n/a" if result.check == "weight_sync" else "0"), (name, labels)
-        assert not ax.yaxis.get_minorticklabels() or not any(
-            t.get_text() for t in ax.yaxis.get_minorticklabels()
-        ), name
+        assert not any(t.get_text() for t in ax.yaxis.get_minorticklabels()), name
         notes[name] = [t.get_text() for t in ax.texts]
         plt.close(fig)
-        twin = plot_check(result)
-        notes[name + " (plotly)"] = [
-            a.text for a in twin.layout.annotations if "bit-exact" in a.text
-        ]
-    rows = len([r for r in exact.rows if r["branch"] in ("uncond", "cond")])
-    assert notes["exact"] == [f"all {rows} bit-exact (0 ULP)"]
+        fig = plot_check(result)
+        notes[name + " (plotly)"] = sorted(
+            a.text for a in fig.layout.annotations if a.text.startswith("bit-exact (0 ULP)")
+        )
+    outputs = len([r for r in cfg.rows if r["branch"] in ("uncond", "cond")])
+    assert notes["exact"] == [f"bit-exact (0 ULP): all {outputs} outputs"]
     # plotly: the main axis's note and the guided-velocity panel's (one output)
-    assert sorted(notes["exact (plotly)"]) == [
-        "all 1 bit-exact (0 ULP)",
-        f"all {rows} bit-exact (0 ULP)",
+    assert notes["exact (plotly)"] == [
+        "bit-exact (0 ULP): 1 output",
+        f"bit-exact (0 ULP): all {outputs} outputs",
     ]
-    # One output off by 3 ULP: no note on its axis; the guided panel is still all bit-exact.
-    assert notes["one_off"] == [] and notes["one_off (plotly)"] == ["all 1 bit-exact (0 ULP)"]
+    # One output off by 3 ULP, or NaN: no note on its axis; the guided panel keeps its own.
+    for name in ("one_off", "nan"):
+        assert notes[name] == [] and notes[name + " (plotly)"] == ["bit-exact (0 ULP): 1 output"]
+    assert notes["sigma_exact"] == [f"bit-exact (0 ULP): all {sigma_rows} steps"]
+    assert notes["sigma_exact (plotly)"] == notes["sigma_exact"]
+    assert notes["no_timestep"] == [] and notes["no_timestep (plotly)"] == []
     assert notes["weight_sync"] == []  # its floor also holds tensors not compared by ULP
 
 

@@ -13,6 +13,7 @@ log axis. A check that does not apply to the family draws its verdict as text.
 from __future__ import annotations
 
 import math
+import numbers
 import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -93,12 +94,26 @@ def _ulp_ticks(top: float, floor_label: str = "0") -> tuple[list[float], list[st
     return [_FLOOR, *(10.0**k for k in powers)], [floor_label, *labels]
 
 
+def _exact_note(raw: Sequence[Any], noun: str) -> str | None:
+    """The note of an axis whose every raw ULP count is a number and 0, else None.
+
+    E.g. "bit-exact (0 ULP): all 16 outputs". Read before `_ulp` floors the values: NaN, inf
+    (no counterpart, another shape) and None sit on the same floor as 0 and must never read as
+    bit-exact.
+    """
+    if not raw or not all(isinstance(v, numbers.Real) and v == 0 for v in raw):
+        return None
+    n = len(raw)
+    return f"bit-exact (0 ULP): {'all ' if n > 1 else ''}{n} {noun}{'s' if n > 1 else ''}"
+
+
 def _ulp_axis_mpl(ax: Any, values: Sequence[float], headroom: float = 2.0,
-                  floor_label: str = "0", note: bool = True) -> None:  # fmt: skip
+                  floor_label: str = "0", note: str | None = None) -> None:  # fmt: skip
     """A matplotlib ULP axis over `values` (floored by `_ulp`).
 
-    Log scale, the floor drawn dotted and labelled, decade ticks only, and a note where every
-    value sits on the floor (`note`; a passing check then reads as one, not as an empty axis).
+    Log scale, the floor drawn dotted and labelled, decade ticks only, and `note` (from
+    `_exact_note`) in the axis: a check with every value bit-exact then reads as one, not as an
+    empty axis.
     """
     from matplotlib.ticker import NullLocator
 
@@ -109,13 +124,15 @@ def _ulp_axis_mpl(ax: Any, values: Sequence[float], headroom: float = 2.0,
     ticks, labels = _ulp_ticks(top, floor_label)
     ax.set_yticks(ticks, labels)
     ax.yaxis.set_minor_locator(NullLocator())
-    if note and values and all(v == _FLOOR for v in values):
-        ax.text(0.5, 0.6, f"all {len(values)} bit-exact (0 ULP)", transform=ax.transAxes,
-                ha="center", va="center", fontsize=10, color="#2ca02c")  # fmt: skip
+    if note:
+        ax.text(0.5, 0.6, note, transform=ax.transAxes, ha="center", va="center", fontsize=10,
+                color="#2ca02c")  # fmt: skip
 
 
-def _ulp_axis_plotly(fig: Any, values: Sequence[float], row: int, col: int,
-                     floor_label: str = "0", note: bool = True, **title: str) -> None:  # fmt: skip
+def _ulp_axis_plotly(
+    fig: Any, values: Sequence[float], row: int, col: int, floor_label: str = "0",
+    note: str | None = None, **title: str,
+) -> None:  # fmt: skip
     """The plotly twin of `_ulp_axis_mpl` for the subplot at (row, col)."""
     top = max([_FLOOR * 4, *values]) * 2
     ticks, labels = _ulp_ticks(top, floor_label)
@@ -124,9 +141,9 @@ def _ulp_axis_plotly(fig: Any, values: Sequence[float], row: int, col: int,
         ticktext=labels, row=row, col=col, **title,
     )  # fmt: skip
     fig.add_hline(y=_FLOOR, line={"color": "#bbb", "dash": "dot", "width": 1}, row=row, col=col)
-    if note and values and all(v == _FLOOR for v in values):
+    if note:
         fig.add_annotation(
-            text=f"all {len(values)} bit-exact (0 ULP)", xref="x domain", yref="y domain",
+            text=note, xref="x domain", yref="y domain",
             x=0.5, y=0.6, showarrow=False, font={"color": "#2ca02c"}, row=row, col=col,
         )  # fmt: skip
 
@@ -191,9 +208,10 @@ def _draw_modules(
             _, labels, values = side_panel
             fig.add_bar(x=labels, y=_ulp(values), name="model output", row=1, col=2,
                         marker={"color": "#7f7f7f"})  # fmt: skip
-            _ulp_axis_plotly(fig, _ulp(values), 1, 2)
-        plotted = [v for rows in series.values() for v in _ulp([r["max_ulp"] for r in rows])]
-        _ulp_axis_plotly(fig, plotted, 1, 1, title="max ULP (dotted line = bit-exact)")
+            _ulp_axis_plotly(fig, _ulp(values), 1, 2, note=_exact_note(values, "output"))
+        raw = [r["max_ulp"] for rows in series.values() for r in rows]
+        _ulp_axis_plotly(fig, _ulp(raw), 1, 1, note=_exact_note(raw, "output"),
+                         title="max ULP (dotted line = bit-exact)")  # fmt: skip
         fig.update_xaxes(title="module output", row=1, col=1)
         fig.update_layout(title=title, template="plotly_white", height=420, hovermode="closest")
         return attach_static_twin(
@@ -212,14 +230,15 @@ def _draw_modules(
         plotted += ys
         ax.plot(range(len(rows)), ys, marker="o", ms=3, lw=0.8, label=name,
                 color=_BRANCH_COLORS.get(name))  # fmt: skip
-    _ulp_axis_mpl(ax, plotted)
+    raw = [r["max_ulp"] for rows in series.values() for r in rows]
+    _ulp_axis_mpl(ax, plotted, note=_exact_note(raw, "output"))
     ax.set_xlabel("module output (forward order)")
     ax.set_ylabel("max ULP (dotted line = bit-exact)")
     ax.legend(fontsize=8, loc="best")
     if side_panel:
         name, labels, values = side_panel
         side_ax.bar(labels, _ulp(values), color="#7f7f7f")
-        _ulp_axis_mpl(side_ax, _ulp(values))
+        _ulp_axis_mpl(side_ax, _ulp(values), note=_exact_note(values, "output"))
         side_ax.set_title(name, fontsize=9)
     fig.suptitle(title, fontsize=10)
     return fig
@@ -257,13 +276,18 @@ def _sigma_parity(result: CheckResult, title: str, backend: Backend) -> Any:
     steps = [r["step"] for r in rows]
     sigma_ulp = _ulp([r["sigma_ulp"] for r in rows])
     ts_ulp = _ulp([r["timestep_ulp"] for r in rows])
+    # Bit-exact steps: both the sigma and the presented timestep at 0 ULP (inf: no timestep
+    # on one side, or another shape; never read as exact).
+    exact = None
+    if _exact_note([v for r in rows for v in (r["sigma_ulp"], r["timestep_ulp"])], "value"):
+        exact = _exact_note([0] * len(rows), "step")
     bias = [r["log_prob_bias"] if r["log_prob_bias"] == r["log_prob_bias"] else None
             for r in rows]  # fmt: skip
     if backend == "plotly":
         from plotly.subplots import make_subplots
 
         fig = make_subplots(
-            rows=1, cols=2, subplot_titles=["ULP per step (0 drawn at 0.5)",
+            rows=1, cols=2, subplot_titles=["ULP per step (dotted line = bit-exact)",
                                             "log-prob bias per step (velocity held fixed)"],
         )  # fmt: skip
         hover = [
@@ -286,7 +310,7 @@ def _sigma_parity(result: CheckResult, title: str, backend: Backend) -> Any:
             row=1,
             col=2,
         )
-        _ulp_axis_plotly(fig, [*sigma_ulp, *ts_ulp], 1, 1)
+        _ulp_axis_plotly(fig, [*sigma_ulp, *ts_ulp], 1, 1, note=exact)
         fig.update_yaxes(exponentformat="e", row=1, col=2)
         fig.update_xaxes(title="denoising step (sigma 1 -> 0)")
         fig.update_layout(title=title, template="plotly_white", height=400, barmode="group")
@@ -296,7 +320,7 @@ def _sigma_parity(result: CheckResult, title: str, backend: Backend) -> Any:
     width = 0.4
     ax.bar([s - width / 2 for s in steps], sigma_ulp, width, label="sigma (fp32 ULP)")
     ax.bar([s + width / 2 for s in steps], ts_ulp, width, label="timestep as presented (ULP)")
-    _ulp_axis_mpl(ax, [*sigma_ulp, *ts_ulp], headroom=50)  # headroom: the legend
+    _ulp_axis_mpl(ax, [*sigma_ulp, *ts_ulp], headroom=50, note=exact)  # headroom: the legend
     ax.set_xlabel("denoising step (sigma 1 -> 0)")
     ax.set_ylabel("ULP (dotted line = bit-exact)")
     ax.legend(fontsize=8)
@@ -343,7 +367,7 @@ def _weight_sync(result: CheckResult, title: str, backend: Backend) -> Any:
             marker={"color": [_STATUS_COLORS[s] for s in statuses]}, row=1, col=2,
         )  # fmt: skip
         ys = _ulp([r["max_ulp"] for r in rows])
-        _ulp_axis_plotly(fig, ys, 1, 1, floor_label="0 / n/a", note=False)
+        _ulp_axis_plotly(fig, ys, 1, 1, floor_label="0 / n/a")
         fig.update_xaxes(title="tensor (reference order, then extras)", row=1, col=1)
         fig.update_layout(title=title, template="plotly_white", height=420)
         return attach_static_twin(fig, lambda: _weight_sync(result, title, "matplotlib"))
@@ -358,7 +382,7 @@ def _weight_sync(result: CheckResult, title: str, backend: Backend) -> Any:
         values += ys
         ax.scatter(idx, ys, s=12, color=_STATUS_COLORS[status], label=status)
     # The floor also holds tensors not compared by ULP: the status panel says what they are.
-    _ulp_axis_mpl(ax, values, floor_label="0 / n/a", note=False)
+    _ulp_axis_mpl(ax, values, floor_label="0 / n/a")
     ax.set_xlabel("tensor (reference order, then extras)")
     ax.set_ylabel("max ULP (dotted line = 0 or unknown)")
     ax.legend(fontsize=8)
