@@ -2,20 +2,20 @@
 
     python bench/ab_as_stored.py OUT.json [--families sd3,cosmos3] [--device cuda] [--rounds 15]
 
-A CUDA metric batch reads contiguous outputs where they are and copies the others. sd3 full
-has 244 permuted q/k-norm outputs a pair ((B, H, S, D) views of (B, S, H, D) memory on both
-sides), and their copies were a quarter of its metric batches' host time (`bench/pair_spy.py`).
-Two dense tensors with the same strides hold the same elements at the same places, so the
-kernels now read them where they are, in memory order (`_fused_stats._as_stored`). For each
-family, in one process, warm, interleaved over --rounds rounds (the order rotated a step a
-round): `plain` (both sides' `lab.forward_side`, streamed views), `stored` (the every-module
-`lab.pair` as it is) and `copied` (the same pair with only contiguous pairs read where they
-are, as before: `copied_first` below). Median and minimum seconds, their ratios to `plain`,
-each round's own ratio, and on CUDA the peaks. Then the two pairs' rows: `rows_same_but_sums`
-(every row's metrics equal but the means and ratios built on float64 sums) and
-`sums_rel_max` (the largest relative difference there: the order of the additions). On CPU
-the family is a deep tiny model (`pair_host.deep_tiny`; its CPU metrics take no batch, so the
-two pairs are the same). Writes OUT.json after each family.
+A CUDA metric batch reads contiguous outputs where they are and copies the others. sd3 full has 244
+permuted q/k-norm outputs a pair ((B, H, S, D) views of (B, S, H, D) memory on both sides), and
+their copies were a quarter of its metric batches' host time (`bench/pair_spy.py`). Two dense
+tensors with the same strides hold the same elements at the same places, so the kernels now read
+them where they are, in memory order (`_fused_stats._as_stored`). For each family, in one process,
+warm, interleaved over --rounds rounds (the rounds' orders a balanced Latin square,
+`pair_host.round_orders`): `plain` (both sides' `lab.forward_side`, streamed views), `stored` (the
+every-module `lab.pair` as it is) and `copied` (the same pair with only contiguous pairs read where
+they are, as before: `copied_first` below). Median and minimum seconds, their ratios to `plain`,
+each round's own ratio, and on CUDA the peaks. Then the two pairs' rows: `rows_same_but_sums` (every
+row's metrics equal but the means and ratios built on float64 sums) and `sums_rel_max` (the largest
+relative difference there: the order of the additions). On CPU the family is a deep tiny model
+(`pair_host.deep_tiny`; its CPU metrics take no batch, so the two pairs are the same). Writes
+OUT.json after each family.
 """
 
 from __future__ import annotations
@@ -98,9 +98,8 @@ def measure(name: str, device: str, rounds: int) -> dict[str, Any]:
     for key, fn in cases.items():  # warm, and the Results compared below
         results[key], peaks[key] = peak(device, fn)
     times: dict[str, list[float]] = {k: [] for k in cases}
-    keys = list(cases)
-    for r in range(rounds):
-        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
+    for order in pair_host.round_orders(list(cases), rounds):
+        for key in order:
             sync(device)
             start = time.perf_counter()
             cases[key]()

@@ -8,14 +8,14 @@ switch is measured against its alternatives only side by side: for each family, 
 `plain` (both sides' `lab.forward_side`, streamed views) and the streamed every-module `lab.pair`
 under each value of the switch (`pair_<value>`; with --blocks also the block outputs only,
 `blocks_<value>`), one untimed run of each first, then --rounds rounds, each running every case
-once, the order rotated one step a round (no case always follows another). For each case: the
-median and minimum seconds, their ratios to `plain`'s, the median of each round's own ratio to
-that round's plain forwards (`*_vs_plain_rounds`) and, on CUDA, the peak memory of its last run
-against the larger of the two plain forwards' (`*_peak_vs_plain`). `rows_equal`: every value's
-Result has the same rows, metric for metric, as the first value's (a switch that changes how a
-pair runs must not change what it finds). On CUDA the family's `full` preset, on CPU a deep tiny
-model (`pair_host.deep_tiny`; the pairs keep their side threads as on CUDA). Writes OUT.json
-after each family.
+once, the rounds' orders a balanced Latin square (`pair_host.round_orders`: each case right after
+each other case equally often). For each case: the median and minimum seconds, their ratios to
+`plain`'s, the median of each round's own ratio to that round's plain forwards (`*_vs_plain_rounds`)
+and, on CUDA, the peak memory of its last run against the larger of the two plain forwards'
+(`*_peak_vs_plain`). `rows_equal`: every value's Result has the same rows, metric for metric, as the
+first value's (a switch that changes how a pair runs must not change what it finds). On CUDA the
+family's `full` preset, on CPU a deep tiny model (`pair_host.deep_tiny`; the pairs keep their side
+threads as on CUDA). Writes OUT.json after each family.
 """
 
 from __future__ import annotations
@@ -106,10 +106,8 @@ def measure(
     for key, fn in runs.items():
         results[key], peaks[key] = peak(device, fn)
     times: dict[str, list[float]] = {k: [] for k in runs}
-    keys = list(runs)
-    for round_ in range(rounds):
-        shift = round_ % len(keys)
-        for key in keys[shift:] + keys[:shift]:
+    for round_, order in enumerate(pair_host.round_orders(list(runs), rounds)):
+        for key in order:
             sync(device)
             start = time.perf_counter()
             fn = runs[key]

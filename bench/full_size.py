@@ -14,9 +14,10 @@ autotuning are never timed):
 - the four timed cases (plain a, plain b, every module, blocks only) run in rounds, one of each
   case a round, `--repeat` rounds (one where the forwards take seconds): a burst of host noise
   (the short forwards' plain time moves by 70 % between runs on the H200's host) lands on every
-  case alike instead of on one case's runs. The order rotates one step a round, so no case
-  always runs right after another (`--fixed-order`: plain a, plain b, every module, blocks only
-  in every round, as before stop 26). Each case keeps `{case}_times_s`; `{case}_vs_plain`
+  case alike instead of on one case's runs. The rounds' orders form a balanced Latin square
+  (`pair_host.round_orders`): over each 4 rounds every case runs right after each other case
+  once (`--fixed-order`: plain a, plain b, every module, blocks only in every round, as before
+  stop 26). Each case keeps `{case}_times_s`; `{case}_vs_plain`
   is the medians' ratio, `{case}_vs_plain_min` the minima's, and `{case}_vs_plain_rounds` the
   median over rounds of the round's own ratio;
 - for the families in `--dump` (default sd3): the block outputs dumped to disk per side and
@@ -46,14 +47,19 @@ from typing import Any
 
 import torch
 from full_pair import dump_then_compare  # bench/ is this script's folder
+from pair_host import round_orders
 
 import lab
 from lab.pairing.weights import WeightView
 
 
-def _timed(fn: Any, repeat: int) -> tuple[float, float, Any]:
-    """Median seconds over `repeat` runs, the peak GiB over them (0 off CUDA), the last value."""
-    cuda = torch.cuda.is_available()
+def _timed(fn: Any, repeat: int, cuda: bool | None = None) -> tuple[float, float, Any]:
+    """Median seconds over `repeat` runs, the peak GiB over them (0 off CUDA), the last value.
+
+    `cuda`: whether `fn` runs on CUDA (synced, its peak read); None: wherever CUDA is there.
+    """
+    if cuda is None:
+        cuda = torch.cuda.is_available()
     times, peak, value = [], 0.0, None
     for _ in range(repeat):
         if cuda:
@@ -70,24 +76,25 @@ def _timed(fn: Any, repeat: int) -> tuple[float, float, Any]:
 
 
 def in_rounds(
-    cases: dict[str, Callable[[], Any]], repeat: int, rotate: bool = True
+    cases: dict[str, Callable[[], Any]], repeat: int, rotate: bool = True, cuda: bool | None = None
 ) -> tuple[dict[str, list[float]], dict[str, float], dict[str, Any]]:
     """`repeat` rounds of every case in turn: each case's seconds, its peak GiB, its last value.
 
-    `rotate`: round r starts at the r-th case (mod their count), so no case always follows
-    the same one (what a case leaves behind, such as a large Result to free or the allocator's
-    cache, lands on each of the others in turn). False: the cases' order in every round.
+    `rotate`: the rounds' orders from `pair_host.round_orders` (each case after each other
+    case equally often, so what one leaves behind, such as a large Result to free or the
+    allocator's cache, lands on each of the others alike). False: the cases' order in every
+    round.
     """
     times: dict[str, list[float]] = {key: [] for key in cases}
     peaks = dict.fromkeys(cases, 0.0)
     last: dict[str, Any] = {}
     keys = list(cases)
-    for r in range(repeat):
-        shift = r % len(keys) if rotate and keys else 0
-        for key in keys[shift:] + keys[:shift]:
+    orders = round_orders(keys, repeat) if rotate else [keys] * repeat
+    for order in orders:
+        for key in order:
             fn = cases[key]
             last.pop(key, None)  # a case's earlier value is not held through its next run
-            seconds, peak, last[key] = _timed(fn, 1)
+            seconds, peak, last[key] = _timed(fn, 1, cuda)
             times[key].append(seconds)
             peaks[key] = max(peaks[key], peak)
     return times, peaks, last
@@ -142,7 +149,8 @@ def measure(
     )  # fmt: skip
     row["build_s"] = time.perf_counter() - start
     row["params_b"] = sum(p.numel() for p in model.parameters()) / 1e9
-    row["resident_gib"] = torch.cuda.memory_allocated() / 2**30 if device == "cuda" else 0.0
+    cuda = torch.device(device).type == "cuda"
+    row["resident_gib"] = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
     inputs = fam.make_inputs(preset, 0, variant=variant, device=device)
     a, b = lab.Side.rollout(fam, device=device), lab.Side.trainer(fam, device=device)
     blocks = fam.block_classes
@@ -164,15 +172,15 @@ def measure(
 
     warm = []
     for side in (a, b):
-        warm_s, _, _ = _timed(lambda s=side: plain(s), 1)  # warm-up
+        warm_s, _, _ = _timed(lambda s=side: plain(s), 1, cuda)  # warm-up
         if warm_s > 2.0:
             # The process's first forward pays one-time CUDA set-up (sd3 first: 4 s): again.
-            warm_s, _, _ = _timed(lambda s=side: plain(s), 1)
+            warm_s, _, _ = _timed(lambda s=side: plain(s), 1, cuda)
         warm.append(warm_s)
     # A forward of seconds times steadily: one run of each case is enough there.
     repeat = runs_for(warm, repeat)
     row["repeat"] = repeat
-    cold_s, _, _ = _timed(paired, 1)
+    cold_s, _, _ = _timed(paired, 1, cuda)
     row["every_module_cold_s"] = cold_s
     paired(block_names.__contains__)  # warm-up
     case_pins: dict[str, list[int | None]] = {"every_module": [], "blocks_only": []}
@@ -191,7 +199,7 @@ def measure(
         "every_module": pinned("every_module", paired),
         "blocks_only": pinned("blocks_only", lambda: paired(block_names.__contains__)),
     }
-    times, peaks, results = in_rounds(cases, repeat, rotate=rotate)
+    times, peaks, results = in_rounds(cases, repeat, rotate=rotate, cuda=cuda)
     row["order"] = "rotated" if rotate else "fixed"
     for key in ("plain_a", "plain_b"):
         row[f"{key}_s"] = statistics.median(times[key])

@@ -105,6 +105,26 @@ def gpu_time(prof: Any) -> dict[str, float]:
             "kernels": len(intervals)}  # fmt: skip
 
 
+def round_orders(keys: list[str], rounds: int) -> list[list[str]]:
+    """The order of `keys` in each of `rounds` interleaved rounds: a balanced Latin square.
+
+    Williams' design: its first row is 0, 1, n-1, 2, n-2, ...; row i adds i to each (mod n);
+    for an odd n the rows reversed follow. Over each cycle of its rows (n, or 2n for an odd n)
+    every case runs first equally often and right after each other case equally often, so
+    what one case leaves behind (a large Result to free, the allocator's cache, a core's
+    state) lands on each of the others alike. A rotation (row i starting at case i, the rest
+    in their cyclic order) keeps each case after the same one in every round but one in n.
+    """
+    n = len(keys)
+    first = [0]
+    for step in range(1, n):
+        first.append((step + 1) // 2 if step % 2 else n - step // 2)
+    rows = [[(j + i) % n for j in first] for i in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [[keys[j] for j in rows[r % len(rows)]] for r in range(rounds)] if n else []
+
+
 def deep_tiny(fam: Any) -> Any:
     """`fam` with its tiny preset given the full preset's layer counts (every `*layers*` key)."""
     full = fam.config("full")

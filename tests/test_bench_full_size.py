@@ -4,6 +4,7 @@ main needs CUDA; these parts, and `measure` at tiny on the CPU, run anywhere).""
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from collections.abc import Callable
 from types import ModuleType
 
@@ -36,12 +37,15 @@ def test_cases_run_in_rounds_and_keep_only_their_last_value(
 
         return run
 
-    times, peaks, last = bench.in_rounds({k: case(k) for k in ("p", "q", "r")}, 4)
-    # Rotated a step a round: each case follows each of the others.
-    assert order == ["p", "q", "r", "q", "r", "p", "r", "p", "q", "p", "q", "r"]
-    assert {k: len(v) for k, v in times.items()} == {"p": 4, "q": 4, "r": 4}
+    times, peaks, last = bench.in_rounds({k: case(k) for k in ("p", "q", "r")}, 6)
+    # A balanced Latin square (three cases: six rounds), each case after each other twice.
+    rounds = [order[i : i + 3] for i in range(0, 18, 3)]
+    assert rounds == [list(r) for r in ("pqr", "qrp", "rpq", "rqp", "prq", "qpr")]
+    after = Counter((r[i], r[i + 1]) for r in rounds for i in range(2))
+    assert set(after.values()) == {2} and len(after) == 6
+    assert {k: len(v) for k, v in times.items()} == {"p": 6, "q": 6, "r": 6}
     assert all(s >= 0.0 for v in times.values() for s in v)
-    assert last == {"p": ("p", 10), "q": ("q", 11), "r": ("r", 12)}
+    assert last == {"p": ("p", 17), "q": ("q", 16), "r": ("r", 18)}  # the last round: q p r
     assert set(peaks) == {"p", "q", "r"}
     order.clear()
     bench.in_rounds({k: case(k) for k in ("p", "q", "r")}, 2, rotate=False)
@@ -71,6 +75,9 @@ def test_measure_runs_every_case_in_rounds_and_records_each_runs_core(
 
     from lab.pairing import lockstep
 
+    if not hasattr(os, "sched_getaffinity") or lockstep.current_cpu() is None:
+        pytest.skip("needs Linux CPU affinity and sched_getcpu to pin the side threads")
+    monkeypatch.delenv("LAB_PAIR_PIN", raising=False)  # the default: pinned to a core
     monkeypatch.setattr(lockstep, "KEEP_WORKERS_ON", ("cpu", "cuda"))
     bench = load_bench("full_size")
     row = bench.measure("sd3", 3, preset="tiny", device="cpu")

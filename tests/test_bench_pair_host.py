@@ -147,3 +147,24 @@ def test_gpu_profile_needs_cuda(
         bench.main()
     assert exc.value.code == 2
     assert "--gpu-profile reads CUDA kernel times; --device is 'cpu'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+def test_round_orders_put_each_case_after_each_other_equally_often(
+    load_bench: Callable[[str], ModuleType], n: int
+) -> None:
+    from collections import Counter
+
+    bench = load_bench("pair_host")
+    keys = [f"case{i}" for i in range(n)]
+    cycle = n if n % 2 == 0 else 2 * n  # Williams' design: n rows, or 2n for an odd n
+    rows = bench.round_orders(keys, 2 * cycle)
+    assert len(rows) == 2 * cycle and all(sorted(r) == keys for r in rows)
+    assert rows[cycle:] == rows[:cycle]  # the design repeats
+    after = Counter((r[i], r[i + 1]) for r in rows[:cycle] for i in range(n - 1))
+    assert len(after) == n * (n - 1) and len(set(after.values())) <= 1  # every ordered pair
+    assert len(set(Counter(r[0] for r in rows[:cycle]).values())) == 1  # each case first alike
+    if n == 4:
+        # A plain rotation (row i starting at case i) would put case1 after case0 in 3 of 4.
+        assert after[("case0", "case1")] == 1
+    assert bench.round_orders([], 3) == []
