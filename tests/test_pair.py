@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -517,3 +518,18 @@ def test_streamed_blocks_swap_their_weights_out_of_sight_of_the_autocast_emulati
     assert calls[False], "the trainer side runs under the emulation on CPU"
     assert calls[True] == calls[False]
     assert torch.equal(outs[True][0], outs[False][0])
+
+
+def test_a_bare_pair_names_the_family_and_preset_its_inputs_came_from() -> None:
+    fam = lab.family("sd3")
+    model, inputs = fam.build("tiny", 0), fam.make_inputs("tiny", 0)
+    a, b = lab.Side.rollout(fam), lab.Side.trainer(fam)
+    result = lab.pair(model, inputs, a, b)
+    assert (result.meta["family"], result.meta["preset"]) == ("sd3", "tiny")
+    assert "variant" not in result.meta  # sd3's default: no variant named
+    assert result.summary()["family"] == "sd3"
+    assert lab.plots.plot_divergence_by_layer(result).layout.title.text.startswith("sd3 [tiny]")
+    # What the caller's meta says wins; inputs built by hand name nothing.
+    assert lab.pair(model, inputs, a, b, meta={"family": "mine"}).meta["family"] == "mine"
+    bare = dataclasses.replace(inputs, origin=None)
+    assert "family" not in lab.pair(model, bare, a, b).meta

@@ -83,8 +83,16 @@ def test_divergence_plotly_has_one_point_per_row_and_hover_names(result: Result)
         assert f"<b>{html.escape(row.label())}</b>" in hover
     assert "LayerNorm" in hover and "bf16" in hover and "fp32" in hover
     first = result.first_divergence().label()
-    assert any(first in (a.text or "") for a in fig.layout.annotations)
+    marks = [a for a in fig.layout.annotations if first in (a.text or "")]
+    assert marks and marks[0].bgcolor  # a backing box: the label sits over divergent points
     assert any(s.line.color == "crimson" for s in fig.layout.shapes)
+    # The matplotlib twin marks it the same way, boxed.
+    import matplotlib.pyplot as plt
+
+    twin = plots.plot_divergence_by_layer(result, "rel_max", backend="matplotlib")
+    labels = [t for t in twin.axes[0].texts if first in t.get_text()]
+    assert labels and labels[0].get_bbox_patch() is not None
+    plt.close(twin)
 
 
 def test_result_plots_default_to_plotly_with_a_matplotlib_twin(result: Result) -> None:

@@ -225,7 +225,13 @@ def pair(
     recorder = FlowRecorder()
     timings: dict[str, float] = {}
     core: dict[str, Any] = {}
+    # Inputs from `make_inputs` know their family and preset (`Inputs.origin`, checked against
+    # the model above): a bare `pair` names them too, so its figures and summary read
+    # "flux [tiny]", not "model [?]"; what the caller's meta says wins.
+    origin = inputs.origin if isinstance(inputs, Inputs) else None
+    named = dict(zip(("family", "preset", "variant"), origin, strict=True)) if origin else {}
     result_meta = {
+        **{k: v for k, v in named.items() if v is not None},
         **(meta or {}),
         "device": str(device),
         "autocast_policy_a": side_a.resolved_autocast_policy,

@@ -260,7 +260,7 @@ def plot_divergence_by_layer(
             fig.add_annotation(
                 x=first_pos, y=math.log10(values.iloc[first_pos]),
                 text=f"first divergence: {first.label()}", font={"color": "crimson", "size": 10},
-                arrowcolor="crimson", ax=40, ay=-30,
+                arrowcolor="crimson", ax=40, ay=-30, bgcolor="rgba(255,255,255,0.85)",
             )  # fmt: skip
         fig.update_yaxes(type="log", title=_metric_axis(result, metric), exponentformat="e")
         fig.update_xaxes(title="module output, forward completion order")
@@ -286,7 +286,10 @@ def plot_divergence_by_layer(
             textcoords="offset points",
             color="crimson",
             fontsize=8,
-        )
+            # Over the points it names (a divergent model sits at 1e-3..1e-2): legible on them.
+            bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "crimson", "lw": 0.5,
+                  "alpha": 0.85},
+        )  # fmt: skip
     ax.set_xlabel("module output, forward completion order")
     ax.set_ylabel(_metric_axis(result, metric))
     ax.set_title(title)
