@@ -23,12 +23,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import math
-import statistics
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pair_host
@@ -36,7 +32,6 @@ import torch
 from ab_switch import peak  # bench/ is this script's folder
 
 from lab.pairing import _fused_stats
-from lab.pairing.state import sync
 
 SUMS = ("mean_abs_diff", "cosine_dist", "mean_a", "mean_b")
 """PairMetrics fields built on float64 sums (the order of the additions moves their last bits)."""
@@ -97,24 +92,10 @@ def measure(name: str, device: str, rounds: int) -> dict[str, Any]:
     results, peaks = {}, {}
     for key, fn in cases.items():  # warm, and the Results compared below
         results[key], peaks[key] = peak(device, fn)
-    times: dict[str, list[float]] = {k: [] for k in cases}
-    for order in pair_host.round_orders(list(cases), rounds):
-        for key in order:
-            sync(device)
-            start = time.perf_counter()
-            cases[key]()
-            sync(device)
-            times[key].append(time.perf_counter() - start)
+    times = pair_host.timed_rounds(cases, rounds, device)
     row: dict[str, Any] = {"family": name, "preset": preset, "device": device, "rounds": rounds}
-    for key, values in times.items():
-        row[f"{key}_s"] = statistics.median(values)
-        row[f"{key}_min_s"] = min(values)
-        row[f"{key}_vs_plain"] = row[f"{key}_s"] / statistics.median(times["plain"])
-        row[f"{key}_vs_plain_min"] = row[f"{key}_min_s"] / min(times["plain"])
-        row[f"{key}_vs_plain_rounds"] = statistics.median(
-            c / p for c, p in zip(values, times["plain"], strict=True)
-        )
-        row[f"{key}_times_s"] = values
+    row.update(pair_host.vs_plain(times))
+    row.update({f"{key}_times_s": values for key, values in times.items()})
     if device == "cuda":
         for key in ("stored", "copied"):
             row[f"{key}_peak_vs_plain"] = peaks[key] / max(peaks["plain"], 1)
@@ -129,17 +110,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
-    rows = []
-    for name in args.families.split(","):
-        try:
-            row = measure(name, args.device, args.rounds)
-        except Exception as err:  # keep the other families' figures
-            row = {"family": name, "error": f"{type(err).__name__}: {err}"}
-        print(json.dumps({k: v for k, v in row.items() if not k.endswith("_times_s")}), flush=True)
-        rows.append(row)
-        Path(args.out).write_text(json.dumps({"rows": rows}, indent=1))
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+    pair_host.rows_per_family(
+        args.out, args.families, args.device, lambda name: measure(name, args.device, args.rounds)
+    )
 
 
 if __name__ == "__main__":

@@ -21,8 +21,6 @@ threads as on CUDA). Writes OUT.json after each family.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +29,6 @@ import torch
 
 import lab
 from lab.base.switches import env_set
-from lab.pairing.state import sync
 from lab.pairing.weights import WeightView
 
 
@@ -105,29 +102,17 @@ def measure(
     peaks: dict[str, int] = {}
     for key, fn in runs.items():
         results[key], peaks[key] = peak(device, fn)
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for round_, order in enumerate(pair_host.round_orders(list(runs), rounds)):
-        for key in order:
-            sync(device)
-            start = time.perf_counter()
-            fn = runs[key]
-            if key != "plain" and round_ == rounds - 1:
-                results[key], peaks[key] = peak(device, fn)
-            else:
-                fn()
-            sync(device)
-            times[key].append(time.perf_counter() - start)
+
+    def run(key: str, round_: int, fn: Callable[[], Any]) -> None:
+        if key != "plain" and round_ == rounds - 1:
+            results[key], peaks[key] = peak(device, fn)
+        else:
+            fn()
+
+    times = pair_host.timed_rounds(runs, rounds, device, run)
     row: dict[str, Any] = {"family": name, "preset": preset, "device": device, "rounds": rounds,
                            "switch": switch, "values": values}  # fmt: skip
-    plain = times["plain"]
-    for key, values_s in times.items():
-        row[f"{key}_s"] = statistics.median(values_s)
-        row[f"{key}_min_s"] = min(values_s)
-        row[f"{key}_vs_plain"] = row[f"{key}_s"] / row["plain_s"]
-        row[f"{key}_vs_plain_min"] = row[f"{key}_min_s"] / row["plain_min_s"]
-        row[f"{key}_vs_plain_rounds"] = statistics.median(
-            c / p for c, p in zip(values_s, plain, strict=True)
-        )
+    row.update(pair_host.vs_plain(times))
     if device == "cuda":
         side_peaks = []
         for side in (lab.Side.rollout(fam, device=device), lab.Side.trainer(fam, device=device)):

@@ -163,12 +163,8 @@ def measure(
         # The output is dropped: the rounds' other cases must not hold it in their peaks.
         lab.forward_side(model, inputs, side, view=views[side.name])
 
-    pins: list[int | None] = []
-
     def paired(names_filter: Any = None) -> Any:
-        result = lab.pair(model, inputs, a, b, stream=True, names_filter=names_filter)
-        pins.append(result.meta.get("pair_core", {}).get("pinned_cpu"))
-        return result
+        return lab.pair(model, inputs, a, b, stream=True, names_filter=names_filter)
 
     warm = []
     for side in (a, b):
@@ -187,9 +183,9 @@ def measure(
 
     def pinned(case: str, fn: Callable[[], Any]) -> Callable[[], Any]:
         def run() -> Any:
-            value = fn()
-            case_pins[case].append(pins[-1])
-            return value
+            result = fn()
+            case_pins[case].append(result.meta.get("pair_core", {}).get("pinned_cpu"))
+            return result
 
         return run
 

@@ -125,6 +125,45 @@ def round_orders(keys: list[str], rounds: int) -> list[list[str]]:
     return [[keys[j] for j in rows[r % len(rows)]] for r in range(rounds)] if n else []
 
 
+def timed_rounds(
+    cases: dict[str, Callable[[], Any]],
+    rounds: int,
+    device: str,
+    run: Callable[[str, int, Callable[[], Any]], Any] | None = None,
+) -> dict[str, list[float]]:
+    """Each case's seconds over `rounds` interleaved rounds (orders from `round_orders`), the
+    device synced before and after each run. `run(key, round, fn)` runs one case where a bench
+    does more than call it (e.g. reads its peak in the last round); default `fn()`."""
+    times: dict[str, list[float]] = {key: [] for key in cases}
+    for round_, order in enumerate(round_orders(list(cases), rounds)):
+        for key in order:
+            sync(device)
+            start = time.perf_counter()
+            if run is None:
+                cases[key]()
+            else:
+                run(key, round_, cases[key])
+            sync(device)
+            times[key].append(time.perf_counter() - start)
+    return times
+
+
+def vs_plain(times: dict[str, list[float]]) -> dict[str, float]:
+    """For each case of `times` (which holds `plain`): its median and minimum seconds, their
+    ratios to plain's, and the median over rounds of each round's own ratio."""
+    plain = times["plain"]
+    row: dict[str, float] = {}
+    for key, values in times.items():
+        row[f"{key}_s"] = statistics.median(values)
+        row[f"{key}_min_s"] = min(values)
+        row[f"{key}_vs_plain"] = row[f"{key}_s"] / statistics.median(plain)
+        row[f"{key}_vs_plain_min"] = row[f"{key}_min_s"] / min(plain)
+        row[f"{key}_vs_plain_rounds"] = statistics.median(
+            c / p for c, p in zip(values, plain, strict=True)
+        )
+    return row
+
+
 def deep_tiny(fam: Any) -> Any:
     """`fam` with its tiny preset given the full preset's layer counts (every `*layers*` key)."""
     full = fam.config("full")
@@ -285,15 +324,21 @@ def side_runs(
 def rows_per_family(
     out: str, families: str, device: str, measure: Callable[[str], dict[str, Any]]
 ) -> None:
-    """`measure(name)` for each comma-separated family: a rounded JSON line printed and OUT.json
-    (`{"meta", "rows"}`) written after each, the CUDA cache emptied between families. On CPU the
+    """`measure(name)` for each comma-separated family: a rounded JSON line printed (without the
+    per-run `*_times_s`) and OUT.json (`{"meta", "rows"}`) written after each, the CUDA cache
+    emptied between families; a family that fails gets a row naming its error, and the next
+    one runs. On CPU the
     pairs keep their side threads, as on CUDA (the interleaved benches' --device cpu)."""
     if device == "cpu":
         lockstep.KEEP_WORKERS_ON = (*lockstep.KEEP_WORKERS_ON, "cpu")
     rows = []
     for name in families.split(","):
-        row = measure(name)
-        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
+        try:
+            row = measure(name)
+        except Exception as err:  # keep the other families' figures
+            row = {"family": name, "error": f"{type(err).__name__}: {err}"}
+        shown = {k: v for k, v in row.items() if not k.endswith("_times_s")}
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in shown.items()}),
               flush=True)  # fmt: skip
         rows.append(row)
         meta = {"torch": torch.__version__}

@@ -168,3 +168,39 @@ def test_round_orders_put_each_case_after_each_other_equally_often(
         # A plain rotation (row i starting at case i) would put case1 after case0 in 3 of 4.
         assert after[("case0", "case1")] == 1
     assert bench.round_orders([], 3) == []
+
+
+def test_timed_rounds_and_vs_plain(load_bench: Callable[[str], ModuleType]) -> None:
+    bench = load_bench("pair_host")
+    ran: list[tuple[str, int]] = []
+    cases = {k: (lambda k=k: ran.append((k, -1))) for k in ("plain", "pair")}
+    times = bench.timed_rounds(cases, 3, "cpu", run=lambda k, r, fn: ran.append((k, r)))
+    assert {k: len(v) for k, v in times.items()} == {"plain": 3, "pair": 3}
+    # `run` runs each case, in round_orders' order (two cases: the order alternates).
+    assert ran == [("plain", 0), ("pair", 0), ("pair", 1), ("plain", 1), ("plain", 2), ("pair", 2)]
+    row = bench.vs_plain({"plain": [0.10, 0.20, 0.10], "pair": [0.13, 0.26, 0.15]})
+    assert row["plain_vs_plain"] == 1.0 and row["pair_s"] == 0.15 and row["pair_min_s"] == 0.13
+    assert row["pair_vs_plain"] == pytest.approx(1.5)
+    assert row["pair_vs_plain_min"] == pytest.approx(1.3)
+    assert row["pair_vs_plain_rounds"] == pytest.approx(1.3)  # 1.3, 1.3, 1.5
+
+
+def test_rows_per_family_keeps_the_other_families_on_an_error(
+    load_bench: Callable[[str], ModuleType], tmp_path: Any, capsys: pytest.CaptureFixture
+) -> None:
+    import json
+
+    bench = load_bench("pair_host")
+
+    def measure(name: str) -> dict[str, Any]:
+        if name == "bad":
+            raise RuntimeError("out of memory")
+        return {"family": name, "x_s": 0.123456, "x_times_s": [0.1, 0.2]}
+
+    out = tmp_path / "out.json"
+    bench.rows_per_family(str(out), "a,bad,b", "cuda", measure)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["family"] for r in rows] == ["a", "bad", "b"]
+    assert rows[1]["error"] == "RuntimeError: out of memory" and rows[2]["x_times_s"] == [0.1, 0.2]
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert printed[0] == {"family": "a", "x_s": 0.1235}  # rounded, without the per-run times
