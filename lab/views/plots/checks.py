@@ -94,16 +94,16 @@ def _ulp_ticks(top: float, floor_label: str = "0") -> tuple[list[float], list[st
     return [_FLOOR, *(10.0**k for k in powers)], [floor_label, *labels]
 
 
-def _exact_note(raw: Sequence[Any], noun: str) -> str | None:
+def _exact_note(raw: Sequence[Any], noun: str, count: int | None = None) -> str | None:
     """The note of an axis whose every raw ULP count is a number and 0, else None.
 
     E.g. "bit-exact (0 ULP): all 16 outputs". Read before `_ulp` floors the values: NaN, inf
     (no counterpart, another shape) and None sit on the same floor as 0 and must never read as
-    bit-exact.
+    bit-exact. `count`: how many `noun`s the values stand for (default: one a value).
     """
     if not raw or not all(isinstance(v, numbers.Real) and v == 0 for v in raw):
         return None
-    n = len(raw)
+    n = len(raw) if count is None else count
     return f"bit-exact (0 ULP): {'all ' if n > 1 else ''}{n} {noun}{'s' if n > 1 else ''}"
 
 
@@ -278,9 +278,8 @@ def _sigma_parity(result: CheckResult, title: str, backend: Backend) -> Any:
     ts_ulp = _ulp([r["timestep_ulp"] for r in rows])
     # Bit-exact steps: both the sigma and the presented timestep at 0 ULP (inf: no timestep
     # on one side, or another shape; never read as exact).
-    exact = None
-    if _exact_note([v for r in rows for v in (r["sigma_ulp"], r["timestep_ulp"])], "value"):
-        exact = _exact_note([0] * len(rows), "step")
+    both = [v for r in rows for v in (r["sigma_ulp"], r["timestep_ulp"])]
+    exact = _exact_note(both, "step", count=len(rows))
     bias = [r["log_prob_bias"] if r["log_prob_bias"] == r["log_prob_bias"] else None
             for r in rows]  # fmt: skip
     if backend == "plotly":
