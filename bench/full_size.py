@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 from full_pair import dump_then_compare  # bench/ is this script's folder
-from pair_host import round_orders
+from pair_host import RunClock, round_orders
 
 import lab
 from lab.pairing.weights import WeightView
@@ -180,20 +180,30 @@ def measure(
     row["every_module_cold_s"] = cold_s
     paired(block_names.__contains__)  # warm-up
     case_pins: dict[str, list[int | None]] = {"every_module": [], "blocks_only": []}
+    clocks: dict[str, list[dict[str, Any]]] = {}
 
-    def pinned(case: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+    def clocked(case: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+        # Each run's host clocks (`RunClock`): for a pair, on the core its side threads were
+        # pinned to; for a plain forward, on the calling thread's core.
         def run() -> Any:
-            result = fn()
-            case_pins[case].append(result.meta.get("pair_core", {}).get("pinned_cpu"))
-            return result
+            clock = RunClock()
+            clock.start()
+            value = fn()
+            clock.stop()
+            cpu = None
+            if case in case_pins:
+                cpu = value.meta.get("pair_core", {}).get("pinned_cpu")
+                case_pins[case].append(cpu)
+            clocks.setdefault(case, []).append(clock.record(cpu))
+            return value
 
         return run
 
     cases = {
-        "plain_a": lambda: plain(a),
-        "plain_b": lambda: plain(b),
-        "every_module": pinned("every_module", paired),
-        "blocks_only": pinned("blocks_only", lambda: paired(block_names.__contains__)),
+        "plain_a": clocked("plain_a", lambda: plain(a)),
+        "plain_b": clocked("plain_b", lambda: plain(b)),
+        "every_module": clocked("every_module", paired),
+        "blocks_only": clocked("blocks_only", lambda: paired(block_names.__contains__)),
     }
     times, peaks, results = in_rounds(cases, repeat, rotate=rotate, cuda=cuda)
     row["order"] = "rotated" if rotate else "fixed"
@@ -220,6 +230,10 @@ def measure(
         # The CPU each timed run's side threads were pinned to, round by round (None: not
         # pinned): a pair's host-bound time depends on its core.
         row[f"{case}_pinned_cpus"] = cpus
+    for case, runs in clocks.items():
+        # Round by round: wall (less the final sync), the calling and side threads' CPU
+        # seconds, and that core's busy and stolen seconds (any process), `RunClock.record`.
+        row[f"{case}_clocks"] = runs
     del results
     if dump:
         # Block outputs only: every module's outputs of a full forward are tens of GB a side.

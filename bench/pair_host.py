@@ -38,6 +38,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import statistics
 import threading
 import time
@@ -146,6 +147,89 @@ def timed_rounds(
             sync(device)
             times[key].append(time.perf_counter() - start)
     return times
+
+
+def core_jiffies() -> list[tuple[int, int]] | None:
+    """Each CPU's (busy, steal) clock ticks since boot from /proc/stat, by CPU number (None
+    where /proc/stat is not there). Busy is every state but idle and iowait, whatever ran."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    per_cpu: dict[int, tuple[int, int]] = {}
+    for line in lines:
+        name, *fields = line.split()
+        if not name.startswith("cpu") or name == "cpu":
+            continue
+        ticks = [int(f) for f in fields]
+        idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+        steal = ticks[7] if len(ticks) > 7 else 0
+        # guest time is already counted in user; steal is time the hypervisor ran others
+        per_cpu[int(name[3:])] = (sum(ticks[:8]) - idle - steal, steal)
+    return [per_cpu.get(i, (0, 0)) for i in range(max(per_cpu) + 1)] if per_cpu else None
+
+
+def _thread_cpu_s(thread: threading.Thread) -> float | None:
+    """CPU seconds `thread` has run (None: gone, or no per-thread clock here)."""
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))  # type: ignore[arg-type]
+    except (AttributeError, OSError, TypeError):
+        return None
+
+
+class RunClock:
+    """Where one run's time went on the host: its wall time, the CPU time of the calling
+    thread and of the kept side threads (`lockstep._WORKERS`), and, for the core the run
+    used, how busy that core was (any process) and how much the hypervisor stole from it.
+
+    A pair's forwards run on its side threads, pinned to one core: when that core is busy
+    with something else, or stolen, the pair waits, and its wall time grows while its own CPU
+    time does not. `record(cpu)` says which of those a run met.
+
+        clock = RunClock(); clock.start(); fn(); clock.stop(); clock.record(cpu)
+    """
+
+    TICK_S = 1.0 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+
+    def __init__(self) -> None:
+        self._start: tuple[float, float, float | None, Any, int | None] | None = None
+        self._stop: tuple[float, float, float | None, Any, int | None] | None = None
+
+    @staticmethod
+    def _side_cpu_s() -> float | None:
+        threads = [w.thread for w in lockstep._WORKERS._workers.values()]
+        cpu = [_thread_cpu_s(t) for t in threads]
+        return sum(c for c in cpu if c is not None) if threads and None not in cpu else None
+
+    def _sample(self) -> tuple[float, float, float | None, Any, int | None]:
+        return (time.perf_counter(), time.thread_time(), self._side_cpu_s(), core_jiffies(),
+                lockstep.current_cpu())  # fmt: skip
+
+    def start(self) -> None:
+        """Read every clock before the run."""
+        self._start = self._sample()
+
+    def stop(self) -> None:
+        """Read every clock after the run."""
+        self._stop = self._sample()
+
+    def record(self, cpu: int | None = None) -> dict[str, Any]:
+        """The run's figures; `cpu`: the core to read (default: the calling thread's at the
+        start, which is where a plain forward ran unless it moved: `cpu_end` says)."""
+        if self._start is None or self._stop is None:
+            raise RuntimeError("RunClock.record: call start() and stop() around the run first.")
+        (w0, t0, s0, j0, c0), (w1, t1, s1, j1, c1) = self._start, self._stop
+        row: dict[str, Any] = {"wall_s": w1 - w0, "thread_cpu_s": t1 - t0,
+                               "side_cpu_s": None if s0 is None or s1 is None else s1 - s0,
+                               "cpu_start": c0, "cpu_end": c1}  # fmt: skip
+        core = c0 if cpu is None else cpu
+        row["cpu"] = core
+        if j0 is not None and j1 is not None and core is not None and core < len(j0):
+            busy = [(b1 - b0) * self.TICK_S for (b0, _), (b1, _) in zip(j0, j1, strict=False)]
+            steal = [(s1_ - s0_) * self.TICK_S for (_, s0_), (_, s1_) in zip(j0, j1, strict=False)]
+            row["core_busy_s"], row["core_steal_s"] = busy[core], steal[core]
+            row["host_steal_s"] = sum(steal)
+        return row
 
 
 def vs_plain(times: dict[str, list[float]]) -> dict[str, float]:

@@ -98,4 +98,17 @@ def test_measure_runs_every_case_in_rounds_and_records_each_runs_core(
             )
         )
         assert row[f"{case}_peak_vs_plain"] is None  # no device peaks on the CPU
+        # Each run's host clocks, read on the core its side threads were pinned to; the side
+        # threads ran the pair's forwards, so they spent CPU time.
+        clocks = row[f"{case}_clocks"]
+        assert [c["cpu"] for c in clocks] == cpus
+        assert all(c["side_cpu_s"] > 0 and c["wall_s"] > 0 for c in clocks), clocks
+    for case in ("plain_a", "plain_b"):
+        clocks = row[f"{case}_clocks"]
+        assert len(clocks) == 3
+        # A plain forward runs on the calling thread: its CPU time is its, not the side threads'.
+        assert all(c["thread_cpu_s"] > 0 and c["cpu"] == c["cpu_start"] for c in clocks), clocks
+        assert sum(c["side_cpu_s"] for c in clocks) < sum(
+            c["side_cpu_s"] for c in row["every_module_clocks"]
+        )
     assert row["model_output_rel_max"] > 0  # rollout against trainer: they differ

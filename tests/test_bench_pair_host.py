@@ -204,3 +204,51 @@ def test_rows_per_family_keeps_the_other_families_on_an_error(
     assert rows[1]["error"] == "RuntimeError: out of memory" and rows[2]["x_times_s"] == [0.1, 0.2]
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert printed[0] == {"family": "a", "x_s": 0.1235}  # rounded, without the per-run times
+
+
+def test_core_jiffies_reads_each_cpus_busy_and_stolen_ticks(
+    load_bench: Callable[[str], ModuleType], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bench = load_bench("pair_host")
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    stat.write_text(
+        "cpu  30 0 10 500 5 0 0 7 0 0\n"
+        "cpu0 10 0 5 200 2 0 1 3 4 0\n"
+        "cpu2 20 1 5 300 3 2 0 4 0 0\n"
+        "intr 12345\n"
+    )
+    real_path = bench.Path
+    monkeypatch.setattr(bench, "Path", lambda p: stat if p == "/proc/stat" else real_path(p))
+    # cpu0: busy = 10+5+1 (guest is inside user); cpu1 is offline: zeros; cpu2: 20+1+5+2.
+    assert bench.core_jiffies() == [(16, 3), (0, 0), (28, 4)]
+    monkeypatch.setattr(bench, "Path", lambda p: tmp_path / "missing")
+    assert bench.core_jiffies() is None
+
+
+def test_run_clock_counts_a_busy_threads_cpu_and_its_core(
+    load_bench: Callable[[str], ModuleType],
+) -> None:
+    import time
+
+    bench = load_bench("pair_host")
+    clock = bench.RunClock()
+    with pytest.raises(RuntimeError, match="start"):
+        clock.record()
+    clock.start()
+    end = time.perf_counter() + 0.3
+    while time.perf_counter() < end:  # busy on this thread
+        pass
+    clock.stop()
+    got = clock.record()
+    assert 0.3 <= got["wall_s"] < 5.0
+    # This thread ran all along (less whatever the machine took from it).
+    assert 0.5 * got["wall_s"] <= got["thread_cpu_s"] <= got["wall_s"] + 0.02
+    if lockstep.current_cpu() is not None:
+        assert got["cpu"] == got["cpu_start"] is not None and got["cpu_end"] is not None
+    if bench.core_jiffies() is not None and got["cpu_start"] == got["cpu_end"]:
+        # The core it stayed on was busy for the loop (ticks of 10 ms, so a margin).
+        assert got["core_busy_s"] >= 0.5 * got["thread_cpu_s"]
+        assert got["core_steal_s"] >= 0 and got["host_steal_s"] >= got["core_steal_s"]
+    # A core named by the caller is the one read.
+    assert clock.record(0)["cpu"] == 0
