@@ -194,7 +194,10 @@ def measure(
             if case in case_pins:
                 cpu = value.meta.get("pair_core", {}).get("pinned_cpu")
                 case_pins[case].append(cpu)
-            clocks.setdefault(case, []).append(clock.record(cpu))
+            record = clock.record(cpu)
+            if case in case_pins:
+                record["timings_s"] = value.meta.get("timings_s")  # the pair's own phases
+            clocks.setdefault(case, []).append(record)
             return value
 
         return run

@@ -103,6 +103,8 @@ def test_measure_runs_every_case_in_rounds_and_records_each_runs_core(
         clocks = row[f"{case}_clocks"]
         assert [c["cpu"] for c in clocks] == cpus
         assert all(c["side_cpu_s"] > 0 and c["wall_s"] > 0 for c in clocks), clocks
+        # ... and each pair's phases, which fit in its wall time.
+        assert all(sum(c["timings_s"].values()) <= c["wall_s"] for c in clocks), clocks
     for case in ("plain_a", "plain_b"):
         clocks = row[f"{case}_clocks"]
         assert len(clocks) == 3

@@ -45,7 +45,11 @@ def test_lockstep_equals_two_pass_bitwise(built: dict, family_name: str, stream:
     # Every metric of every pair, in the same order: the same numbers, not just close ones.
     assert _rows(lockstep) == _rows(two_pass)
     assert lockstep.skipped == two_pass.skipped
-    assert "lockstep_s" in lockstep.meta["timings_s"]
+    # Where the pair's wall time went, phase by phase; the phases do not overlap.
+    t = lockstep.meta["timings_s"]
+    assert set(t) == {"setup_s", "install_s", "lockstep_s", "rows_s"}, t
+    assert all(v >= 0 for v in t.values()) and t["lockstep_s"] > 0
+    assert set(two_pass.meta["timings_s"]) == {"setup_s", "a_s", "b_s", "rows_s"}
 
 
 @pytest.mark.parametrize("family_name", ["flux", "qwen_image", "wan2_2"])

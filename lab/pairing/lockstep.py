@@ -606,6 +606,7 @@ def handover_mode() -> str:
 def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -> None:
     from lab.precision.engine_ops import ops_dispatched
 
+    entered = time.perf_counter()
     model = run.model
     step = _Lockstep(run, block_ids, stream, segments)
     run.flow.track(step.aliases["a"], step.inputs["a"].kwargs)
@@ -665,6 +666,8 @@ def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -
             reporting.append((module, label))
     per_side = {k: (s.engine_ops, s.op_switches) for k, s in step.sides.items()}
     start = time.perf_counter()
+    # The lockstep's own set-up: its state, the C++ core, the blocks' hooks.
+    run.timings["install_s"] = start - entered
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(step.weights.applied())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, Literal
@@ -167,6 +168,7 @@ def pair(
         PairError: A side's forward failed (out of memory, dtype error); `.result` holds the
             pairs compared before the failure.
     """
+    entered = time.perf_counter()
     if mode not in MODES:
         raise ValueError(f"pair: unknown mode {mode!r}. Known: {', '.join(MODES)}.")
     if outputs is not None and mode != "propagated":
@@ -247,7 +249,10 @@ def pair(
     result_meta["lockstep"] = bool(lockstep)
 
     def partial() -> Result:
+        start = time.perf_counter()
         rows = collector.rows()
+        # The rows, from the last metric batch's transfer to the sorted LayerDivergences.
+        timings["rows_s"] = time.perf_counter() - start
         meta = {**result_meta, "timings_s": dict(timings), "repeated_pairs": collector.repeats}
         batches = collector.metric_batches()
         if batches is not None:
@@ -270,6 +275,8 @@ def pair(
     training = [m for _, m in view_a.named_modules if m.training]
     for m in training:
         m.training = False
+    # Before the sides run: the checks, the views, the guards (memoized), the sides' inputs.
+    timings["setup_s"] = time.perf_counter() - entered
     try:
         with torch.no_grad():
             run = PairRun(
