@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -194,6 +195,16 @@ class RunClock:
     def __init__(self) -> None:
         self._start: tuple[float, float, float | None, Any, int | None] | None = None
         self._stop: tuple[float, float, float | None, Any, int | None] | None = None
+        self._gc: list[tuple[int, float]] = []
+        """(generation, seconds) of each collection the garbage collector ran in the run."""
+        self._gc_began: float | None = None
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_began = time.perf_counter()
+        elif self._gc_began is not None:
+            self._gc.append((info["generation"], time.perf_counter() - self._gc_began))
+            self._gc_began = None
 
     @staticmethod
     def _side_cpu_s() -> float | None:
@@ -206,12 +217,16 @@ class RunClock:
                 lockstep.current_cpu())  # fmt: skip
 
     def start(self) -> None:
-        """Read every clock before the run."""
+        """Read every clock before the run, and time the garbage collector's runs in it."""
+        self._gc = []
+        gc.callbacks.append(self._on_gc)
         self._start = self._sample()
 
     def stop(self) -> None:
         """Read every clock after the run."""
         self._stop = self._sample()
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._on_gc)
 
     def record(self, cpu: int | None = None) -> dict[str, Any]:
         """The run's figures; `cpu`: the core to read (default: the calling thread's at the
@@ -222,6 +237,11 @@ class RunClock:
         row: dict[str, Any] = {"wall_s": w1 - w0, "thread_cpu_s": t1 - t0,
                                "side_cpu_s": None if s0 is None or s1 is None else s1 - s0,
                                "cpu_start": c0, "cpu_end": c1}  # fmt: skip
+        # The collector's runs in the run, whichever thread triggered them: full ones (the
+        # oldest generation) walk every tracked object of the process.
+        row["gc_s"] = sum(seconds for _, seconds in self._gc)
+        row["gc_full"] = sum(1 for generation, _ in self._gc if generation == 2)
+        row["gc_full_s"] = sum(seconds for generation, seconds in self._gc if generation == 2)
         core = c0 if cpu is None else cpu
         row["cpu"] = core
         if j0 is not None and j1 is not None and core is not None and core < len(j0):

@@ -252,3 +252,22 @@ def test_run_clock_counts_a_busy_threads_cpu_and_its_core(
         assert got["core_steal_s"] >= 0 and got["host_steal_s"] >= got["core_steal_s"]
     # A core named by the caller is the one read.
     assert clock.record(0)["cpu"] == 0
+    assert got["gc_full"] == 0 and got["gc_s"] >= 0
+
+    # The collector's runs inside the clock are counted and timed; none after it stops.
+    import gc
+
+    gc.disable()  # only the two collections asked for below
+    try:
+        clock.start()
+        held = [[i] for i in range(200_000)]  # tracked objects for the full collection to walk
+        gc.collect(0)
+        gc.collect()
+        clock.stop()
+    finally:
+        gc.enable()
+    gc.collect()
+    got = clock.record()
+    assert got["gc_full"] == 1 and 0 < got["gc_full_s"] <= got["gc_s"] <= got["wall_s"]
+    assert clock._on_gc not in gc.callbacks
+    del held
