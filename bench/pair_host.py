@@ -193,8 +193,8 @@ class RunClock:
     TICK_S = 1.0 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
 
     def __init__(self) -> None:
-        self._start: tuple[float, float, float | None, Any, int | None] | None = None
-        self._stop: tuple[float, float, float | None, Any, int | None] | None = None
+        self._start: tuple[float, float, float | None, Any, int | None, float] | None = None
+        self._stop: tuple[float, float, float | None, Any, int | None, float] | None = None
         self._gc: list[tuple[int, float]] = []
         """(generation, seconds) of each collection the garbage collector ran in the run."""
         self._gc_began: float | None = None
@@ -212,9 +212,10 @@ class RunClock:
         cpu = [_thread_cpu_s(t) for t in threads]
         return sum(c for c in cpu if c is not None) if threads and None not in cpu else None
 
-    def _sample(self) -> tuple[float, float, float | None, Any, int | None]:
+    def _sample(self) -> tuple[float, float, float | None, Any, int | None, float]:
+        # time.time(): the epoch, to set a run against `bench/host_watch.py`'s samples.
         return (time.perf_counter(), time.thread_time(), self._side_cpu_s(), core_jiffies(),
-                lockstep.current_cpu())  # fmt: skip
+                lockstep.current_cpu(), time.time())  # fmt: skip
 
     def start(self) -> None:
         """Read every clock before the run, and time the garbage collector's runs in it."""
@@ -233,8 +234,8 @@ class RunClock:
         start, which is where a plain forward ran unless it moved: `cpu_end` says)."""
         if self._start is None or self._stop is None:
             raise RuntimeError("RunClock.record: call start() and stop() around the run first.")
-        (w0, t0, s0, j0, c0), (w1, t1, s1, j1, c1) = self._start, self._stop
-        row: dict[str, Any] = {"wall_s": w1 - w0, "thread_cpu_s": t1 - t0,
+        (w0, t0, s0, j0, c0, e0), (w1, t1, s1, j1, c1, e1) = self._start, self._stop
+        row: dict[str, Any] = {"wall_s": w1 - w0, "thread_cpu_s": t1 - t0, "t0": e0, "t1": e1,
                                "side_cpu_s": None if s0 is None or s1 is None else s1 - s0,
                                "cpu_start": c0, "cpu_end": c1}  # fmt: skip
         # The collector's runs in the run, whichever thread triggered them: full ones (the

@@ -4,7 +4,8 @@
 # pairing paths bit for bit at reduced), full (Wan2.2 full pair test), sharded (2-GPU FSDP2 tests),
 # bench (bench/full_pair.py), drift (bench/gpu_drift.py: reduced trajectories, seeded trained-like
 # weights), parity (dtype flow, bitwise parity, scenarios and FSDP2 gpu tests), size
-# (bench/full_size.py: every family at full; SIZE_FAMILIES, SIZE_ARGS such as --fixed-order), profile (bench/pair_profile.py: where a full pair's
+# (bench/full_size.py: every family at full; SIZE_FAMILIES, SIZE_ARGS such as --fixed-order; SIZE_WATCH=1
+# adds bench/host_watch.py's CPU and GPU clocks, run by run), profile (bench/pair_profile.py: where a full pair's
 # host time goes, PROFILE_FAMILIES), master (MiniMax H3 full: compact master pairs, trained
 # refused), causes (checks + attribution at reduced, figures under OUT_DIR/causes; streamed
 # trajectories at reduced; pairing paths), trajfull (Qwen-Image and Wan2.2 full trajectories),
@@ -49,8 +50,21 @@ for stage in "$@"; do
             tests/test_fsdp2_gpu.py >"$out/parity_gpu.log" 2>&1
         ;;
     size)
+        # SIZE_WATCH=1: bench/host_watch.py samples the CPU and GPU clocks beside it.
+        watcher=""
+        if [ -n "${SIZE_WATCH:-}" ]; then
+            python bench/host_watch.py "$out/host_watch.jsonl" &
+            watcher=$!
+        fi
         python bench/full_size.py "$out/size" --families "${SIZE_FAMILIES:-flux,sd3,sd3:large,cosmos3,qwen_image,ltx2,wan2_2,minimax_h3}" \
             ${SIZE_ARGS:-} >"$out/full_size.log" 2>&1
+        size_rc=$?
+        if [ -n "$watcher" ]; then
+            kill "$watcher"
+            python bench/host_watch.py --join "$out/size/full_size.json" "$out/host_watch.jsonl" \
+                >"$out/host_watch.log" 2>&1
+        fi
+        (exit $size_rc)
         ;;
     profile)
         python bench/pair_profile.py "$out/profile" --families "${PROFILE_FAMILIES:-flux,sd3}" \
