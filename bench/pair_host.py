@@ -250,6 +250,9 @@ class RunClock:
             steal = [(s1_ - s0_) * self.TICK_S for (_, s0_), (_, s1_) in zip(j0, j1, strict=False)]
             row["core_busy_s"], row["core_steal_s"] = busy[core], steal[core]
             row["host_steal_s"] = sum(steal)
+            # Every CPU's busy seconds (any process): what else ran beside the run, e.g. on
+            # the core's hyperthread sibling.
+            row["cores_busy_s"] = [round(b, 2) for b in busy]
         return row
 
 

@@ -250,6 +250,8 @@ def test_run_clock_counts_a_busy_threads_cpu_and_its_core(
         # The core it stayed on was busy for the loop (ticks of 10 ms, so a margin).
         assert got["core_busy_s"] >= 0.5 * got["thread_cpu_s"]
         assert got["core_steal_s"] >= 0 and got["host_steal_s"] >= got["core_steal_s"]
+        assert got["cores_busy_s"][got["cpu"]] == round(got["core_busy_s"], 2)
+        assert len(got["cores_busy_s"]) == len(bench.core_jiffies())
     # A core named by the caller is the one read.
     assert clock.record(0)["cpu"] == 0
     assert got["gc_full"] == 0 and got["gc_s"] >= 0
