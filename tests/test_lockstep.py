@@ -497,6 +497,80 @@ def test_kept_side_threads_run_on_the_core_the_pair_started_from(
         lab.pair(model, inputs, a, b, lockstep=True)
 
 
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2
+    or lockstep.current_cpu() is None,
+    reason="Linux thread affinity, two CPUs at least",
+)  # fmt: skip
+def test_fastest_mode_pins_the_side_threads_to_the_core_that_probes_fastest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(lockstep, "KEEP_WORKERS_ON", ("cpu", "cuda"))  # the CUDA policy, on CPU
+    allowed = os.sched_getaffinity(0)
+    fast = max(allowed)  # a core other than where this test starts, at least sometimes
+    where: list[int | None] = []
+
+    def probe() -> float:
+        # The probe runs on the core it was moved to: that core's speed, as a shared host's.
+        cpu = lockstep.current_cpu()
+        where.append(cpu)
+        return 20e-6 if cpu == fast else 38e-6
+
+    monkeypatch.setattr(lockstep, "_probe_s", probe)
+    cpu, probes = lockstep.fastest_cpu()
+    assert cpu == fast and set(probes) == allowed  # every core, each on itself
+    assert set(where) == allowed and len(where) == 2 * len(allowed)  # best of two each
+    assert os.sched_getaffinity(0) == allowed  # the caller's CPU set is back
+
+    # At most `limit` CPUs: the caller's first, the others a sample.
+    here = lockstep.current_cpu()
+    cpu, probes = lockstep.fastest_cpu(limit=1)
+    assert list(probes) == [here] and cpu == here
+
+    # A CPU the thread may not move to is no candidate.
+    real = os.sched_setaffinity
+
+    def refuse_fast(pid: int, cpus: set[int]) -> None:
+        if set(cpus) == {fast}:
+            raise OSError(22, "Invalid argument")
+        real(pid, cpus)
+
+    monkeypatch.setattr(os, "sched_setaffinity", refuse_fast)
+    cpu, probes = lockstep.fastest_cpu()
+    assert fast not in probes and cpu in allowed - {fast}
+    monkeypatch.setattr(os, "sched_setaffinity", real)
+    assert os.sched_getaffinity(0) == allowed
+
+    # A pair in that mode: its side threads on the fast core, the Result says so, the same rows.
+    model, inputs = _toy()
+    a, b = _toy_sides()
+    monkeypatch.setenv("LAB_PAIR_PIN", "core")
+    by_core = lab.pair(model, inputs, a, b, lockstep=True)
+    monkeypatch.delenv("LAB_PAIR_PIN")  # the default
+    result = lab.pair(model, inputs, a, b, lockstep=True)
+    core = result.meta["pair_core"]
+    assert core["pin"] == "fastest" and core["pinned_cpu"] == fast
+    import statistics
+
+    median = statistics.median(20e-6 if c == fast else 38e-6 for c in allowed)
+    assert core["probed_cpus"] == len(allowed)
+    assert core["probe_speedup"] == pytest.approx(median / 20e-6)  # median core's probe / fast's
+    workers = lockstep._WORKERS._workers.values()
+    assert [os.sched_getaffinity(w.thread.native_id) for w in workers] == [{fast}] * 2
+    assert (
+        by_core.meta["pair_core"]["pin"] == "core"
+        and "probed_cpus" not in by_core.meta["pair_core"]
+    )
+    assert _rows(result) == _rows(by_core)  # where the threads run changes no number
+
+
+def test_probe_times_real_work() -> None:
+    # Unpatched: a positive time, longer for more work.
+    short = min(lockstep._probe_s(200) for _ in range(5))
+    long = min(lockstep._probe_s(20_000) for _ in range(5))
+    assert 0 < short < long
+
+
 def test_pinning_that_fails_leaves_the_threads_unpinned(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import random
+import statistics
 import threading
 import time
 import weakref
@@ -133,16 +135,68 @@ class _Worker:
 
 
 def pin_mode() -> str:
-    """LAB_PAIR_PIN: "core" (default) or "off" (see `_Workers.pin`).
+    """LAB_PAIR_PIN: "fastest" (default), "core" or "off" (see `_Workers.pin`, `fastest_cpu`).
 
     Raises:
         ValueError: Any other value.
     """
     choices = {
+        "fastest": "the kept side threads run on the fastest of a few cores, probed at the "
+        "pair's start",
         "core": "the kept side threads run on the core the pair was started from",
         "off": "wherever the scheduler puts them",
     }
-    return env_choice("LAB_PAIR_PIN", choices, "core")
+    return env_choice("LAB_PAIR_PIN", choices, "fastest")
+
+
+PROBE_CPUS = 16
+"""The most CPUs `fastest_cpu` probes (the caller's and others picked at random)."""
+_PROBE_RANDOM = random.Random(0)  # its own: a pair never draws from the caller's `random`
+
+
+def _probe_s(loops: int = 1500) -> float:
+    """Seconds a fixed stretch of interpreter work takes on the calling thread's core now."""
+    start = time.perf_counter()
+    x = 0
+    for i in range(loops):
+        x += i
+    return time.perf_counter() - start
+
+
+def fastest_cpu(limit: int = PROBE_CPUS) -> tuple[int | None, dict[int, float]]:
+    """The CPU that runs a short stretch of interpreter work fastest now, and the probes.
+
+    Candidates: the caller's CPU and up to `limit` - 1 others it may run on; each probed CPU's
+    time is its best of two probes (seconds).
+    On a shared host (a cloud VM's vCPUs), a CPU whose physical core another tenant also
+    runs on goes at about half speed, and which ones do changes within a second: on the
+    H200 host, the same loop took 20-22 ms on some of its 16 vCPUs and 34-41 ms on others,
+    other ones each time (`data/gpu/cores_h200_6a4657c.txt`). A short forward's pair is bound
+    by the one core its side threads run on, so it takes the fastest one now, for ~2 ms of
+    probing (~40 us a CPU). The calling thread moves to each CPU in turn and gets its CPU set
+    back after. (None, {}) where affinity or the current CPU cannot be read.
+    """
+    here = current_cpu()
+    if here is None or not hasattr(os, "sched_setaffinity"):
+        return None, {}
+    mask = os.sched_getaffinity(0)
+    others = sorted(mask - {here})
+    if len(others) > limit - 1:
+        others = sorted(_PROBE_RANDOM.sample(others, limit - 1))
+    probes: dict[int, float] = {}
+    try:
+        for cpu in [here, *others]:
+            try:
+                os.sched_setaffinity(0, {cpu})
+            except OSError:  # offline, or taken from the process since: not a candidate
+                continue
+            probes[cpu] = min(_probe_s(), _probe_s())
+    finally:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, mask)
+    if not probes:
+        return None, {}
+    return min(probes, key=probes.__getitem__), probes
 
 
 _SCHED_GETCPU: list[Any] = []
@@ -178,6 +232,8 @@ class _Workers:
         """The CPU both threads are pinned to (None: not pinned)."""
         self._cpus: frozenset[int] | None = None
         """The CPU set last given to both threads (None: none given, or not known)."""
+        self.probes: dict[int, float] = {}
+        """`fastest_cpu`'s probe seconds per CPU at the last claim (empty unless "fastest")."""
 
     def pin(self, cpu: int | None) -> None:
         """Pin both threads to `cpu` (None: give them the caller's CPU set).
@@ -219,7 +275,13 @@ class _Workers:
                 if worker is None or not worker.thread.is_alive():
                     self._workers[key] = _Worker(f"lab-pair-{key}")
                     self._cpus = self.pinned = None  # a new thread: set its CPUs again
-            self.pin(current_cpu() if pin_mode() == "core" else None)
+            mode = pin_mode()
+            self.probes = {}
+            if mode == "fastest":
+                cpu, self.probes = fastest_cpu()
+            else:
+                cpu = current_cpu() if mode == "core" else None
+            self.pin(cpu)
             yield self._workers
         finally:
             self._lock.release()
@@ -243,6 +305,7 @@ def _run_sides(step: _Lockstep) -> None:
     with _WORKERS.claimed() if keep else contextlib.nullcontext() as workers:
         if workers is not None:
             step.pinned_cpu = _WORKERS.pinned
+            step.probes = dict(_WORKERS.probes)
             waits = [workers[k].submit(lambda k=k: step.thread(k)).wait for k in ("a", "b")]
         else:
             threads = [
@@ -350,6 +413,8 @@ class _Lockstep:
         """Bytes (plus one per leaf) the side parked since it last handed over (0: none)."""
         self.b_leaves = 0
         self.handovers = 0
+        self.probes: dict[int, float] = {}
+        """`fastest_cpu`'s probe seconds per CPU for this pair (LAB_PAIR_PIN=fastest)."""
         self.pinned_cpu: int | None = None
         """The CPU the kept side threads ran on (`_Workers.pin`); None: fresh threads, or not
         pinned. A pair's host-bound time depends on that core (benches record it per run)."""
@@ -687,7 +752,12 @@ def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -
     handled, handed = core.counts() if core is not None else (0, None)
     run.core.update(path="cxx" if core is not None else "python", cxx_outputs=handled,
                     python_outputs=handed, handovers=step.handovers,
-                    park_budget=step.budget, pinned_cpu=step.pinned_cpu)  # fmt: skip
+                    park_budget=step.budget, pinned_cpu=step.pinned_cpu,
+                    pin=pin_mode())  # fmt: skip
+    if step.probes:
+        # How much faster the chosen core ran the probe than the median probed one.
+        fast, median = min(step.probes.values()), statistics.median(step.probes.values())
+        run.core.update(probed_cpus=len(step.probes), probe_speedup=median / fast)
     if step.errors:
         key, err = next(iter(step.errors.items()))  # the side that failed first
         run.phase["side"] = step.sides[key].name
