@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -50,6 +51,7 @@ from full_pair import dump_then_compare  # bench/ is this script's folder
 from pair_host import RunClock, round_orders
 
 import lab
+from lab.pairing.lockstep import fastest_cpu
 from lab.pairing.weights import WeightView
 
 
@@ -133,15 +135,18 @@ def measure(
     rotate: bool = True,
     preset: str = "full",
     device: str = "cuda",
+    plain_fastest: bool = False,
 ) -> dict[str, Any]:
     """One family (`name` or `name:variant`) at `preset` on `device` (the bench: full, CUDA;
     the tests: tiny, CPU); `dump`: add the dump-then-compare case; `rotate`: the rounds' order
-    (`in_rounds`)."""
+    (`in_rounds`); `plain_fastest`: run each plain forward on the core `fastest_cpu` picks,
+    as a pair's side threads are by default (LAB_PAIR_PIN=fastest)."""
     name, _, variant = name.partition(":")
     variant = variant or None
     fam = lab.family(name)
     row: dict[str, Any] = {"family": name, "variant": variant, "preset": preset,
-                           "init": INIT.get(name, "trained")}  # fmt: skip
+                           "init": INIT.get(name, "trained"),
+                           "plain_pin": "fastest" if plain_fastest else "none"}  # fmt: skip
     start = time.perf_counter()
     model = fam.build(
         preset, 0, variant=variant, device=device, expert=fam.expert_for_sigma(0.75),
@@ -159,9 +164,23 @@ def measure(
         n for n, m in model.named_modules() if type(m).__name__ in blocks and n.count(".") <= 1
     }
 
-    def plain(side: lab.Side) -> None:
+    def plain(side: lab.Side) -> int | None:
+        """One plain forward; the core it was pinned to (None: not pinned)."""
         # The output is dropped: the rounds' other cases must not hold it in their peaks.
-        lab.forward_side(model, inputs, side, view=views[side.name])
+        if not plain_fastest:
+            lab.forward_side(model, inputs, side, view=views[side.name])
+            return None
+        # As a pair's side threads (LAB_PAIR_PIN=fastest): on the core that probes fastest
+        # now, probe included, so the ratio is the pairing's cost, not the cores' lottery.
+        cpu, _ = fastest_cpu()
+        mask = os.sched_getaffinity(0)
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})
+        try:
+            lab.forward_side(model, inputs, side, view=views[side.name])
+        finally:
+            os.sched_setaffinity(0, mask)
+        return cpu
 
     def paired(names_filter: Any = None) -> Any:
         return lab.pair(model, inputs, a, b, stream=True, names_filter=names_filter)
@@ -190,7 +209,7 @@ def measure(
             clock.start()
             value = fn()
             clock.stop()
-            cpu = None
+            cpu = value if isinstance(value, int) else None  # a plain forward's pinned core
             if case in case_pins:
                 cpu = value.meta.get("pair_core", {}).get("pinned_cpu")
                 case_pins[case].append(cpu)
@@ -304,6 +323,12 @@ def main() -> None:
         help="every round in the same order (plain a, plain b, every module, blocks only)",
     )  # fmt: skip
     parser.add_argument(
+        "--plain-fastest", action="store_true",
+        help="run each plain forward on the core that probes fastest now (lockstep.fastest_cpu), "
+        "as a pair's side threads are by default, so both sides of the ratio draw alike from a "
+        "shared host's cores",
+    )  # fmt: skip
+    parser.add_argument(
         "--sharded", choices=("on", "off"), default="on",
         help="MiniMax H3 full (trained master) paired sharded on 2 GPUs when two exist (the row "
         "says why not otherwise); off: leave it out",
@@ -324,8 +349,9 @@ def main() -> None:
     for name in args.families.split(","):
         try:
             row = measure(
-                name, args.repeat, dump=name in args.dump.split(","), rotate=not args.fixed_order
-            )
+                name, args.repeat, dump=name in args.dump.split(","),
+                rotate=not args.fixed_order, plain_fastest=args.plain_fastest,
+            )  # fmt: skip
         except Exception as err:  # keep the other families' figures
             row = {"family": name, "preset": "full", "error": repr(err)[:400]}
             traceback.print_exc()

@@ -114,3 +114,30 @@ def test_measure_runs_every_case_in_rounds_and_records_each_runs_core(
             c["side_cpu_s"] for c in row["every_module_clocks"]
         )
     assert row["model_output_rel_max"] > 0  # rollout against trainer: they differ
+
+
+def test_plain_forwards_can_run_on_the_fastest_core_as_the_pairs_do(
+    load_bench: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from lab.pairing import lockstep
+
+    if not hasattr(os, "sched_getaffinity") or lockstep.current_cpu() is None:
+        pytest.skip("needs Linux CPU affinity and sched_getcpu")
+    allowed = os.sched_getaffinity(0)
+    fast = max(allowed)
+    monkeypatch.setattr(lockstep, "KEEP_WORKERS_ON", ("cpu", "cuda"))
+    monkeypatch.setattr(
+        lockstep, "_probe_s", lambda: 20e-6 if lockstep.current_cpu() == fast else 38e-6
+    )
+    monkeypatch.delenv("LAB_PAIR_PIN", raising=False)  # the default: fastest
+    bench = load_bench("full_size")
+    row = bench.measure("sd3", 2, preset="tiny", device="cpu", plain_fastest=True)
+    assert row["plain_pin"] == "fastest"
+    for case in ("plain_a", "plain_b"):
+        # Each plain forward ran on the fast core (its clocks read there).
+        assert [c["cpu"] for c in row[f"{case}_clocks"]] == [fast, fast]
+    assert row["every_module_pinned_cpus"] == [fast, fast]
+    assert os.sched_getaffinity(0) == allowed
+    assert bench.measure("sd3", 1, preset="tiny", device="cpu")["plain_pin"] == "none"
