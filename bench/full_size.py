@@ -173,13 +173,17 @@ def measure(
         # As a pair's side threads (LAB_PAIR_PIN=fastest): on the core that probes fastest
         # now, probe included, so the ratio is the pairing's cost, not the cores' lottery.
         cpu, _ = fastest_cpu()
-        mask = os.sched_getaffinity(0)
+        mask = os.sched_getaffinity(0) if cpu is not None else None
         if cpu is not None:
-            os.sched_setaffinity(0, {cpu})
+            try:
+                os.sched_setaffinity(0, {cpu})
+            except OSError:  # taken from the process since the probe: run where it is
+                cpu = mask = None
         try:
             lab.forward_side(model, inputs, side, view=views[side.name])
         finally:
-            os.sched_setaffinity(0, mask)
+            if mask is not None:
+                os.sched_setaffinity(0, mask)
         return cpu
 
     def paired(names_filter: Any = None) -> Any:
@@ -205,10 +209,8 @@ def measure(
         # Each run's host clocks (`RunClock`): for a pair, on the core its side threads were
         # pinned to; for a plain forward, on the calling thread's core.
         def run() -> Any:
-            clock = RunClock()
-            clock.start()
-            value = fn()
-            clock.stop()
+            with RunClock() as clock:
+                value = fn()
             cpu = value if isinstance(value, int) else None  # a plain forward's pinned core
             if case in case_pins:
                 cpu = value.meta.get("pair_core", {}).get("pinned_cpu")

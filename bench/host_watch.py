@@ -70,14 +70,24 @@ class Nvml:
         }
 
 
-def cpu_mhz(text: str | None = None) -> list[float]:
-    """Each CPU's "cpu MHz" from /proc/cpuinfo (`text`: its contents), in CPU order."""
+def cpu_mhz(text: str | None = None) -> list[float | None]:
+    """Each CPU's "cpu MHz" from /proc/cpuinfo (`text`: its contents), indexed by its
+    "processor" number (None for a number it does not list, e.g. an offline CPU)."""
     if text is None:
         try:
             text = Path("/proc/cpuinfo").read_text()
         except OSError:
             return []
-    return [float(line.split(":")[1]) for line in text.splitlines() if line.startswith("cpu MHz")]
+    found: dict[int, float] = {}
+    processor = None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "processor":
+            processor = int(value)
+        elif key == "cpu MHz" and processor is not None:
+            found[processor] = float(value)
+    return [found.get(i) for i in range(max(found) + 1)] if found else []
 
 
 def watch(out: Path, period: float, seconds: float | None) -> int:
@@ -123,7 +133,11 @@ def over(samples: list[dict[str, Any]], t0: float, t1: float, cpu: int | None) -
     reasons = 0
     for s in inside:
         reasons |= s.get("reasons") or 0
-    mhz = [s["cpu_mhz"][cpu] for s in inside if cpu is not None and cpu < len(s["cpu_mhz"])]
+    mhz = [
+        s["cpu_mhz"][cpu]
+        for s in inside
+        if cpu is not None and cpu < len(s["cpu_mhz"]) and s["cpu_mhz"][cpu] is not None
+    ]
     return {
         "samples": len(inside),
         "sm_mhz": mean("sm_mhz"),

@@ -172,6 +172,8 @@ def core_jiffies() -> list[tuple[int, int]] | None:
 
 def _thread_cpu_s(thread: threading.Thread) -> float | None:
     """CPU seconds `thread` has run (None: gone, or no per-thread clock here)."""
+    if not thread.is_alive():  # an ended thread's id may name another thread by now
+        return None
     try:
         return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))  # type: ignore[arg-type]
     except (AttributeError, OSError, TypeError):
@@ -187,7 +189,12 @@ class RunClock:
     with something else, or stolen, the pair waits, and its wall time grows while its own CPU
     time does not. `record(cpu)` says which of those a run met.
 
-        clock = RunClock(); clock.start(); fn(); clock.stop(); clock.record(cpu)
+        with RunClock() as clock:
+            fn()
+        clock.record(cpu)
+
+    (or `start()` and `stop()` around the run; `stop` always runs on leaving the block, so the
+    collector's callback never outlives the run, even when it raises).
     """
 
     TICK_S = 1.0 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
@@ -225,9 +232,16 @@ class RunClock:
 
     def stop(self) -> None:
         """Read every clock after the run."""
-        self._stop = self._sample()
         with contextlib.suppress(ValueError):
             gc.callbacks.remove(self._on_gc)
+        self._stop = self._sample()
+
+    def __enter__(self) -> RunClock:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def record(self, cpu: int | None = None) -> dict[str, Any]:
         """The run's figures; `cpu`: the core to read (default: the calling thread's at the
@@ -245,7 +259,7 @@ class RunClock:
         row["gc_full_s"] = sum(seconds for generation, seconds in self._gc if generation == 2)
         core = c0 if cpu is None else cpu
         row["cpu"] = core
-        if j0 is not None and j1 is not None and core is not None and core < len(j0):
+        if j0 is not None and j1 is not None and core is not None and core < min(len(j0), len(j1)):
             busy = [(b1 - b0) * self.TICK_S for (b0, _), (b1, _) in zip(j0, j1, strict=False)]
             steal = [(s1_ - s0_) * self.TICK_S for (_, s0_), (_, s1_) in zip(j0, j1, strict=False)]
             row["core_busy_s"], row["core_steal_s"] = busy[core], steal[core]

@@ -53,7 +53,8 @@ for stage in "$@"; do
         # SIZE_WATCH=1: bench/host_watch.py samples the CPU and GPU clocks beside it.
         watcher=""
         if [ -n "${SIZE_WATCH:-}" ]; then
-            python bench/host_watch.py "$out/host_watch.jsonl" &
+            # --seconds: it ends by itself even if this script is killed before the kill below.
+            python bench/host_watch.py "$out/host_watch.jsonl" --seconds 3000 &
             watcher=$!
         fi
         python bench/full_size.py "$out/size" --families "${SIZE_FAMILIES:-flux,sd3,sd3:large,cosmos3,qwen_image,ltx2,wan2_2,minimax_h3}" \
@@ -61,6 +62,7 @@ for stage in "$@"; do
         size_rc=$?
         if [ -n "$watcher" ]; then
             kill "$watcher"
+            wait "$watcher" 2>/dev/null
             python bench/host_watch.py --join "$out/size/full_size.json" "$out/host_watch.jsonl" \
                 >"$out/host_watch.log" 2>&1
         fi

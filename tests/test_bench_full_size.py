@@ -70,14 +70,14 @@ def test_measure_runs_every_case_in_rounds_and_records_each_runs_core(
     load_bench: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The bench's own measure, end to end at tiny on the CPU, with the kept side threads of a
-    # CUDA pair (pinned to the core the pair starts from), so each run's core is recorded.
+    # CUDA pair (pinned to the core LAB_PAIR_PIN picks), so each run's core is recorded.
     import os
 
     from lab.pairing import lockstep
 
     if not hasattr(os, "sched_getaffinity") or lockstep.current_cpu() is None:
         pytest.skip("needs Linux CPU affinity and sched_getcpu to pin the side threads")
-    monkeypatch.delenv("LAB_PAIR_PIN", raising=False)  # the default: pinned to a core
+    monkeypatch.delenv("LAB_PAIR_PIN", raising=False)  # the default: the fastest core
     monkeypatch.setattr(lockstep, "KEEP_WORKERS_ON", ("cpu", "cuda"))
     bench = load_bench("full_size")
     row = bench.measure("sd3", 3, preset="tiny", device="cpu")
@@ -132,11 +132,25 @@ def test_plain_forwards_can_run_on_the_fastest_core_as_the_pairs_do(
         lockstep, "_probe_s", lambda: 20e-6 if lockstep.current_cpu() == fast else 38e-6
     )
     monkeypatch.delenv("LAB_PAIR_PIN", raising=False)  # the default: fastest
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(lockstep, "PROBE_CPUS", len(allowed))
+    import lab
+
+    ran_on: list[int | None] = []
+    forward = lab.forward_side
+
+    def watched(*args: object, **kwargs: object) -> object:
+        ran_on.append(lockstep.current_cpu())  # where the forward itself runs
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(lab, "forward_side", watched)
     bench = load_bench("full_size")
     row = bench.measure("sd3", 2, preset="tiny", device="cpu", plain_fastest=True)
     assert row["plain_pin"] == "fastest"
+    # Every plain forward (two warm-ups, two rounds of each side) ran on the fast core ...
+    assert ran_on == [fast] * 6, ran_on
     for case in ("plain_a", "plain_b"):
-        # Each plain forward ran on the fast core (its clocks read there).
+        # ... and its clocks were read there.
         assert [c["cpu"] for c in row[f"{case}_clocks"]] == [fast, fast]
     assert row["every_module_pinned_cpus"] == [fast, fast]
     assert os.sched_getaffinity(0) == allowed

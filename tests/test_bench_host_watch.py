@@ -19,6 +19,9 @@ def test_cpu_mhz_reads_each_cpus_clock(load_bench: Callable[[str], ModuleType]) 
     text = "processor\t: 0\ncpu MHz\t\t: 2400.125\nflags: x\nprocessor\t: 1\ncpu MHz\t\t: 1800.0\n"
     assert bench.cpu_mhz(text) == [2400.125, 1800.0]
     assert bench.cpu_mhz("no clocks here") == []
+    # Indexed by processor number: an offline CPU 1 leaves a gap, not a shift.
+    gap = "processor\t: 0\ncpu MHz\t: 2000.0\nprocessor\t: 2\ncpu MHz\t: 3000.0\n"
+    assert bench.cpu_mhz(gap) == [2000.0, None, 3000.0]
 
 
 def test_watch_writes_timed_samples_until_its_time_is_up(tmp_path: Path) -> None:
@@ -30,7 +33,7 @@ def test_watch_writes_timed_samples_until_its_time_is_up(tmp_path: Path) -> None
         check=True, timeout=60,
     )  # fmt: skip
     samples = [json.loads(line) for line in out.read_text().splitlines()]
-    assert 5 <= len(samples) <= 31, len(samples)
+    assert 2 <= len(samples) <= 31, len(samples)
     times = [s["t"] for s in samples]
     assert times == sorted(times) and times[-1] - times[0] < 1.0
     assert all(isinstance(s["cpu_mhz"], list) for s in samples)

@@ -242,13 +242,13 @@ def test_run_clock_counts_a_busy_threads_cpu_and_its_core(
     clock.stop()
     got = clock.record()
     assert 0.3 <= got["wall_s"] < 5.0
-    # This thread ran all along (less whatever the machine took from it).
-    assert 0.5 * got["wall_s"] <= got["thread_cpu_s"] <= got["wall_s"] + 0.02
+    # This thread ran all along, less what other processes took from it on a busy machine.
+    assert 0.1 * got["wall_s"] <= got["thread_cpu_s"] <= got["wall_s"] + 0.02
     if lockstep.current_cpu() is not None:
         assert got["cpu"] == got["cpu_start"] is not None and got["cpu_end"] is not None
     if bench.core_jiffies() is not None and got["cpu_start"] == got["cpu_end"]:
-        # The core it stayed on was busy for the loop (ticks of 10 ms, so a margin).
-        assert got["core_busy_s"] >= 0.5 * got["thread_cpu_s"]
+        # The core it stayed on was busy at least while the loop ran there (ticks of 10 ms).
+        assert got["core_busy_s"] >= got["thread_cpu_s"] - 0.03
         assert got["core_steal_s"] >= 0 and got["host_steal_s"] >= got["core_steal_s"]
         assert got["cores_busy_s"][got["cpu"]] == round(got["core_busy_s"], 2)
         assert len(got["cores_busy_s"]) == len(bench.core_jiffies())
@@ -273,3 +273,9 @@ def test_run_clock_counts_a_busy_threads_cpu_and_its_core(
     assert got["gc_full"] == 1 and 0 < got["gc_full_s"] <= got["gc_s"] <= got["wall_s"]
     assert clock._on_gc not in gc.callbacks
     del held
+
+    # As a context manager, a run that raises still stops the clock and its callback.
+    with pytest.raises(KeyError), bench.RunClock() as failing:
+        assert failing._on_gc in gc.callbacks
+        raise KeyError("the run failed")
+    assert failing._on_gc not in gc.callbacks and failing.record()["wall_s"] >= 0

@@ -506,7 +506,9 @@ def test_fastest_mode_pins_the_side_threads_to_the_core_that_probes_fastest(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(lockstep, "KEEP_WORKERS_ON", ("cpu", "cuda"))  # the CUDA policy, on CPU
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     allowed = os.sched_getaffinity(0)
+    monkeypatch.setattr(lockstep, "PROBE_CPUS", len(allowed))  # every core, however many
     fast = max(allowed)  # a core other than where this test starts, at least sometimes
     where: list[int | None] = []
 
@@ -522,10 +524,51 @@ def test_fastest_mode_pins_the_side_threads_to_the_core_that_probes_fastest(
     assert set(where) == allowed and len(where) == 2 * len(allowed)  # best of two each
     assert os.sched_getaffinity(0) == allowed  # the caller's CPU set is back
 
-    # At most `limit` CPUs: the caller's first, the others a sample.
-    here = lockstep.current_cpu()
+    # At most `limit` CPUs: the caller's first, the others a sample; never the caller's
+    # `random`.
+    import random
+
+    state = random.getstate()
     cpu, probes = lockstep.fastest_cpu(limit=1)
-    assert list(probes) == [here] and cpu == here
+    assert list(probes) == [cpu] and cpu in allowed
+    cpu, probes = lockstep.fastest_cpu(limit=2)
+    assert len(probes) == 2 and set(probes) <= allowed
+    assert random.getstate() == state
+    with pytest.raises(ValueError, match="limit=0"):
+        lockstep.fastest_cpu(limit=0)
+
+    # A caller held to a CPU set: only CPUs of that set are probed, even when the thread runs
+    # elsewhere (the set changed under it), and the set is given back.
+    here = lockstep.current_cpu()
+    other = next(c for c in sorted(allowed) if c != here)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {other})
+    real_set = os.sched_setaffinity
+    given: list[set[int]] = []
+
+    def record(pid: int, cpus: set[int]) -> None:
+        given.append(set(cpus))
+        real_set(pid, cpus)
+
+    monkeypatch.setattr(os, "sched_setaffinity", record)
+    monkeypatch.setattr(lockstep, "current_cpu", lambda: here)
+    cpu, probes = lockstep.fastest_cpu()
+    assert cpu == other and list(probes) == [other] and given[-1] == {other}
+    monkeypatch.undo()  # every patch so far, then the ones this test still needs
+    monkeypatch.setattr(lockstep, "KEEP_WORKERS_ON", ("cpu", "cuda"))
+    monkeypatch.setattr(lockstep, "PROBE_CPUS", len(allowed))
+    monkeypatch.setattr(lockstep, "_probe_s", probe)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    os.sched_setaffinity(0, allowed)
+
+    # A probe that fails leaves the caller's CPU set as it was.
+    def broken() -> float:
+        raise RuntimeError("probe failed")
+
+    monkeypatch.setattr(lockstep, "_probe_s", broken)
+    with pytest.raises(RuntimeError, match="probe failed"):
+        lockstep.fastest_cpu()
+    assert os.sched_getaffinity(0) == allowed
+    monkeypatch.setattr(lockstep, "_probe_s", probe)
 
     # A CPU the thread may not move to is no candidate.
     real = os.sched_setaffinity
@@ -555,6 +598,7 @@ def test_fastest_mode_pins_the_side_threads_to_the_core_that_probes_fastest(
     median = statistics.median(20e-6 if c == fast else 38e-6 for c in allowed)
     assert core["probed_cpus"] == len(allowed)
     assert core["probe_speedup"] == pytest.approx(median / 20e-6)  # median core's probe / fast's
+    assert 0 < core["probe_s"] < result.meta["timings_s"]["lockstep_s"]  # probed inside it
     workers = lockstep._WORKERS._workers.values()
     assert [os.sched_getaffinity(w.thread.native_id) for w in workers] == [{fast}] * 2
     assert (
@@ -562,6 +606,20 @@ def test_fastest_mode_pins_the_side_threads_to_the_core_that_probes_fastest(
         and "probed_cpus" not in by_core.meta["pair_core"]
     )
     assert _rows(result) == _rows(by_core)  # where the threads run changes no number
+
+    # Several processes of one host pairing at once (torchrun): each keeps its own core, as
+    # their probes would all pick the same idle one.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    here = lockstep.current_cpu()
+    shared = lab.pair(model, inputs, a, b, lockstep=True).meta["pair_core"]
+    assert shared["pin"] == "core" and "probed_cpus" not in shared
+    assert shared["pinned_cpu"] in allowed
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert lockstep.pin_for_processes("off") == "off"
+    # Off: not pinned, and the Result says so.
+    monkeypatch.setenv("LAB_PAIR_PIN", "off")
+    off = lab.pair(model, inputs, a, b, lockstep=True).meta["pair_core"]
+    assert off["pin"] == "none" and off["pinned_cpu"] is None
 
 
 def test_probe_times_real_work() -> None:

@@ -150,7 +150,8 @@ def pin_mode() -> str:
 
 
 PROBE_CPUS = 16
-"""The most CPUs `fastest_cpu` probes (the caller's and others picked at random)."""
+"""The most CPUs `fastest_cpu` probes (the caller's and others picked at random); read at each
+call."""
 _PROBE_RANDOM = random.Random(0)  # its own: a pair never draws from the caller's `random`
 
 
@@ -163,40 +164,72 @@ def _probe_s(loops: int = 1500) -> float:
     return time.perf_counter() - start
 
 
-def fastest_cpu(limit: int = PROBE_CPUS) -> tuple[int | None, dict[int, float]]:
+def fastest_cpu(limit: int | None = None) -> tuple[int | None, dict[int, float]]:
     """The CPU that runs a short stretch of interpreter work fastest now, and the probes.
 
-    Candidates: the caller's CPU and up to `limit` - 1 others it may run on; each probed CPU's
-    time is its best of two probes (seconds).
-    On a shared host (a cloud VM's vCPUs), a CPU whose physical core another tenant also
-    runs on goes at about half speed, and which ones do changes within a second: on the
-    H200 host, the same loop took 20-22 ms on some of its 16 vCPUs and 34-41 ms on others,
-    other ones each time (`data/gpu/cores_h200_6a4657c.txt`). A short forward's pair is bound
-    by the one core its side threads run on, so it takes the fastest one now, for ~2 ms of
-    probing (~40 us a CPU). The calling thread moves to each CPU in turn and gets its CPU set
-    back after. (None, {}) where affinity or the current CPU cannot be read.
+    Candidates: the caller's CPU (when its CPU set holds it) and others of that set, `limit`
+    in all (default `PROBE_CPUS`), the others sampled at random past the limit; each probed
+    CPU's time is its best of two probes (seconds). The calling thread moves to each CPU in
+    turn and gets its CPU set back after. (None, {}) where affinity or the current CPU cannot
+    be read, or no CPU could be probed.
+
+    Why: a short forward's pair is bound by the one core its side threads run on, and on a
+    shared host the vCPUs do not all run at one speed. On the H200 host the same loop took
+    about 19-25 ms on most of its 16 vCPUs and 32-42 ms on others, a different set on each
+    pass (`data/gpu/cores_h200_6a4657c.txt`; one thread per core, a KVM guest: another
+    tenant on the same physical core is the likely cause). Probing costs ~40 us a CPU.
     """
+    limit = PROBE_CPUS if limit is None else limit
+    if limit < 1:
+        raise ValueError(f"fastest_cpu: limit={limit}; probe at least one CPU.")
     here = current_cpu()
     if here is None or not hasattr(os, "sched_setaffinity"):
         return None, {}
     mask = os.sched_getaffinity(0)
+    first = [here] if here in mask else []
     others = sorted(mask - {here})
-    if len(others) > limit - 1:
-        others = sorted(_PROBE_RANDOM.sample(others, limit - 1))
+    room = limit - len(first)
+    if len(others) > room:
+        others = sorted(_PROBE_RANDOM.sample(others, room))
     probes: dict[int, float] = {}
     try:
-        for cpu in [here, *others]:
+        for cpu in [*first, *others]:
             try:
                 os.sched_setaffinity(0, {cpu})
             except OSError:  # offline, or taken from the process since: not a candidate
                 continue
             probes[cpu] = min(_probe_s(), _probe_s())
     finally:
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(0, mask)
+        _restore_affinity(mask)
     if not probes:
         return None, {}
     return min(probes, key=probes.__getitem__), probes
+
+
+def _restore_affinity(mask: set[int]) -> None:
+    """Give the calling thread `mask` back, or every CPU where that fails.
+
+    A CPU taken from the process since the probe makes `mask` fail; the thread is then given
+    every CPU it may still use, so it is never left on one probed CPU.
+    """
+    try:
+        os.sched_setaffinity(0, mask)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
+
+
+def pin_for_processes(mode: str) -> str:
+    """`mode` as this process may apply it: "core" for "fastest" beside other pairing processes.
+
+    Several processes of one host pairing at once (LOCAL_WORLD_SIZE > 1, as torchrun sets it)
+    would all probe the same idle core fastest and share it; each keeps its own core instead.
+    """
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        local = 1
+    return "core" if mode == "fastest" and local > 1 else mode
 
 
 _SCHED_GETCPU: list[Any] = []
@@ -234,6 +267,10 @@ class _Workers:
         """The CPU set last given to both threads (None: none given, or not known)."""
         self.probes: dict[int, float] = {}
         """`fastest_cpu`'s probe seconds per CPU at the last claim (empty unless "fastest")."""
+        self.probe_s = 0.0
+        """Seconds the last claim spent probing (inside the pair's `lockstep_s`)."""
+        self.mode = "none"
+        """How the last claim placed the threads: "fastest", "core", or "none" (not pinned)."""
 
     def pin(self, cpu: int | None) -> None:
         """Pin both threads to `cpu` (None: give them the caller's CPU set).
@@ -275,13 +312,16 @@ class _Workers:
                 if worker is None or not worker.thread.is_alive():
                     self._workers[key] = _Worker(f"lab-pair-{key}")
                     self._cpus = self.pinned = None  # a new thread: set its CPUs again
-            mode = pin_mode()
-            self.probes = {}
+            mode = pin_for_processes(pin_mode())
+            self.probes, self.probe_s = {}, 0.0
             if mode == "fastest":
+                start = time.perf_counter()
                 cpu, self.probes = fastest_cpu()
+                self.probe_s = time.perf_counter() - start
             else:
                 cpu = current_cpu() if mode == "core" else None
             self.pin(cpu)
+            self.mode = mode if self.pinned is not None else "none"
             yield self._workers
         finally:
             self._lock.release()
@@ -305,7 +345,8 @@ def _run_sides(step: _Lockstep) -> None:
     with _WORKERS.claimed() if keep else contextlib.nullcontext() as workers:
         if workers is not None:
             step.pinned_cpu = _WORKERS.pinned
-            step.probes = dict(_WORKERS.probes)
+            step.probes, step.probe_s = dict(_WORKERS.probes), _WORKERS.probe_s
+            step.pin = _WORKERS.mode
             waits = [workers[k].submit(lambda k=k: step.thread(k)).wait for k in ("a", "b")]
         else:
             threads = [
@@ -415,6 +456,10 @@ class _Lockstep:
         self.handovers = 0
         self.probes: dict[int, float] = {}
         """`fastest_cpu`'s probe seconds per CPU for this pair (LAB_PAIR_PIN=fastest)."""
+        self.probe_s = 0.0
+        self.pin = "none"
+        """How the side threads were placed: "fastest", "core", or "none" (fresh threads, a
+        CPU pair, LAB_PAIR_PIN=off, or a pin that failed)."""
         self.pinned_cpu: int | None = None
         """The CPU the kept side threads ran on (`_Workers.pin`); None: fresh threads, or not
         pinned. A pair's host-bound time depends on that core (benches record it per run)."""
@@ -732,7 +777,7 @@ def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -
     per_side = {k: (s.engine_ops, s.op_switches) for k, s in step.sides.items()}
     start = time.perf_counter()
     # The lockstep's own set-up: its state, the C++ core, the blocks' hooks.
-    run.timings["install_s"] = start - entered
+    run.timings["install_s"] = run.timings.get("install_s", 0.0) + start - entered
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(step.weights.applied())
@@ -748,16 +793,18 @@ def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -
             h.remove()
     if run.device.type == "cuda":
         torch.cuda.synchronize(run.device)
-    run.timings["lockstep_s"] = time.perf_counter() - start
+    # Added up over a run that ran again (an output edited in place): every try's time.
+    run.timings["lockstep_s"] = run.timings.get("lockstep_s", 0.0) + time.perf_counter() - start
     handled, handed = core.counts() if core is not None else (0, None)
     run.core.update(path="cxx" if core is not None else "python", cxx_outputs=handled,
                     python_outputs=handed, handovers=step.handovers,
                     park_budget=step.budget, pinned_cpu=step.pinned_cpu,
-                    pin=pin_mode())  # fmt: skip
+                    pin=step.pin)  # fmt: skip
     if step.probes:
         # How much faster the chosen core ran the probe than the median probed one.
         fast, median = min(step.probes.values()), statistics.median(step.probes.values())
-        run.core.update(probed_cpus=len(step.probes), probe_speedup=median / fast)
+        run.core.update(probed_cpus=len(step.probes), probe_speedup=median / fast,
+                        probe_s=step.probe_s)  # fmt: skip
     if step.errors:
         key, err = next(iter(step.errors.items()))  # the side that failed first
         run.phase["side"] = step.sides[key].name
