@@ -23,7 +23,9 @@
 # interleaved, STORED_FAMILIES),
 # report (bench/ab_report_forwards.py: captured modules reporting from instance forwards against
 # forward hooks, interleaved, REPORT_FAMILIES), switch (bench/ab_switch.py: each switch of SWITCHES,
-# "LAB_A=1,0;LAB_B=x,y", its values side by side in one process, SWITCH_FAMILIES, SWITCH_ARGS).
+# "LAB_A=1,0;LAB_B=x,y", its values side by side in one process, SWITCH_FAMILIES, SWITCH_ARGS), cores
+# (bench/core_probe.py: each CPU's speed at the same Python loop, three passes; name it first and
+# last to bracket a call).
 # Each stage logs to OUT_DIR and a failing stage does not stop the
 # next one. Expects torch with CUDA installed and the other wheels on PYTHONPATH.
 set -uo pipefail
@@ -73,6 +75,7 @@ for stage in "$@"; do
             >"$out/pair_profile.log" 2>&1
         ;;
     master) gpu_pytest -s tests/test_compact_master.py >"$out/master_gpu.log" 2>&1 ;;
+    cores) python bench/core_probe.py "$out/cores.jsonl" >>"$out/cores.log" 2>&1 ;;
     causes)
         LAB_GPU_OUT="$out/causes" gpu_pytest -s tests/test_checks_gpu.py tests/test_attribute_gpu.py \
             tests/test_pairing_paths.py tests/test_trajectory.py -k "not full_size" \
