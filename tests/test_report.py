@@ -294,3 +294,16 @@ def test_report_draws_its_figures_offline_in_chromium(result: Result, tmp_path: 
     last = max((r for r in result.rows), key=lambda r: r.order)
     assert hover.startswith(last.label()), hover
     assert f"dtype: {last.dtype_a} (ref) / {last.dtype_b} (cand)" in hover
+
+
+def test_how_a_pair_ran_is_no_setting(result: Result) -> None:
+    # The side threads' core, probes and metric batches differ from run to run with the same
+    # settings and the same numbers: the settings table leaves them out, whatever they hold.
+    import copy
+
+    moved = copy.copy(result)
+    moved.meta = {**result.meta, "pair_core": {"pinned_cpu": 5, "probe_s": 0.002},
+                  "metric_batches": {"side": 0, "current": 29}}  # fmt: skip
+    settings = report._settings(moved)
+    assert "pair_core" not in settings and "metric_batches" not in settings
+    assert settings == report._settings(result)

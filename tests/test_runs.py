@@ -114,6 +114,14 @@ def test_settings_diff_lists_exactly_what_differs(flux_pair) -> None:
     assert "meta.family" not in diff.index and "side_a.autocast" not in diff.index
     assert not any(k.startswith("meta.timings_s") for k in diff.index), "timings are not settings"
     assert runs.settings_diff({"a": on, "b": on}).empty, "a run against itself differs nowhere"
+    # How a pair ran (its threads' core, probes, batches) is no setting: two runs of the same
+    # settings on other cores do not differ.
+    import copy
+
+    moved = copy.copy(on)
+    moved.meta = {**on.meta, "pair_core": {"pinned_cpu": 3, "pin": "fastest", "probe_s": 0.002},
+                  "metric_batches": {"side": 0, "current": 29}}  # fmt: skip
+    assert runs.settings_diff({"a": on, "b": moved}).empty
     with pytest.raises(ValueError, match="two or more"):
         runs.settings_diff({"on": on})
 

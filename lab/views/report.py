@@ -40,8 +40,12 @@ _TABLE_COLUMNS: tuple[str, ...] = (
     "bitexact_frac", "cosine_dist", "rounding_only", "max_abs_diff_rounded", "nonfinite_a",
     "nonfinite_b", "degenerate", "why",
 )  # fmt: skip
-# Meta keys that are measurements of a run rather than its settings (left out of the diff).
-_NOT_SETTINGS: frozenset[str] = frozenset({"timings_s", "repeated_pairs"})
+# Meta keys that are measurements of a run rather than its settings (left out of the diff): its
+# timings, and how the pair ran (`pair_core`: the side threads' core, probes, hand-overs;
+# `metric_batches`), which give the same numbers either way and differ from run to run.
+_NOT_SETTINGS: frozenset[str] = frozenset(
+    {"timings_s", "repeated_pairs", "pair_core", "metric_batches"}
+)
 # Static fallback PNGs: enough for a review screen, a third of the 130-dpi file size.
 _PNG_DPI = 90
 # Meta keys shown in the sides table rather than the run table.

@@ -41,8 +41,12 @@ if TYPE_CHECKING:
 
 Kind = Literal["run", "sweep", "baseline", "trajectory"]
 BASELINE_PREFIX = "baseline:"
-# Settings that say nothing about what was compared: when the run happened and how long it took.
-_VOLATILE_META: frozenset[str] = frozenset({"timings_s", "timestamp", "created"})
+# Meta that says nothing about what was compared: when the run happened, how long it took, and
+# how the pair ran (its side threads' core, hand-overs, metric batches: the same numbers either
+# way, and the core differs from run to run).
+_VOLATILE_META: frozenset[str] = frozenset(
+    {"timings_s", "timestamp", "created", "pair_core", "metric_batches"}
+)
 _SUMMARY_COLUMNS: tuple[str, ...] = (
     "pairs", "bitexact_pairs", "max_ulp", "first_divergent_module",
     "model_output_rel_max", "model_output_max_abs_diff",
