@@ -20,14 +20,13 @@ import sys
 import time
 from pathlib import Path
 
+from lab.pairing.lockstep import _probe_s
+
 
 def loop_ms(loops: int) -> float:
-    """Milliseconds `loops` additions take on the calling thread's CPU now."""
-    start = time.perf_counter()
-    x = 0
-    for i in range(loops):
-        x += i
-    return (time.perf_counter() - start) * 1e3
+    """Milliseconds `loops` additions take on the calling thread's CPU now (the loop
+    `fastest_cpu` probes with, `lockstep._probe_s`, longer)."""
+    return _probe_s(loops) * 1e3
 
 
 def probe_pass(cpus: list[int], loops: int, settle_s: float = 0.002) -> dict[int, float | None]:

@@ -51,7 +51,7 @@ from full_pair import dump_then_compare  # bench/ is this script's folder
 from pair_host import RunClock, round_orders
 
 import lab
-from lab.pairing.lockstep import fastest_cpu
+from lab.pairing.lockstep import _restore_affinity, fastest_cpu
 from lab.pairing.weights import WeightView
 
 
@@ -183,7 +183,7 @@ def measure(
             lab.forward_side(model, inputs, side, view=views[side.name])
         finally:
             if mask is not None:
-                os.sched_setaffinity(0, mask)
+                _restore_affinity(mask)  # as fastest_cpu gives a caller its CPU set back
         return cpu
 
     def paired(names_filter: Any = None) -> Any:

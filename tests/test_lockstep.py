@@ -455,11 +455,15 @@ def test_side_threads_are_kept_and_hold_nothing_between_pairs(
     assert len(steps) == 4 and all(step() is None for step in steps)
 
 
-@pytest.mark.skipif(
+needs_affinity = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2
     or lockstep.current_cpu() is None,
     reason="Linux thread affinity, two CPUs at least",
 )  # fmt: skip
+"""Both pinning tests move threads between two CPUs at least."""
+
+
+@needs_affinity
 def test_kept_side_threads_run_on_the_core_the_pair_started_from(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -497,11 +501,7 @@ def test_kept_side_threads_run_on_the_core_the_pair_started_from(
         lab.pair(model, inputs, a, b, lockstep=True)
 
 
-@pytest.mark.skipif(
-    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2
-    or lockstep.current_cpu() is None,
-    reason="Linux thread affinity, two CPUs at least",
-)  # fmt: skip
+@needs_affinity
 def test_fastest_mode_pins_the_side_threads_to_the_core_that_probes_fastest(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
