@@ -1,7 +1,8 @@
 """Every family at full size on one H200: paired forwards against two plain forwards (issue 16).
 
     python bench/full_size.py OUT_DIR [--families flux,sd3,sd3:large,...] [--dump sd3] [--repeat 7]
-        [--fixed-order]
+        [--round-seconds 15] [--fixed-order] [--no-plain-fastest] [--sharded on|off]
+    python bench/full_size.py --table OUT_DIR/full_size.json   # the README's table of a run
 
 For each family's `full` preset (seeded weights, the lab's own inputs), measured side by side in
 one process, warm (one untimed run of each case first, so one-off kernel compilation and
@@ -12,14 +13,16 @@ autotuning are never timed):
 - `blocks_only`: the same, comparing only the outputs of the family's blocks;
 - the first (cold) `every_module` run separately, as `every_module_cold_s`;
 - the four timed cases (plain a, plain b, every module, blocks only) run in rounds, one of each
-  case a round, `--repeat` rounds (one where the forwards take seconds): a burst of host noise
+  case a round, `--repeat` rounds or as many as fill `--round-seconds` (`runs_for`; one where
+  the forwards take seconds): a burst of host noise
   (the short forwards' plain time moves by 70 % between runs on the H200's host) lands on every
   case alike instead of on one case's runs. The rounds' orders form a balanced Latin square
   (`pair_host.round_orders`): over each 4 rounds every case runs right after each other case
   once (`--fixed-order`: plain a, plain b, every module, blocks only in every round, as before
   stop 26). Each case keeps `{case}_times_s`; `{case}_vs_plain`
   is the medians' ratio, `{case}_vs_plain_min` the minima's, and `{case}_vs_plain_rounds` the
-  median over rounds of the round's own ratio;
+  median over rounds of the round's own ratio, `{case}_vs_plain_ci` the first's 95 % bootstrap
+  interval over the rounds (`ratio_interval`);
 - for the families in `--dump` (default sd3): the block outputs dumped to disk per side and
   compared afterwards (`bench/full_pair.py`'s `dump_then_compare`), against `blocks_only`.
 A family may name a variant, `sd3:large`.
@@ -36,7 +39,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
+import random
 import shutil
 import statistics
 import tempfile
@@ -102,8 +107,9 @@ def in_rounds(
     return times, peaks, last
 
 
-def ratios(times: dict[str, list[float]], case: str) -> dict[str, float]:
-    """`case` against the two plain forwards: medians, minima, and the median round's ratio."""
+def ratios(times: dict[str, list[float]], case: str) -> dict[str, Any]:
+    """`case` against the two plain forwards: medians, minima, the median round's ratio, and
+    the medians' ratio's 95 % interval over the rounds (`ratio_interval`; None under 5 rounds)."""
     plain = [a + b for a, b in zip(times["plain_a"], times["plain_b"], strict=True)]
     median = statistics.median
     return {
@@ -111,7 +117,35 @@ def ratios(times: dict[str, list[float]], case: str) -> dict[str, float]:
         / (median(times["plain_a"]) + median(times["plain_b"])),
         f"{case}_vs_plain_min": min(times[case]) / (min(times["plain_a"]) + min(times["plain_b"])),
         f"{case}_vs_plain_rounds": median(t / p for t, p in zip(times[case], plain, strict=True)),
+        f"{case}_vs_plain_ci": ratio_interval(times, case),
     }
+
+
+def ratio_interval(
+    times: dict[str, list[float]], case: str, level: float = 0.95, draws: int = 2000, seed: int = 0
+) -> list[float] | None:
+    """A bootstrap interval of `case`'s medians' ratio to the plain forwards': the rounds drawn
+    again with replacement `draws` times (a round's cases together, as they ran), the ratio of
+    the drawn rounds' medians each time, and the central `level` of those ratios. How far one
+    call's median can be trusted when a shared host's cores move the short forwards by tens of
+    percent from run to run. Seeded: the same times give the same interval. None under 5
+    rounds, where the draws repeat a handful of values."""
+    runs, a, b = times[case], times["plain_a"], times["plain_b"]
+    n = len(runs)
+    if n < 5:
+        return None
+    rng = random.Random(seed)
+    median = statistics.median
+    drawn = []
+    for _ in range(draws):
+        pick = [rng.randrange(n) for _ in range(n)]
+        drawn.append(
+            median(runs[i] for i in pick)
+            / (median(a[i] for i in pick) + median(b[i] for i in pick))
+        )
+    drawn.sort()
+    tail = (1 - level) / 2
+    return [drawn[int(tail * (draws - 1))], drawn[math.ceil((1 - tail) * (draws - 1))]]
 
 
 # MiniMax H3 full (33.1 B) fits one H200 only with a compact master: weights as a bf16
@@ -123,9 +157,28 @@ FAMILIES_AFTER = ("cosmos3", "qwen_image", "ltx2", "wan2_2", "minimax_h3")
 """The default order after flux and sd3 (both variants): the forwards of seconds come last."""
 
 
-def runs_for(warm_s: list[float], repeat: int) -> int:
-    """Runs a case: `repeat`, or 1 where the warm plain forwards take seconds (steady there)."""
-    return 1 if min(warm_s) > 2.0 else repeat
+ROUND_PER_PLAIN = 3.2
+"""One round's seconds over one plain forward pair's: plain a + b, every module (~1.2x), blocks
+only (~1.0x); `runs_for` sizes the rounds with it."""
+
+
+def runs_for(
+    warm_s: list[float], repeat: int, round_seconds: float = 0.0, most: int = 41, cycle: int = 4
+) -> int:
+    """Runs a case: 1 where the warm plain forwards take seconds (steady there); otherwise
+    `repeat`, or more where `round_seconds` of rounds hold more: a short forward's rounds are
+    cheap and its host's noise large, so its medians need many (sd3 full: ~0.5 s a round, 15 s
+    of them is 32). Rounded up to whole cycles of the Latin square (`cycle` rounds, one per
+    case), at most `most`. `warm_s` are the warm-up forwards of the two sides; the fastest
+    stands for both (the first of a process may have paid CUDA's set-up)."""
+    if min(warm_s) > 2.0:
+        return 1
+    if round_seconds <= 0:
+        return repeat
+    rounds = math.ceil(round_seconds / (ROUND_PER_PLAIN * 2 * min(warm_s)))
+    if rounds <= repeat:
+        return repeat
+    return max(repeat, min(most, cycle * math.ceil(rounds / cycle)))
 
 
 def measure(
@@ -136,11 +189,13 @@ def measure(
     preset: str = "full",
     device: str = "cuda",
     plain_fastest: bool = False,
+    round_seconds: float = 0.0,
 ) -> dict[str, Any]:
     """One family (`name` or `name:variant`) at `preset` on `device` (the bench: full, CUDA;
     the tests: tiny, CPU); `dump`: add the dump-then-compare case; `rotate`: the rounds' order
     (`in_rounds`); `plain_fastest`: run each plain forward on the core `fastest_cpu` picks,
-    as a pair's side threads are by default (LAB_PAIR_PIN=fastest)."""
+    as a pair's side threads are by default (LAB_PAIR_PIN=fastest); `round_seconds`: more than
+    `repeat` rounds where that many seconds of them hold more (`runs_for`)."""
     name, _, variant = name.partition(":")
     variant = variant or None
     fam = lab.family(name)
@@ -197,7 +252,7 @@ def measure(
             warm_s, _, _ = _timed(lambda s=side: plain(s), 1, cuda)
         warm.append(warm_s)
     # A forward of seconds times steadily: one run of each case is enough there.
-    repeat = runs_for(warm, repeat)
+    repeat = runs_for(warm, repeat, round_seconds)
     row["repeat"] = repeat
     cold_s, _, _ = _timed(paired, 1, cuda)
     row["every_module_cold_s"] = cold_s
@@ -311,24 +366,66 @@ def measure_sharded(nproc: int = 2) -> dict[str, Any]:
     return row
 
 
+def _cell(row: dict[str, Any], case: str) -> str:
+    """`case`'s ratios in a table cell: median [interval] / min / rounds."""
+    ci = row.get(f"{case}_vs_plain_ci")
+    interval = f" [{ci[0]:.2f}-{ci[1]:.2f}]" if ci else ""
+    return (
+        f"{row[f'{case}_vs_plain']:.2f}x{interval} / {row[f'{case}_vs_plain_min']:.2f}x / "
+        f"{row[f'{case}_vs_plain_rounds']:.2f}x"
+    )
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The families' ratios as a Markdown table (the README's): for each case the medians'
+    ratio with its 95 % interval over the rounds, the minima's ratio and the median round's;
+    the peaks against the larger plain peak; rounds run. A row that failed or skipped says so."""
+    lines = [
+        "| family | plain a + b | rounds | every module | blocks only | peak every / blocks |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        name = row["family"] + (f" {row['variant']}" if row.get("variant") else "")
+        if "every_module_vs_plain" not in row:
+            why = row.get("error") or row.get("skipped") or "no figures"
+            lines.append(f"| {name} ({row.get('case', row.get('preset'))}) | {why} | | | | |")
+            continue
+        lines.append(
+            f"| {name} | {row['plain_a_s']:.3f} + {row['plain_b_s']:.3f} s | {row['repeat']} | "
+            f"{_cell(row, 'every_module')} | {_cell(row, 'blocks_only')} | "
+            f"{row['every_module_peak_vs_plain']:.3f} / {row['blocks_only_peak_vs_plain']:.3f}x |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("out_dir")
+    parser.add_argument("out_dir", nargs="?")
+    parser.add_argument(
+        "--table", metavar="FULL_SIZE_JSON",
+        help="print the Markdown table of a written full_size.json and stop (no GPU needed)",
+    )  # fmt: skip
     parser.add_argument(
         "--families", default=",".join(["flux", "sd3", "sd3:large", *FAMILIES_AFTER]),
         help="families in order (name or name:variant); short forwards first",
     )  # fmt: skip
     parser.add_argument("--dump", default="sd3", help="families that also dump-then-compare")
-    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--repeat", type=int, default=7, help="rounds at least")
+    parser.add_argument(
+        "--round-seconds", type=float, default=15.0,
+        help="short forwards get more rounds, as many as fill about this many seconds (at most "
+        "41; 0: --repeat rounds everywhere)",
+    )  # fmt: skip
     parser.add_argument(
         "--fixed-order", action="store_true",
         help="every round in the same order (plain a, plain b, every module, blocks only)",
     )  # fmt: skip
     parser.add_argument(
-        "--plain-fastest", action="store_true",
+        "--plain-fastest", action=argparse.BooleanOptionalAction, default=True,
         help="run each plain forward on the core that probes fastest now (lockstep.fastest_cpu), "
         "as a pair's side threads are by default, so both sides of the ratio draw alike from a "
-        "shared host's cores",
+        "shared host's cores (the default since stop 28; --no-plain-fastest: where the "
+        "scheduler puts them, as before)",
     )  # fmt: skip
     parser.add_argument(
         "--sharded", choices=("on", "off"), default="on",
@@ -336,6 +433,11 @@ def main() -> None:
         "says why not otherwise); off: leave it out",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())["rows"]))
+        return
+    if args.out_dir is None:
+        parser.error("OUT_DIR is needed to measure (or --table FULL_SIZE_JSON to print one)")
     if not torch.cuda.is_available():
         raise SystemExit("bench/full_size.py measures on CUDA; this machine has no GPU.")
     out = Path(args.out_dir)
@@ -345,6 +447,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(),
         "gpu_total_gib": torch.cuda.get_device_properties(0).total_memory / 2**30,
         "repeat": args.repeat,
+        "round_seconds": args.round_seconds,
         "order": "fixed" if args.fixed_order else "rotated",
     }
     rows: list[dict[str, Any]] = []
@@ -353,6 +456,7 @@ def main() -> None:
             row = measure(
                 name, args.repeat, dump=name in args.dump.split(","),
                 rotate=not args.fixed_order, plain_fastest=args.plain_fastest,
+                round_seconds=args.round_seconds,
             )  # fmt: skip
         except Exception as err:  # keep the other families' figures
             row = {"family": name, "preset": "full", "error": repr(err)[:400]}
@@ -373,6 +477,7 @@ def main() -> None:
     rows.append(row)
     print(json.dumps(row), flush=True)
     (out / "full_size.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(table(rows), flush=True)
 
 
 if __name__ == "__main__":

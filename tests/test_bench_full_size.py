@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -20,6 +21,87 @@ def test_one_run_only_where_both_warm_forwards_take_seconds(
     # slow warm-up left every case of the family (and of side b) at one run.
     assert bench.runs_for([4.2, 0.12], 3) == 3
     assert bench.runs_for([0.11, 0.12], 5) == 5
+
+
+def test_short_forwards_get_as_many_rounds_as_fill_the_round_seconds(
+    load_bench: Callable[[str], ModuleType],
+) -> None:
+    bench = load_bench("full_size")
+    # sd3 full (warm plain 0.075 s a side, the first of a process slower): a round is about
+    # 3.2 x 0.15 s, so 15 s hold 32 rounds, a whole number of the Latin square's 4-round cycles.
+    assert bench.runs_for([4.2, 0.075], 7, round_seconds=15.0) == 32
+    assert bench.runs_for([0.2, 0.21], 7, round_seconds=15.0) == 12  # flux: 11.7 -> 12
+    assert bench.runs_for([0.55, 0.54], 7, round_seconds=15.0) == 7  # ltx2: 4.3 rounds, floor 7
+    assert bench.runs_for([0.01, 0.01], 7, round_seconds=15.0) == 41  # capped
+    assert bench.runs_for([0.01, 0.01], 7, round_seconds=15.0, most=20) == 20
+    assert bench.runs_for([3.3, 3.3], 7, round_seconds=15.0) == 1  # seconds: steady, one run
+    assert bench.runs_for([0.075, 0.08], 7) == 7  # no round seconds: --repeat, as before
+
+
+def test_the_median_ratios_interval_is_seeded_and_holds_the_ratio(
+    load_bench: Callable[[str], ModuleType],
+) -> None:
+    import random
+
+    bench = load_bench("full_size")
+    rng = random.Random(1)
+    # A shared host's noise: each round's cases slowed alike by a factor, the pair 1.25x.
+    slow = [1 + rng.random() for _ in range(32)]
+    times = {
+        "plain_a": [0.075 * f * (1 + 0.05 * rng.random()) for f in slow],
+        "plain_b": [0.080 * f * (1 + 0.05 * rng.random()) for f in slow],
+    }
+    pairs = zip(times["plain_a"], times["plain_b"], strict=True)
+    times["every_module"] = [1.25 * (a + b) for a, b in pairs]
+    got = bench.ratios(times, "every_module")
+    lo, hi = got["every_module_vs_plain_ci"]
+    assert lo <= got["every_module_vs_plain"] <= hi
+    assert 1.0 < lo < hi < 1.6 and hi - lo > 0.01  # noisy rounds: a real width
+    assert got["every_module_vs_plain_rounds"] == pytest.approx(1.25)
+    assert bench.ratio_interval(times, "every_module") == [lo, hi]  # seeded: the same again
+    assert bench.ratio_interval(times, "every_module", seed=2) != [lo, hi]
+    # A steadier host gives a narrower interval around the same ratio.
+    steady = {k: [v[0]] * 32 for k, v in times.items()}
+    steady["plain_a"] = [0.075 * (1 + 0.01 * rng.random()) for _ in range(32)]
+    s_lo, s_hi = bench.ratio_interval(steady, "every_module")
+    assert s_hi - s_lo < hi - lo
+    four = {k: v[:4] for k, v in times.items()}
+    assert bench.ratios(four, "every_module")["every_module_vs_plain_ci"] is None
+
+
+def test_the_table_states_each_familys_ratios_and_why_a_row_has_none(
+    load_bench: Callable[[str], ModuleType], tmp_path: Path
+) -> None:
+    import json
+    import subprocess
+    import sys
+
+    bench = load_bench("full_size")
+    row = {"family": "sd3", "variant": "large", "preset": "full", "repeat": 20,
+           "plain_a_s": 0.12, "plain_b_s": 0.13,
+           "every_module_vs_plain": 1.234, "every_module_vs_plain_min": 1.185,
+           "every_module_vs_plain_rounds": 1.21, "every_module_vs_plain_ci": [1.19, 1.31],
+           "blocks_only_vs_plain": 1.002, "blocks_only_vs_plain_min": 0.972,
+           "blocks_only_vs_plain_rounds": 0.997, "blocks_only_vs_plain_ci": None,
+           "every_module_peak_vs_plain": 1.0241, "blocks_only_peak_vs_plain": 1.0238}  # fmt: skip
+    skipped = {"family": "minimax_h3", "case": "sharded_2gpu", "skipped": "needs 2 GPUs, found 1"}
+    text = bench.table([row, skipped])
+    lines = text.splitlines()
+    assert lines[0].startswith("| family |") and len(lines) == 4
+    assert lines[2] == (
+        "| sd3 large | 0.120 + 0.130 s | 20 | 1.23x [1.19-1.31] / 1.19x / 1.21x | "
+        "1.00x / 0.97x / 1.00x | 1.024 / 1.024x |"
+    )
+    assert "minimax_h3 (sharded_2gpu) | needs 2 GPUs, found 1 |" in lines[3]
+    # The same table from a written file, without a GPU.
+    path = tmp_path / "full_size.json"
+    path.write_text(json.dumps({"meta": {}, "rows": [row, skipped]}))
+    script = Path(__file__).resolve().parents[1] / "bench" / "full_size.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--table", str(path)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert out.stdout.strip() == text
 
 
 def test_cases_run_in_rounds_and_keep_only_their_last_value(
