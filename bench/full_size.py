@@ -399,7 +399,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("out_dir", nargs="?")
     parser.add_argument(
         "--table", metavar="FULL_SIZE_JSON",
