@@ -1,7 +1,7 @@
 """One lab switch, each of its values against the others, in one process (issue 16).
 
-    python bench/ab_switch.py OUT.json --switch LAB_METRICS_STREAM=1,0 [--families sd3,cosmos3]
-        [--device cuda] [--rounds 9] [--blocks]
+    python bench/ab_switch.py OUT.json --switch LAB_METRICS_STREAM=1,0
+        [--families sd3,sd3:large,cosmos3] [--device cuda] [--rounds 9] [--blocks]
 
 The host-bound pairs move by 10-30 % from one device call to the next with the same code, so a
 switch is measured against its alternatives only side by side: for each family, in one process,

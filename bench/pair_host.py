@@ -286,9 +286,10 @@ def vs_plain(times: dict[str, list[float]]) -> dict[str, float]:
     return row
 
 
-def deep_tiny(fam: Any) -> Any:
-    """`fam` with its tiny preset given the full preset's layer counts (every `*layers*` key)."""
-    full = fam.config("full")
+def deep_tiny(fam: Any, variant: str | None = None) -> Any:
+    """`fam` with its tiny preset given the full preset's layer counts (every `*layers*` key;
+    `variant`: the variant's full layer counts, e.g. sd3 large's 38 blocks)."""
+    full = fam.config("full", variant)
     tiny = {**fam.presets["tiny"], **{k: v for k, v in full.items() if "layers" in k}}
     return dataclasses.replace(fam, presets={**fam.presets, "tiny": tiny})
 
@@ -470,13 +471,19 @@ def rows_per_family(
 
 
 def family_case(name: str, device: str) -> tuple[Any, str, torch.nn.Module, Any]:
-    """(family, preset label, model, inputs): the `full` preset on CUDA, else a deep tiny one."""
+    """(family, preset label, model, inputs): the `full` preset on CUDA, else a deep tiny one.
+    `name` may name a variant, "sd3:large" (on CPU: the tiny width at the variant's depth)."""
+    name, _, variant_name = name.partition(":")
+    variant = variant_name or None
     fam = lab.family(name)
+    fam.config("full", variant)  # an unknown variant raises here, naming the known ones
+    expert = fam.expert_for_sigma(0.75)
     if device == "cuda":
-        model = fam.build("full", 0, device="cuda", expert=fam.expert_for_sigma(0.75))
-        return fam, "full", model, fam.make_inputs("full", 0, device="cuda")
-    fam = deep_tiny(fam)
-    model = fam.build("tiny", 0, expert=fam.expert_for_sigma(0.75))
+        model = fam.build("full", 0, device="cuda", expert=expert, variant=variant)
+        return fam, "full", model, fam.make_inputs("full", 0, device="cuda", variant=variant)
+    fam = deep_tiny(fam, variant)
+    # The variant's depth is in the tiny preset now; its other overrides are full-size widths.
+    model = fam.build("tiny", 0, expert=expert)
     return fam, "tiny (full layer counts)", model, fam.make_inputs("tiny", 0)
 
 

@@ -44,6 +44,23 @@ def test_deep_tiny_keeps_tiny_widths_with_full_layer_counts(
         assert fam.config("tiny") == tiny  # the registry's family is left as it was
 
 
+def test_a_family_case_may_name_a_variant(load_bench: Callable[[str], ModuleType]) -> None:
+    # "sd3:large" in the benches: on the CPU the tiny width at the variant's full depth.
+    bench = load_bench("pair_host")
+    _, preset, medium, _ = bench.family_case("sd3", "cpu")
+    fam, _, large, inputs = bench.family_case("sd3:large", "cpu")
+    assert preset == "tiny (full layer counts)"
+    full_large = lab.family("sd3").config("full", "large")["num_layers"]
+    assert len(large.transformer_blocks) == full_large == 38
+    assert len(medium.transformer_blocks) == lab.family("sd3").config("full")["num_layers"]
+    out = lab.forward_side(large, inputs, lab.Side.rollout(fam))
+    out = out[0] if isinstance(out, tuple) else out
+    latents = inputs.kwargs[inputs.keys_with_role("latents")[0]]
+    assert out.shape == latents.shape and out.isfinite().all()
+    with pytest.raises(ValueError, match=r"unknown variant 'huge'\. Known: large"):
+        bench.family_case("sd3:huge", "cpu")
+
+
 def test_breakdown_counts_every_pairing_call_and_unwraps(
     load_bench: Callable[[str], ModuleType], sd3_tiny: tuple
 ) -> None:
