@@ -12,8 +12,12 @@ once, the rounds' orders a balanced Latin square (`pair_host.round_orders`: each
 each other case equally often). For each case: the median and minimum seconds, their ratios to
 `plain`'s, the median of each round's own ratio to that round's plain forwards (`*_vs_plain_rounds`)
 and, on CUDA, the peak memory of its last run against the larger of the two plain forwards'
-(`*_peak_vs_plain`). `rows_equal`: every value's Result has the same rows, metric for metric, as the
-first value's (a switch that changes how a pair runs must not change what it finds). On CUDA the
+(`*_peak_vs_plain`). The first value against each other one: the medians' ratio
+(`pair_<first>_vs_pair_<other>`), its 95 % bootstrap interval over the rounds (`..._ci`) and the
+rounds the first was faster in (`..._faster_than_..._rounds`); every case's seconds round by
+round in `round_seconds`. `rows_equal`: every value's Result has the same rows, metric for
+metric, as the first value's (a switch that changes how a pair runs must not change what it
+finds). On CUDA the
 family's `full` preset, on CPU a deep tiny model (`pair_host.deep_tiny`; the pairs keep their side
 threads as on CUDA). Writes OUT.json after each family.
 """
@@ -113,6 +117,13 @@ def measure(
     row: dict[str, Any] = {"family": name, "preset": preset, "device": device, "rounds": rounds,
                            "switch": switch, "values": values}  # fmt: skip
     row.update(pair_host.vs_plain(times))
+    # The first value against each other one, round by round (`pair_host.against`: the
+    # medians' ratio, its 95 % interval, the rounds the first was faster in), and the times.
+    for what in ("pair", "blocks"):
+        for value in values[1:]:
+            if f"{what}_{value}" in times:
+                row.update(pair_host.against(times, f"{what}_{values[0]}", f"{what}_{value}"))
+    row["round_seconds"] = times
     if device == "cuda":
         side_peaks = []
         for side in (lab.Side.rollout(fam, device=device), lab.Side.trainer(fam, device=device)):

@@ -41,7 +41,6 @@ import gc
 import json
 import math
 import os
-import random
 import shutil
 import statistics
 import tempfile
@@ -53,7 +52,7 @@ from typing import Any
 
 import torch
 from full_pair import dump_then_compare  # bench/ is this script's folder
-from pair_host import RunClock, round_orders
+from pair_host import RunClock, bootstrap_interval, round_orders
 
 import lab
 from lab.pairing.lockstep import _restore_affinity, fastest_cpu
@@ -125,27 +124,19 @@ def ratio_interval(
     times: dict[str, list[float]], case: str, level: float = 0.95, draws: int = 2000, seed: int = 0
 ) -> list[float] | None:
     """A bootstrap interval of `case`'s medians' ratio to the plain forwards': the rounds drawn
-    again with replacement `draws` times (a round's cases together, as they ran), the ratio of
-    the drawn rounds' medians each time, and the central `level` of those ratios. How far one
-    call's median can be trusted when a shared host's cores move the short forwards by tens of
-    percent from run to run. Seeded: the same times give the same interval. None under 5
-    rounds, where the draws repeat a handful of values."""
+    again with replacement `draws` times (`pair_host.bootstrap_interval`: a round's cases
+    together, as they ran), the ratio of the drawn rounds' medians each time, and the central
+    `level` of those ratios. How far one call's median can be trusted when a shared host's
+    cores move the short forwards by tens of percent from run to run. Seeded: the same times
+    give the same interval. None under 5 rounds."""
     runs, a, b = times[case], times["plain_a"], times["plain_b"]
-    n = len(runs)
-    if n < 5:
-        return None
-    rng = random.Random(seed)
     median = statistics.median
-    drawn = []
-    for _ in range(draws):
-        pick = [rng.randrange(n) for _ in range(n)]
-        drawn.append(
-            median(runs[i] for i in pick)
-            / (median(a[i] for i in pick) + median(b[i] for i in pick))
-        )
-    drawn.sort()
-    tail = (1 - level) / 2
-    return [drawn[int(tail * (draws - 1))], drawn[math.ceil((1 - tail) * (draws - 1))]]
+
+    def ratio(picked: list[int]) -> float:
+        plain = median(a[i] for i in picked) + median(b[i] for i in picked)
+        return median(runs[i] for i in picked) / plain
+
+    return bootstrap_interval(ratio, len(runs), level, draws, seed)
 
 
 # MiniMax H3 full (33.1 B) fits one H200 only with a compact master: weights as a bf16

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 from collections.abc import Callable
 from types import ModuleType
 
@@ -36,6 +37,17 @@ def test_each_value_runs_under_its_setting_and_finds_the_same_rows(
     # Every paired case ran under its own value: the warm-up run and one a round.
     assert seen.count("block") == seen.count("module") == 2 * 3
     assert row["pairs"] > 100 and row["rows_equal"] is True
+    # The first value against the other, round by round: two rounds give no interval.
+    rounds = row["round_seconds"]
+    assert sorted(rounds) == sorted(cases) and all(len(v) == 2 for v in rounds.values())
+    for what in ("pair", "blocks"):
+        first, other = rounds[f"{what}_block"], rounds[f"{what}_module"]
+        assert row[f"{what}_block_vs_{what}_module"] == pytest.approx(
+            statistics.median(first) / statistics.median(other)
+        )
+        assert row[f"{what}_block_vs_{what}_module_ci"] is None
+        faster = sum(a < b for a, b in zip(first, other, strict=True))
+        assert row[f"{what}_block_faster_than_{what}_module_rounds"] == faster
     assert "LAB_LOCKSTEP_HANDOVER" not in os.environ
 
 

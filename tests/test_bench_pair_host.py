@@ -44,6 +44,35 @@ def test_deep_tiny_keeps_tiny_widths_with_full_layer_counts(
         assert fam.config("tiny") == tiny  # the registry's family is left as it was
 
 
+def test_one_case_against_another_with_an_interval_over_the_rounds(
+    load_bench: Callable[[str], ModuleType],
+) -> None:
+    import random
+    import statistics
+
+    bench = load_bench("pair_host")
+    rng = random.Random(3)
+    # Each round slowed alike by the host; the new path 10 % faster than the old.
+    slow = [1 + rng.random() for _ in range(21)]
+    times = {
+        "old": [0.30 * f * (1 + 0.03 * rng.random()) for f in slow],
+        "new": [0.27 * f * (1 + 0.03 * rng.random()) for f in slow],
+    }
+    got = bench.against(times, "new", "old")
+    assert got["new_vs_old"] == statistics.median(times["new"]) / statistics.median(times["old"])
+    lo, hi = got["new_vs_old_ci"]
+    assert lo <= got["new_vs_old"] <= hi and hi - lo > 0.01
+    assert got["new_faster_than_old_rounds"] == 21  # the round's own comparison: every time
+    # The interval is seeded, needs 5 rounds, and narrows as the draws' spread does.
+    assert bench.against(times, "new", "old")["new_vs_old_ci"] == [lo, hi]
+    short = {k: v[:4] for k, v in times.items()}
+    assert bench.against(short, "new", "old")["new_vs_old_ci"] is None
+    assert bench.bootstrap_interval(lambda picked: 1.5, 10) == [1.5, 1.5]
+    picked_sizes = []
+    bench.bootstrap_interval(lambda p: picked_sizes.append(len(p)) or 0.0, 7, draws=30)
+    assert picked_sizes == [7] * 30
+
+
 def test_a_family_case_may_name_a_variant(load_bench: Callable[[str], ModuleType]) -> None:
     # "sd3:large" in the benches: on the CPU the tiny width at the variant's full depth.
     bench = load_bench("pair_host")
