@@ -30,8 +30,12 @@ Then the sharded MiniMax H3 case (`--sharded on`, the default; it runs when the 
 two GPUs): its trained master, which one GPU refuses, paired with `lab.fsdp.pair_sharded`.
 Writes OUT_DIR/full_size.json after every family (a run cut short keeps its figures), with the
 ratios (`every_module_vs_plain`, `blocks_only_vs_plain`, `peak_vs_plain`), the pair counts and
-`meta["timings_s"]` of the paired runs. An out-of-memory or other failure is recorded in the row
-(`error`) and the next family runs.
+`meta["timings_s"]` of the paired runs, and each run's host clocks (`{case}_clocks`, with the
+probe of the core it ran on, `probe_us`). An out-of-memory or other failure is recorded in the
+row (`error`) and the next family runs. At the end (and with `--table`) it prints the ratios'
+table and a second one of where the host's time went (`host_work`: each case's CPU seconds a
+run, the every-module pair's CPU less the blocks-only pair's, a pair's share of it, and the
+cores' probes).
 """
 
 from __future__ import annotations
@@ -210,27 +214,29 @@ def measure(
         n for n, m in model.named_modules() if type(m).__name__ in blocks and n.count(".") <= 1
     }
 
-    def plain(side: lab.Side) -> int | None:
-        """One plain forward; the core it was pinned to (None: not pinned)."""
+    def plain(side: lab.Side) -> tuple[int | None, float | None]:
+        """One plain forward; the core it was pinned to and that core's probe in us (None, None:
+        not pinned)."""
         # The output is dropped: the rounds' other cases must not hold it in their peaks.
         if not plain_fastest:
             lab.forward_side(model, inputs, side, view=views[side.name])
-            return None
+            return None, None
         # As a pair's side threads (LAB_PAIR_PIN=fastest): on the core that probes fastest
         # now, probe included, so the ratio is the pairing's cost, not the cores' lottery.
-        cpu, _ = fastest_cpu()
+        cpu, probes = fastest_cpu()
+        probe_us = probes[cpu] * 1e6 if cpu is not None else None
         mask = os.sched_getaffinity(0) if cpu is not None else None
         if cpu is not None:
             try:
                 os.sched_setaffinity(0, {cpu})
             except OSError:  # taken from the process since the probe: run where it is
-                cpu = mask = None
+                cpu = mask = probe_us = None
         try:
             lab.forward_side(model, inputs, side, view=views[side.name])
         finally:
             if mask is not None:
                 _restore_affinity(mask)  # as fastest_cpu gives a caller its CPU set back
-        return cpu
+        return cpu, probe_us
 
     def paired(names_filter: Any = None) -> Any:
         return lab.pair(model, inputs, a, b, stream=True, names_filter=names_filter)
@@ -257,11 +263,15 @@ def measure(
         def run() -> Any:
             with RunClock() as clock:
                 value = fn()
-            cpu = value if isinstance(value, int) else None  # a plain forward's pinned core
             if case in case_pins:
-                cpu = value.meta.get("pair_core", {}).get("pinned_cpu")
+                core = value.meta.get("pair_core", {})
+                cpu, probe_us = core.get("pinned_cpu"), core.get("probe_fastest_us")
                 case_pins[case].append(cpu)
+            else:
+                cpu, probe_us = value  # a plain forward's pinned core and its probe
             record = clock.record(cpu)
+            # The core's probe (the same loop on every run): how fast the core ran this run.
+            record["probe_us"] = probe_us
             if case in case_pins:
                 record["timings_s"] = value.meta.get("timings_s")  # the pair's own phases
             clocks.setdefault(case, []).append(record)
@@ -389,6 +399,60 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def host_work(row: dict[str, Any]) -> dict[str, Any] | None:
+    """What a family's runs cost the host, from each run's clocks (`{case}_clocks`): per case
+    the median CPU seconds of a run (the calling thread's and the side threads'), the median
+    probe of the core it ran on (us, the same loop every run; None where not recorded), and the
+    every-module pair's CPU less the blocks-only pair's: the host work of the modules inside the
+    blocks, in all and per extra pair. None where the row has no clocks (a failed or skipped
+    row, or one written before stop 27) or fewer than 5 rounds.
+
+    Where a case waits on the GPU inside a CUDA call (a full launch queue, the final sync), its
+    CPU seconds include that wait: this reads as host work only for a host-bound case (the
+    short forwards; a forward of seconds, timed once, is left out).
+    """
+    cases = ("plain_a", "plain_b", "every_module", "blocks_only")
+    if not all(len(row.get(f"{case}_clocks") or ()) >= 5 for case in cases):
+        return None
+    out: dict[str, Any] = {}
+    for case in cases:
+        runs = row[f"{case}_clocks"]
+        out[f"{case}_cpu_s"] = statistics.median(r["thread_cpu_s"] + r["side_cpu_s"] for r in runs)
+        probes = [r["probe_us"] for r in runs if r.get("probe_us") is not None]
+        out[f"{case}_probe_us"] = statistics.median(probes) if probes else None
+    extra = row["every_module_pairs"] - row["blocks_only_pairs"]
+    modules_s = out["every_module_cpu_s"] - out["blocks_only_cpu_s"]
+    out["modules_cpu_s"] = modules_s
+    out["modules_cpu_us_per_pair"] = modules_s / extra * 1e6 if extra > 0 else None
+    return out
+
+
+def host_table(rows: list[dict[str, Any]]) -> str:
+    """Where the host's time went, family by family (`host_work`), as a Markdown table; rows
+    without clocks are left out."""
+    lines = [
+        "| family | CPU s a run: plain a + b / every module / blocks only | every module less "
+        "blocks only (a pair) | core probe, us: plain / every module |",
+        "|---|---|---|---|",
+    ]
+    for row in rows:
+        work = host_work(row) if "every_module_vs_plain" in row else None
+        if work is None:
+            continue
+        name = row["family"] + (f" {row['variant']}" if row.get("variant") else "")
+        per_pair = work["modules_cpu_us_per_pair"]
+        probes = [work["plain_a_probe_us"], work["every_module_probe_us"]]
+        probe = " / ".join("-" if p is None else f"{p:.0f}" for p in probes)
+        lines.append(
+            f"| {name} | {work['plain_a_cpu_s']:.3f} + {work['plain_b_cpu_s']:.3f} / "
+            f"{work['every_module_cpu_s']:.3f} / {work['blocks_only_cpu_s']:.3f} | "
+            f"{work['modules_cpu_s'] * 1e3:.0f} ms"
+            + ("" if per_pair is None else f" ({per_pair:.0f} us)")
+            + f" | {probe} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -427,7 +491,8 @@ def main() -> None:
     )  # fmt: skip
     args = parser.parse_args()
     if args.table:
-        print(table(json.loads(Path(args.table).read_text())["rows"]))
+        written = json.loads(Path(args.table).read_text())["rows"]
+        print(table(written) + "\n\n" + host_table(written))
         return
     if args.out_dir is None:
         parser.error("OUT_DIR is needed to measure (or --table FULL_SIZE_JSON to print one)")
@@ -470,7 +535,7 @@ def main() -> None:
     rows.append(row)
     print(json.dumps(row), flush=True)
     (out / "full_size.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(table(rows), flush=True)
+    print(table(rows) + "\n\n" + host_table(rows), flush=True)
 
 
 if __name__ == "__main__":

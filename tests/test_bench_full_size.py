@@ -101,7 +101,38 @@ def test_the_table_states_each_familys_ratios_and_why_a_row_has_none(
         [sys.executable, str(script), "--table", str(path)],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
-    assert out.stdout.strip() == text
+    assert out.stdout.strip() == text + "\n\n" + bench.host_table([row, skipped])
+
+
+def test_host_work_splits_a_pairs_cpu_time_into_blocks_and_the_modules_inside(
+    load_bench: Callable[[str], ModuleType],
+) -> None:
+    bench = load_bench("full_size")
+
+    def runs(cpu: list[float], side: float = 0.0, probe: float | None = None) -> list[dict]:
+        # A pair's forwards run on its side threads; the calling thread does the rest.
+        return [{"thread_cpu_s": c - side, "side_cpu_s": side, "probe_us": probe} for c in cpu]
+
+    row = {"family": "sd3", "variant": "large", "every_module_vs_plain": 1.4,
+           "every_module_pairs": 1717, "blocks_only_pairs": 75,
+           "plain_a_clocks": runs([0.12, 0.10, 0.11, 0.13, 0.11], probe=21.0),
+           "plain_b_clocks": runs([0.13, 0.12, 0.12, 0.12, 0.14], probe=23.0),
+           "every_module_clocks": runs([0.36, 0.33, 0.35, 0.50, 0.34], side=0.3, probe=20.0),
+           "blocks_only_clocks": runs([0.26, 0.25, 0.24, 0.27, 0.25], side=0.2)}  # fmt: skip
+    work = bench.host_work(row)
+    assert work["plain_a_cpu_s"] == pytest.approx(0.11) and work["plain_b_cpu_s"] == 0.12
+    assert work["every_module_cpu_s"] == pytest.approx(0.35)  # the median run, both threads
+    assert work["blocks_only_cpu_s"] == pytest.approx(0.25)
+    assert work["modules_cpu_s"] == pytest.approx(0.10)
+    assert work["modules_cpu_us_per_pair"] == pytest.approx(0.10 / 1642 * 1e6)
+    assert work["plain_a_probe_us"] == 21.0 and work["blocks_only_probe_us"] is None
+    lines = bench.host_table([row]).splitlines()
+    assert lines[2] == "| sd3 large | 0.110 + 0.120 / 0.350 / 0.250 | 100 ms (61 us) | 21 / 20 |"
+    # Too few rounds to read (a forward of seconds, timed once), or no clocks: left out.
+    once = {**row, **{f"{c}_clocks": row[f"{c}_clocks"][:1] for c in
+                      ("plain_a", "plain_b", "every_module", "blocks_only")}}  # fmt: skip
+    assert bench.host_work(once) is None and bench.host_work({"family": "x"}) is None
+    assert len(bench.host_table([once, {"family": "x", "error": "OOM"}]).splitlines()) == 2
 
 
 def test_cases_run_in_rounds_and_keep_only_their_last_value(
@@ -232,8 +263,10 @@ def test_plain_forwards_can_run_on_the_fastest_core_as_the_pairs_do(
     # Every plain forward (two warm-ups, two rounds of each side) ran on the fast core ...
     assert ran_on == [fast] * 6, ran_on
     for case in ("plain_a", "plain_b"):
-        # ... and its clocks were read there.
+        # ... and its clocks were read there, with the probe that chose the core.
         assert [c["cpu"] for c in row[f"{case}_clocks"]] == [fast, fast]
+        assert [c["probe_us"] for c in row[f"{case}_clocks"]] == pytest.approx([20.0, 20.0])
     assert row["every_module_pinned_cpus"] == [fast, fast]
+    assert [c["probe_us"] for c in row["every_module_clocks"]] == pytest.approx([20.0, 20.0])
     assert os.sched_getaffinity(0) == allowed
     assert bench.measure("sd3", 1, preset="tiny", device="cpu")["plain_pin"] == "none"

@@ -598,6 +598,9 @@ def test_fastest_mode_pins_the_side_threads_to_the_core_that_probes_fastest(
     median = statistics.median(20e-6 if c == fast else 38e-6 for c in allowed)
     assert core["probed_cpus"] == len(allowed)
     assert core["probe_speedup"] == pytest.approx(median / 20e-6)  # median core's probe / fast's
+    # The probes themselves, in us: a run's core speed, comparable across runs and calls.
+    assert core["probe_fastest_us"] == pytest.approx(20.0)
+    assert core["probe_median_us"] == pytest.approx(median * 1e6)
     assert 0 < core["probe_s"] < result.meta["timings_s"]["lockstep_s"]  # probed inside it
     workers = lockstep._WORKERS._workers.values()
     assert [os.sched_getaffinity(w.thread.native_id) for w in workers] == [{fast}] * 2

@@ -803,8 +803,11 @@ def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -
     if step.probes:
         # How much faster the chosen core ran the probe than the median probed one.
         fast, median = min(step.probes.values()), statistics.median(step.probes.values())
+        # The chosen core's probe and the median probed one's, in microseconds: a run's speed
+        # next to another run's (or another call's) on the same loop.
         run.core.update(probed_cpus=len(step.probes), probe_speedup=median / fast,
-                        probe_s=step.probe_s)  # fmt: skip
+                        probe_s=step.probe_s, probe_fastest_us=fast * 1e6,
+                        probe_median_us=median * 1e6)  # fmt: skip
     if step.errors:
         key, err = next(iter(step.errors.items()))  # the side that failed first
         run.phase["side"] = step.sides[key].name
