@@ -407,9 +407,10 @@ def host_work(row: dict[str, Any]) -> dict[str, Any] | None:
     blocks, in all and per extra pair. None where the row has no clocks (a failed or skipped
     row, or one written before stop 27) or fewer than 5 rounds.
 
-    Where a case waits on the GPU inside a CUDA call (a full launch queue, the final sync), its
-    CPU seconds include that wait: this reads as host work only for a host-bound case (the
-    short forwards; a forward of seconds, timed once, is left out).
+    Where a case waits on the GPU inside a CUDA call (a full launch queue; a pair's own final
+    sync, which spins; a plain forward's clock stops before its sync), its CPU seconds include
+    that wait: this reads as host work only for a host-bound case (sd3, cosmos3; a forward of
+    seconds, timed once, is left out).
     """
     cases = ("plain_a", "plain_b", "every_module", "blocks_only")
     if not all(len(row.get(f"{case}_clocks") or ()) >= 5 for case in cases):
