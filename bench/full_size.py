@@ -367,6 +367,11 @@ def measure_sharded(nproc: int = 2) -> dict[str, Any]:
     return row
 
 
+def _name(row: dict[str, Any]) -> str:
+    """A row's family as the tables name it: "sd3 large" for `sd3:large`."""
+    return row["family"] + (f" {row['variant']}" if row.get("variant") else "")
+
+
 def _cell(row: dict[str, Any], case: str) -> str:
     """`case`'s ratios in a table cell: median [interval] / min / rounds."""
     ci = row.get(f"{case}_vs_plain_ci")
@@ -386,7 +391,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for row in rows:
-        name = row["family"] + (f" {row['variant']}" if row.get("variant") else "")
+        name = _name(row)
         if "every_module_vs_plain" not in row:
             why = row.get("error") or row.get("skipped") or "no figures"
             lines.append(f"| {name} ({row.get('case', row.get('preset'))}) | {why} | | | | |")
@@ -440,7 +445,7 @@ def host_table(rows: list[dict[str, Any]]) -> str:
         work = host_work(row) if "every_module_vs_plain" in row else None
         if work is None:
             continue
-        name = row["family"] + (f" {row['variant']}" if row.get("variant") else "")
+        name = _name(row)
         per_pair = work["modules_cpu_us_per_pair"]
         probes = [work["plain_a_probe_us"], work["every_module_probe_us"]]
         probe = " / ".join("-" if p is None else f"{p:.0f}" for p in probes)

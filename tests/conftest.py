@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -39,3 +40,24 @@ def load_bench(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], ModuleType]:
         return module
 
     return load
+
+
+@pytest.fixture
+def noisy_rounds() -> Callable[..., dict[str, list[float]]]:
+    """Times of cases run in rounds on a shared host: `rounds` rounds, each slowed by its own
+    factor in [1, 2) for every case alike, and each case's run by up to `jitter` more.
+
+        noisy_rounds({"old": 0.30, "new": 0.27}, rounds=21, seed=3, jitter=0.03)
+    """
+
+    def make(
+        bases: dict[str, float], rounds: int, seed: int, jitter: float
+    ) -> dict[str, list[float]]:
+        rng = random.Random(seed)
+        slow = [1 + rng.random() for _ in range(rounds)]
+        return {
+            case: [base * f * (1 + jitter * rng.random()) for f in slow]
+            for case, base in bases.items()
+        }
+
+    return make

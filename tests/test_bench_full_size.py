@@ -39,18 +39,14 @@ def test_short_forwards_get_as_many_rounds_as_fill_the_round_seconds(
 
 
 def test_the_median_ratios_interval_is_seeded_and_holds_the_ratio(
-    load_bench: Callable[[str], ModuleType],
+    load_bench: Callable[[str], ModuleType], noisy_rounds: Callable[..., dict[str, list[float]]]
 ) -> None:
     import random
 
     bench = load_bench("full_size")
-    rng = random.Random(1)
+    rng = random.Random(2)
     # A shared host's noise: each round's cases slowed alike by a factor, the pair 1.25x.
-    slow = [1 + rng.random() for _ in range(32)]
-    times = {
-        "plain_a": [0.075 * f * (1 + 0.05 * rng.random()) for f in slow],
-        "plain_b": [0.080 * f * (1 + 0.05 * rng.random()) for f in slow],
-    }
+    times = noisy_rounds({"plain_a": 0.075, "plain_b": 0.080}, rounds=32, seed=1, jitter=0.05)
     pairs = zip(times["plain_a"], times["plain_b"], strict=True)
     times["every_module"] = [1.25 * (a + b) for a, b in pairs]
     got = bench.ratios(times, "every_module")

@@ -45,19 +45,13 @@ def test_deep_tiny_keeps_tiny_widths_with_full_layer_counts(
 
 
 def test_one_case_against_another_with_an_interval_over_the_rounds(
-    load_bench: Callable[[str], ModuleType],
+    load_bench: Callable[[str], ModuleType], noisy_rounds: Callable[..., dict[str, list[float]]]
 ) -> None:
-    import random
     import statistics
 
     bench = load_bench("pair_host")
-    rng = random.Random(3)
     # Each round slowed alike by the host; the new path 10 % faster than the old.
-    slow = [1 + rng.random() for _ in range(21)]
-    times = {
-        "old": [0.30 * f * (1 + 0.03 * rng.random()) for f in slow],
-        "new": [0.27 * f * (1 + 0.03 * rng.random()) for f in slow],
-    }
+    times = noisy_rounds({"old": 0.30, "new": 0.27}, rounds=21, seed=3, jitter=0.03)
     got = bench.against(times, "new", "old")
     assert got["new_vs_old"] == statistics.median(times["new"]) / statistics.median(times["old"])
     lo, hi = got["new_vs_old_ci"]
