@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from lab.pairing.lockstep import _probe_s, _restore_affinity
+from lab.pairing.lockstep import _probe_s, restore_affinity
 
 
 def loop_ms(loops: int) -> float:
@@ -43,7 +43,7 @@ def probe_pass(cpus: list[int], loops: int, settle_s: float = 0.002) -> dict[int
             time.sleep(settle_s)
             out[cpu] = loop_ms(loops)
     finally:
-        _restore_affinity(mask)  # as fastest_cpu: the caller's CPU set back, on every path
+        restore_affinity(mask)  # as fastest_cpu: the caller's CPU set back, on every path
     return out
 
 

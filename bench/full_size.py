@@ -59,7 +59,7 @@ from full_pair import dump_then_compare  # bench/ is this script's folder
 from pair_host import RunClock, bootstrap_interval, round_orders
 
 import lab
-from lab.pairing.lockstep import _restore_affinity, fastest_cpu
+from lab.pairing.lockstep import fastest_cpu, restore_affinity
 from lab.pairing.weights import WeightView
 
 
@@ -235,7 +235,7 @@ def measure(
             lab.forward_side(model, inputs, side, view=views[side.name])
         finally:
             if mask is not None:
-                _restore_affinity(mask)  # as fastest_cpu gives a caller its CPU set back
+                restore_affinity(mask)  # as fastest_cpu gives a caller its CPU set back
         return cpu, probe_us
 
     def paired(names_filter: Any = None) -> Any:

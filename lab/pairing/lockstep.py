@@ -200,13 +200,13 @@ def fastest_cpu(limit: int | None = None) -> tuple[int | None, dict[int, float]]
                 continue
             probes[cpu] = min(_probe_s(), _probe_s())
     finally:
-        _restore_affinity(mask)
+        restore_affinity(mask)
     if not probes:
         return None, {}
     return min(probes, key=probes.__getitem__), probes
 
 
-def _restore_affinity(mask: set[int]) -> None:
+def restore_affinity(mask: set[int]) -> None:
     """Give the calling thread `mask` back, or every CPU where that fails.
 
     A CPU taken from the process since the probe makes `mask` fail; the thread is then given
