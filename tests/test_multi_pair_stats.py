@@ -326,3 +326,30 @@ def test_a_batch_holds_what_lab_metric_batch_bytes_says(monkeypatch: pytest.Monk
         # A pair refuses it before any forward runs.
         with pytest.raises(ValueError, match="LAB_METRIC_BATCH_BYTES"):
             lab.pair(model, inputs, side, side)
+
+
+def test_lab_metric_batch_share_sets_the_share_of_the_master(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import lab
+    from lab.pairing.collect import Collector
+
+    sd3_large = int(30.0 * 2**30)  # sd3 large full as held
+    monkeypatch.setenv("LAB_METRIC_BATCH_SHARE", "0.06")
+    assert Collector({}, master_bytes=sd3_large).batch_bytes == int(0.06 * sd3_large)
+    # Still within the floor and the ceiling, and LAB_METRIC_BATCH_BYTES still wins.
+    assert Collector({}, master_bytes=1 << 30).batch_bytes == 512 << 20
+    assert Collector({}, master_bytes=400 << 30).batch_bytes == 4 << 30
+    monkeypatch.setenv("LAB_METRIC_BATCH_BYTES", str(1 << 30))
+    assert Collector({}, master_bytes=sd3_large).batch_bytes == 1 << 30
+    monkeypatch.delenv("LAB_METRIC_BATCH_BYTES")
+    fam = lab.family("sd3")
+    model, inputs = fam.build("tiny", 0), fam.make_inputs("tiny", 0)
+    side = lab.Side.rollout(fam)
+    for bad in ("0", "1.5", "6%", "nan", "-0.1", "\u0660.1"):
+        monkeypatch.setenv("LAB_METRIC_BATCH_SHARE", bad)
+        with pytest.raises(ValueError, match=rf"LAB_METRIC_BATCH_SHARE={bad!r}: give the share"):
+            Collector({})
+        # A pair refuses it before any forward runs.
+        with pytest.raises(ValueError, match="LAB_METRIC_BATCH_SHARE"):
+            lab.pair(model, inputs, side, side)

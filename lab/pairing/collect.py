@@ -149,25 +149,50 @@ def metrics_on_side_stream() -> bool:
     return metrics_stream_mode() != "0"
 
 
+def metric_batch_share() -> float:
+    """LAB_METRIC_BATCH_SHARE as a float (unset: DEVICE_BATCH_SHARE).
+
+    Raises:
+        ValueError: It is set to anything but a number above 0 and at most 1.
+    """
+    value = os.environ.get("LAB_METRIC_BATCH_SHARE")
+    if value is None:
+        return DEVICE_BATCH_SHARE
+    try:
+        share = float(value) if value.isascii() else None
+    except ValueError:
+        share = None
+    if share is None or not 0 < share <= 1:
+        raise ValueError(
+            f"LAB_METRIC_BATCH_SHARE={value!r}: give the share of the master's bytes a CUDA "
+            f"metric batch may hold, a number above 0 and at most 1, e.g. 0.06 (unset: "
+            f"{DEVICE_BATCH_SHARE})."
+        )
+    return share
+
+
 def metric_batch_bytes(master_bytes: int = 0) -> int:
     """Bytes of held outputs a CUDA metric batch holds at most before its kernels are queued.
 
     LAB_METRIC_BATCH_BYTES if set (for measuring: `bench/ab_switch.py`), else
-    DEVICE_BATCH_SHARE of the master's bytes, at least 512 MiB and at most 4 GiB. More a batch
-    means fewer batches (each ~0.4-0.6 ms of host time on the H200's host) and a higher peak.
+    LAB_METRIC_BATCH_SHARE (default DEVICE_BATCH_SHARE) of the master's bytes, at least 512 MiB
+    and at most 4 GiB. More a batch means fewer batches (each ~0.4-0.6 ms of host time on the
+    H200's host) and a higher peak.
 
     Raises:
-        ValueError: LAB_METRIC_BATCH_BYTES is set to anything but a positive integer.
+        ValueError: LAB_METRIC_BATCH_BYTES is set to anything but a positive integer, or
+            LAB_METRIC_BATCH_SHARE to anything but a number in (0, 1].
     """
+    share = metric_batch_share()
     value = os.environ.get("LAB_METRIC_BATCH_BYTES")
     if value is not None:
         if not (value.isascii() and value.isdigit()) or int(value) == 0:
             raise ValueError(
                 f"LAB_METRIC_BATCH_BYTES={value!r}: give a positive number of bytes, e.g. "
-                f"{_DEVICE_BYTES} (unset: {DEVICE_BATCH_SHARE:.1%} of the master's bytes)."
+                f"{_DEVICE_BYTES} (unset: {share:.1%} of the master's bytes)."
             )
         return int(value)
-    return min(max(_DEVICE_BYTES, int(DEVICE_BATCH_SHARE * master_bytes)), _DEVICE_BYTES_MAX)
+    return min(max(_DEVICE_BYTES, int(share * master_bytes)), _DEVICE_BYTES_MAX)
 
 
 class OutputEdited(Exception):
