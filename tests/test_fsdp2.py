@@ -589,3 +589,38 @@ def test_a_signalled_caller_ends_its_ranks_removes_its_folder_and_listened_on_lo
     assert ("Terminated: SIGTERM" if sig == signal.SIGTERM else "KeyboardInterrupt") in stderr
     assert _leftovers(tmp_path) == [], "the launch folder (or a torchelastic one) stayed"
     assert _processes_naming(str(tmp_path)) == [], "a rank outlived its caller"
+
+
+def test_a_model_no_rank_can_build_is_refused_before_any_rank_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lab.engine import fsdp
+    from lab.engine.fsdp import pair_sharded, rank_build_bytes
+
+    launched = []
+    monkeypatch.setattr(fsdp, "_launch_ranks", lambda *a, **k: launched.append(a))
+    # MiniMax H3 full on an H200's memory: every rank builds the whole fp32 model (123.4 GiB)
+    # before sharding it, which ran out of memory on two H200s; counted on the meta device.
+    monkeypatch.setenv("LAB_MEMORY_BUDGET_GIB", "139.8")
+    job = Fsdp2Job(family_name="minimax_h3", side=lab.Side.trainer(lab.family("minimax_h3")),
+                   preset="full")  # fmt: skip
+    assert rank_build_bytes(job) == 33_122_992_896 * 4 + 16 * 4  # parameters + rope.inv_freq
+    with pytest.raises(ValueError) as err:
+        pair_sharded("minimax_h3", "full", nproc=2, device="cpu")
+    message = str(err.value)
+    assert "minimax_h3 full does not fit one rank's cpu (139.8 GiB)" in message
+    assert "builds the whole seeded fp32 model before it shards it, 123.4 GiB" in message
+    assert "More ranks do not help" in message and "master='compact'" in message
+    # Qwen-Image full (76.1 GiB) is what sharding is for: it passes the check.
+    qwen = Fsdp2Job(family_name="qwen_image", side=lab.Side.trainer(lab.family("qwen_image")),
+                    preset="full")  # fmt: skip
+    fsdp.check_rank_build_fits(qwen, "cpu")
+    # A tiny model under a budget it does not fit, through run_fsdp2_forwards itself.
+    tiny = Fsdp2Job(family_name="sd3", side=lab.Side.trainer(lab.family("sd3")))
+    monkeypatch.setenv("LAB_MEMORY_BUDGET_GIB", repr(rank_build_bytes(tiny) / 2 / 2**30))
+    with pytest.raises(ValueError, match=r"sd3 tiny does not fit one rank's cpu"):
+        run_fsdp2_forwards([tiny], nproc=2, device="cpu")
+    assert launched == [], "a rank was launched before the refusal"
+    # No budget on a CPU: no check.
+    monkeypatch.delenv("LAB_MEMORY_BUDGET_GIB")
+    fsdp.check_rank_build_fits(job, "cpu")

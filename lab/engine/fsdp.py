@@ -343,6 +343,59 @@ class Fsdp2Capture:
     """With a loss: parameter name -> full fp32 gradient after FSDP2's reduce (CPU)."""
 
 
+def rank_build_bytes(job: Fsdp2Job) -> int:
+    """Bytes of the whole seeded fp32 model one rank builds for `job` before it shards it.
+
+    Counted on the meta device (no memory, no random draws): every parameter at 4 bytes and the
+    buffers as the class makes them.
+    """
+    from lab.families import family as get_family
+
+    fam = get_family(job.family_name)
+    cfg = fam.config(job.preset, job.variant)
+    with torch.device("meta"):
+        model = fam.model_cls()(**cfg)
+    params = sum(p.numel() for p in model.parameters()) * 4
+    return params + sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+def check_rank_build_fits(job: Fsdp2Job, device: str) -> None:
+    """Refuse, before any rank starts, a job whose model one rank cannot build on its device.
+
+    Every rank builds the whole seeded fp32 model on its device and shards it after
+    (`Fsdp2Job.build`, then `apply_fsdp2`), so a rank needs the full fp32 master at once, plus
+    `ACTIVATION_RESERVE_SHARE` of the budget (`device_memory_bytes`: $LAB_MEMORY_BUDGET_GIB, or
+    GPU 0's memory; no check on a CPU without the variable). MiniMax H3 full is the case: 123.4
+    GiB of fp32 parameters, and on two H200s rank 1 ran out of memory at 136 GiB while building
+    it (data/gpu/sharded_size_h200x2_b99d0e4.log).
+
+    Raises:
+        ValueError: Naming the family and preset, the bytes a rank needs and has, why, and
+            what to do instead.
+    """
+    from lab.pairing.guards import ACTIVATION_RESERVE_SHARE, MEMORY_BUDGET_ENV, device_memory_bytes
+
+    budget = device_memory_bytes(
+        torch.device("cuda", 0) if device == "cuda" else torch.device(device)
+    )
+    if budget is None:
+        return
+    need = rank_build_bytes(job)
+    reserve = int(budget * ACTIVATION_RESERVE_SHARE)
+    if need + reserve <= budget:
+        return
+    gib = 2**30
+    raise ValueError(
+        f"run_fsdp2_forwards: {job.family_name} {job.preset} does not fit one rank's {device} "
+        f"({budget / gib:.1f} GiB): every rank builds the whole seeded fp32 model before it "
+        f"shards it, {need / gib:.1f} GiB, plus {reserve / gib:.1f} GiB kept for the forward. "
+        "More ranks do not help. Where the master is exact at bf16 (a checkpoint shipped in "
+        "bf16, or build(init='bf16_shipped')), pair it on one GPU with a compact master "
+        "(lab.pair; build/load with master='compact'); otherwise use a smaller preset. "
+        f"${MEMORY_BUDGET_ENV} overrides the budget this check uses."
+    )
+
+
 def run_fsdp2_forwards(
     jobs: Sequence[Fsdp2Job],
     *,
@@ -373,7 +426,8 @@ def run_fsdp2_forwards(
 
     Raises:
         ValueError: nproc < 1, no jobs, an unknown device, a job whose side names another
-            device, or more ranks than GPUs.
+            device, more ranks than GPUs, or a model a rank cannot build on its device
+            (`check_rank_build_fits`).
         Fsdp2RankError: A rank failed: the first failing rank's own exception and traceback
             (every rank ended).
         RuntimeError: The launch ran past timeout_s (every rank ended, the rank logs quoted).
@@ -401,6 +455,8 @@ def run_fsdp2_forwards(
                 f"run_fsdp2_forwards: nproc={nproc} NCCL ranks need {nproc} GPUs; "
                 f"{torch.cuda.device_count()} visible."
             )
+    for job in jobs:
+        check_rank_build_fits(job, device)
     if workdir is None:
         with tempfile.TemporaryDirectory(prefix="lab-fsdp2-") as tmp:
             return run_fsdp2_forwards(

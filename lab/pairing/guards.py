@@ -253,17 +253,28 @@ def check_master_fits(
         if grid["on_fp32_tensors"]
         else ""
     )
+    fp32 = grid["elements"] * 4
+    if fp32 + reserve <= budget:
+        # Every FSDP2 rank builds the whole fp32 model before it shards it (lab.fsdp).
+        instead = (
+            f"Pair it sharded across GPUs instead: lab.fsdp.pair_sharded({family_name!r}, "
+            f"{preset!r}, nproc=2) on 2 GPUs (each rank builds the fp32 model, then holds half "
+            "of it), or use a smaller preset."
+        )
+    else:
+        instead = (
+            f"lab.fsdp.pair_sharded cannot pair it either: each of its ranks builds the whole "
+            f"fp32 model ({fp32 / gib:.1f} GiB) before sharding it. Use a smaller preset."
+        )
     raise ValueError(
         f"{where}: {what} does not fit {device} ({budget / gib:.1f} GiB) with pairing: "
         f"estimated peak {peak / gib:.1f} GiB = master {need['master'] / gib:.1f} GiB as held "
-        f"(fp32 master {grid['elements'] * 4 / gib:.1f} GiB) + weight casts "
+        f"(fp32 master {fp32 / gib:.1f} GiB) + weight casts "
         f"{need['casts'] / gib:.1f} GiB + {reserve / gib:.1f} GiB kept for two forwards' "
         f"activations. {grid['off_tensors']} of {grid['tensors']} parameter tensors "
         f"({grid['off_elements']:,} of {grid['elements']:,} elements) are off the bf16 grid "
         "(an fp32 master after optimizer steps), so they cannot be held at bf16 exactly."
-        f"{on_grid} Pair it sharded across GPUs instead: lab.fsdp.pair_sharded("
-        f"{family_name!r}, {preset!r}, nproc=2) on 2 GPUs (each holds half the master), or "
-        f"use a smaller preset. ${MEMORY_BUDGET_ENV} overrides the budget this check uses."
+        f"{on_grid} {instead} ${MEMORY_BUDGET_ENV} overrides the budget this check uses."
     )
 
 
