@@ -350,13 +350,12 @@ def rank_build_bytes(job: Fsdp2Job) -> int:
     buffers as the class makes them.
     """
     from lab.families import family as get_family
+    from lab.pairing.guards import fp32_build_bytes
 
     fam = get_family(job.family_name)
     cfg = fam.config(job.preset, job.variant)
     with torch.device("meta"):
-        model = fam.model_cls()(**cfg)
-    params = sum(p.numel() for p in model.parameters()) * 4
-    return params + sum(b.numel() * b.element_size() for b in model.buffers())
+        return fp32_build_bytes(fam.model_cls()(**cfg))
 
 
 def check_rank_build_fits(job: Fsdp2Job, device: str) -> None:
@@ -373,7 +372,12 @@ def check_rank_build_fits(job: Fsdp2Job, device: str) -> None:
         ValueError: Naming the family and preset, the bytes a rank needs and has, why, and
             what to do instead.
     """
-    from lab.pairing.guards import ACTIVATION_RESERVE_SHARE, MEMORY_BUDGET_ENV, device_memory_bytes
+    from lab.pairing.guards import (
+        ACTIVATION_RESERVE_SHARE,
+        MEMORY_BUDGET_ENV,
+        device_memory_bytes,
+        rank_build_fits,
+    )
 
     budget = device_memory_bytes(
         torch.device("cuda", 0) if device == "cuda" else torch.device(device)
@@ -381,9 +385,9 @@ def check_rank_build_fits(job: Fsdp2Job, device: str) -> None:
     if budget is None:
         return
     need = rank_build_bytes(job)
-    reserve = int(budget * ACTIVATION_RESERVE_SHARE)
-    if need + reserve <= budget:
+    if rank_build_fits(need, budget):
         return
+    reserve = int(budget * ACTIVATION_RESERVE_SHARE)
     gib = 2**30
     raise ValueError(
         f"run_fsdp2_forwards: {job.family_name} {job.preset} does not fit one rank's {device} "
@@ -455,7 +459,8 @@ def run_fsdp2_forwards(
                 f"run_fsdp2_forwards: nproc={nproc} NCCL ranks need {nproc} GPUs; "
                 f"{torch.cuda.device_count()} visible."
             )
-    for job in jobs:
+    # One meta build a model: both sides' jobs of one pair build the same one.
+    for job in {(j.family_name, j.preset, j.variant): j for j in jobs}.values():
         check_rank_build_fits(job, device)
     if workdir is None:
         with tempfile.TemporaryDirectory(prefix="lab-fsdp2-") as tmp:

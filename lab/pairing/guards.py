@@ -176,6 +176,24 @@ def device_memory_bytes(device: torch.device) -> int | None:
     return None
 
 
+def fp32_build_bytes(model: torch.nn.Module) -> int:
+    """Bytes of `model` built as a seeded fp32 master, plus its buffers.
+
+    4 bytes a parameter, however it is held now: what every FSDP2 rank builds before it shards
+    (`lab.fsdp`).
+    """
+    params = sum(p.numel() for _, p in canonical_parameters(model)) * 4
+    return params + sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+def rank_build_fits(fp32_bytes: int, budget: int) -> bool:
+    """Whether one FSDP2 rank can build an fp32 model of `fp32_bytes` on `budget` bytes.
+
+    ACTIVATION_RESERVE_SHARE of the budget is kept for the forward.
+    """
+    return fp32_bytes + int(budget * ACTIVATION_RESERVE_SHARE) <= budget
+
+
 def estimate_pair_bytes(
     model: torch.nn.Module, sides: tuple[Side, ...], stream_classes: tuple[str, ...]
 ) -> dict[str, int]:
@@ -254,7 +272,7 @@ def check_master_fits(
         else ""
     )
     fp32 = grid["elements"] * 4
-    if fp32 + reserve <= budget:
+    if rank_build_fits(fp32_build_bytes(model), budget):
         # Every FSDP2 rank builds the whole fp32 model before it shards it (lab.fsdp).
         instead = (
             f"Pair it sharded across GPUs instead: lab.fsdp.pair_sharded({family_name!r}, "
