@@ -7,7 +7,8 @@
 # (bench/full_size.py: every family at full; SIZE_FAMILIES, SIZE_ARGS such as --fixed-order; SIZE_WATCH=1
 # adds bench/host_watch.py's CPU and GPU clocks, run by run), profile (bench/pair_profile.py: where a full pair's
 # host time goes, PROFILE_FAMILIES), master (MiniMax H3 full: compact master pairs, trained
-# refused), causes (checks + attribution at reduced, figures under OUT_DIR/causes; streamed
+# refused), shards (a rank's rows bitwise the whole build at reduced; MiniMax H3 full's rank 1 of 2
+# on one GPU; the NCCL rank forwards), causes (checks + attribution at reduced, figures under OUT_DIR/causes; streamed
 # trajectories at reduced; pairing paths), trajfull (Qwen-Image and Wan2.2 full trajectories),
 # traj (bench/full_traj.py: full trajectories against their plain forwards, TRAJ_FAMILIES, TRAJ_STEPS,
 # TRAJ_ARGS such as --gc-ab),
@@ -75,6 +76,7 @@ for stage in "$@"; do
             >"$out/pair_profile.log" 2>&1
         ;;
     master) gpu_pytest -s tests/test_compact_master.py >"$out/master_gpu.log" 2>&1 ;;
+    shards) gpu_pytest -s tests/test_shards_gpu.py tests/test_fsdp2_gpu.py >"$out/shards_gpu.log" 2>&1 ;;
     cores) python bench/core_probe.py "$out/cores.jsonl" >>"$out/cores.log" 2>&1 ;;
     causes)
         LAB_GPU_OUT="$out/causes" gpu_pytest -s tests/test_checks_gpu.py tests/test_attribute_gpu.py \

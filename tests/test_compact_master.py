@@ -319,12 +319,12 @@ def test_minimax_h3_full_trained_is_refused_on_one_h200() -> None:
     model = fam.build("full", 0, device="cuda")  # trained: off the bf16 grid
     inputs = fam.make_inputs("full", 0, device="cuda")
     a, b = lab.Side.rollout(fam, device="cuda"), lab.Side.trainer(fam, device="cuda")
-    # Sharding cannot help: each FSDP2 rank builds the whole fp32 model before sharding it.
-    with pytest.raises(ValueError, match=r"pair_sharded cannot pair it either") as err:
+    # Two GPUs hold it: each FSDP2 rank builds and holds only its half of the fp32 master.
+    with pytest.raises(ValueError, match=r"pair_sharded\('minimax_h3', 'full', nproc=2\)") as err:
         lab.pair(model, inputs, a, b, stream=True)
     print(f"\nminimax_h3 full, trained, one GPU: {err.value}")
     assert "fp32 master 123." in str(err.value)
-    assert "builds the whole fp32 model (123.4 GiB)" in str(err.value)
+    assert "each rank builds and holds 1/2 of the fp32 master, 62.7 GiB" in str(err.value)
 
 
 def test_dump_fingerprints_read_the_fp32_value_of_held_tensors() -> None:

@@ -591,7 +591,7 @@ def test_a_signalled_caller_ends_its_ranks_removes_its_folder_and_listened_on_lo
     assert _processes_naming(str(tmp_path)) == [], "a rank outlived its caller"
 
 
-def test_a_model_no_rank_can_build_is_refused_before_any_rank_starts(
+def test_a_rank_holds_its_rows_and_too_few_ranks_are_refused_before_any_starts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from lab.engine import fsdp
@@ -599,28 +599,34 @@ def test_a_model_no_rank_can_build_is_refused_before_any_rank_starts(
 
     launched = []
     monkeypatch.setattr(fsdp, "_launch_ranks", lambda *a, **k: launched.append(a))
-    # MiniMax H3 full on an H200's memory: every rank builds the whole fp32 model (123.4 GiB)
-    # before sharding it, which ran out of memory on two H200s; counted on the meta device.
+    # MiniMax H3 full on an H200's memory. A rank builds only its rows of the fp32 master
+    # (Fsdp2Job.build_shard) plus the largest module whole while it is built; counted on meta.
     monkeypatch.setenv("LAB_MEMORY_BUDGET_GIB", "139.8")
     job = Fsdp2Job(family_name="minimax_h3", side=lab.Side.trainer(lab.family("minimax_h3")),
                    preset="full")  # fmt: skip
-    assert rank_build_bytes(job) == 33_122_992_896 * 4 + 16 * 4  # parameters + rope.inv_freq
+    largest = 96768 * 2688 * 4 + 96768 * 4  # a block's adaln_proj.linear, weight and bias
+    assert rank_build_bytes(job, 1) == 33_122_992_896 * 4 + largest + 16 * 4  # + rope.inv_freq
+    fam = lab.family("minimax_h3")
+    with torch.device("meta"):
+        meta = fam.model_cls()(**fam.config("full"))
+    rows = sum(-(-p.shape[0] // 2) * p[0].numel() * 4 for p in meta.parameters())
+    assert rank_build_bytes(job, 2) == rows + largest + 16 * 4
+    assert 61.5 < rows / 2**30 < 62.0  # half of the 123.4 GiB master
     with pytest.raises(ValueError) as err:
-        pair_sharded("minimax_h3", "full", nproc=2, device="cpu")
+        pair_sharded("minimax_h3", "full", nproc=1, device="cpu")
     message = str(err.value)
-    assert "minimax_h3 full does not fit one rank's cpu (139.8 GiB)" in message
-    assert "builds the whole seeded fp32 model before it shards it, 123.4 GiB" in message
-    assert "More ranks do not help" in message and "master='compact'" in message
-    # Qwen-Image full (76.1 GiB) is what sharding is for: it passes the check.
-    qwen = Fsdp2Job(family_name="qwen_image", side=lab.Side.trainer(lab.family("qwen_image")),
-                    preset="full")  # fmt: skip
-    fsdp.check_rank_build_fits(qwen, "cpu")
-    # A tiny model under a budget it does not fit, through run_fsdp2_forwards itself.
+    assert "minimax_h3 full does not fit one rank's cpu (139.8 GiB) at nproc=1" in message
+    assert "its 1/1 of the seeded fp32 model, 124.4 GiB" in message
+    assert "nproc=2 fits (62.7 GiB a rank)" in message
+    # Two ranks hold it: the check passes (rank 1 ran out of memory when each built it whole).
+    fsdp.check_rank_build_fits(job, "cpu", 2)
+    # A tiny model under a budget no rank count fits, through run_fsdp2_forwards itself.
     tiny = Fsdp2Job(family_name="sd3", side=lab.Side.trainer(lab.family("sd3")))
-    monkeypatch.setenv("LAB_MEMORY_BUDGET_GIB", repr(rank_build_bytes(tiny) / 2 / 2**30))
-    with pytest.raises(ValueError, match=r"sd3 tiny does not fit one rank's cpu"):
+    monkeypatch.setenv("LAB_MEMORY_BUDGET_GIB", repr(rank_build_bytes(tiny, 8) / 2 / 2**30))
+    with pytest.raises(ValueError, match=r"sd3 tiny does not fit one rank's cpu") as err:
         run_fsdp2_forwards([tiny], nproc=2, device="cpu")
+    assert "No nproc up to 8 fits" in str(err.value) and "master='compact'" in str(err.value)
     assert launched == [], "a rank was launched before the refusal"
     # No budget on a CPU: no check.
     monkeypatch.delenv("LAB_MEMORY_BUDGET_GIB")
-    fsdp.check_rank_build_fits(job, "cpu")
+    fsdp.check_rank_build_fits(job, "cpu", 1)

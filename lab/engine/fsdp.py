@@ -41,6 +41,7 @@ import torch
 
 from lab.base.dtypes import dtype_name
 from lab.families import Family, Inputs
+from lab.families.shards import ShardBuild, load_shards
 from lab.pairing.capture import ROOT, ModuleHooks, depth_filter, flatten_output
 from lab.pairing.collect import pair_leaves
 from lab.pairing.result import Result
@@ -307,10 +308,7 @@ class Fsdp2Job:
         return cls(**{**data, "side": Side.from_dict(data["side"]), "loss": loss})
 
     def build(self, device: torch.device | str, rank: int = 0) -> tuple[torch.nn.Module, Inputs]:
-        """The seeded model and inputs, exactly as the in-process pair would build them.
-
-        With data_parallel, rank r's inputs use seed + r (the weights always use seed).
-        """
+        """The whole seeded model and the inputs, as the in-process pair builds them."""
         from lab.families import family as get_family
 
         fam = get_family(self.family_name)
@@ -318,7 +316,31 @@ class Fsdp2Job:
         model = fam.build(
             self.preset, self.seed, variant=self.variant, device=device, expert=expert
         )
-        inputs = fam.make_inputs(
+        return model, self.inputs(device, rank)
+
+    def build_shard(self, device: torch.device | str, rank: int, world: int) -> ShardBuild:
+        """Rank `rank`'s rows of the same seeded model (what a rank shards).
+
+        The whole model is never held (`Family.build_shard`).
+        """
+        from lab.families import family as get_family
+
+        fam = get_family(self.family_name)
+        return fam.build_shard(
+            self.preset,
+            self.seed,
+            rank=rank,
+            world=world,
+            variant=self.variant,
+            device=device,
+            expert=fam.expert_for_sigma(self.sigma),
+        )
+
+    def inputs(self, device: torch.device | str, rank: int = 0) -> Inputs:
+        """The job's inputs; with data_parallel, rank r's use seed + r."""
+        from lab.families import family as get_family
+
+        return get_family(self.family_name).make_inputs(
             self.preset,
             self.seed + (rank if self.data_parallel else 0),
             self.batch,
@@ -327,7 +349,6 @@ class Fsdp2Job:
             sigma=self.sigma,
             device=device,
         )
-        return model, inputs
 
 
 @dataclass
@@ -343,40 +364,42 @@ class Fsdp2Capture:
     """With a loss: parameter name -> full fp32 gradient after FSDP2's reduce (CPU)."""
 
 
-def rank_build_bytes(job: Fsdp2Job) -> int:
-    """Bytes of the whole seeded fp32 model one rank builds for `job` before it shards it.
+def rank_build_bytes(job: Fsdp2Job, nproc: int) -> int:
+    """Bytes one of `nproc` FSDP2 ranks holds building `job`'s model.
 
-    Counted on the meta device (no memory, no random draws): every parameter at 4 bytes and the
-    buffers as the class makes them.
+    `guards.rank_build_bytes`: its rows of the fp32 master, the largest module whole while it
+    is built, the buffers. Counted on the meta device: no memory, no random draws.
     """
     from lab.families import family as get_family
-    from lab.pairing.guards import fp32_build_bytes
+    from lab.pairing.guards import rank_build_bytes as held_bytes
 
     fam = get_family(job.family_name)
     cfg = fam.config(job.preset, job.variant)
     with torch.device("meta"):
-        return fp32_build_bytes(fam.model_cls()(**cfg))
+        return held_bytes(fam.model_cls()(**cfg), nproc)
 
 
-def check_rank_build_fits(job: Fsdp2Job, device: str) -> None:
-    """Refuse, before any rank starts, a job whose model one rank cannot build on its device.
+def check_rank_build_fits(job: Fsdp2Job, device: str, nproc: int) -> None:
+    """Refuse, before any rank starts, a job whose rows one of `nproc` ranks cannot hold.
 
-    Every rank builds the whole seeded fp32 model on its device and shards it after
-    (`Fsdp2Job.build`, then `apply_fsdp2`), so a rank needs the full fp32 master at once, plus
-    `ACTIVATION_RESERVE_SHARE` of the budget (`device_memory_bytes`: $LAB_MEMORY_BUDGET_GIB, or
-    GPU 0's memory; no check on a CPU without the variable). MiniMax H3 full is the case: 123.4
-    GiB of fp32 parameters, and on two H200s rank 1 ran out of memory at 136 GiB while building
-    it (data/gpu/sharded_size_h200x2_b99d0e4.log).
+    A rank builds only its rows of the seeded fp32 master (`Fsdp2Job.build_shard`), so it needs
+    about 1/nproc of it, plus `ACTIVATION_RESERVE_SHARE` of the budget for the forward
+    (`device_memory_bytes`: $LAB_MEMORY_BUDGET_GIB, or GPU 0's memory; no check on a CPU
+    without the variable). MiniMax H3 full is the case: 123.4 GiB of fp32 parameters, which one
+    H200 cannot hold and two can (61.7 GiB each).
 
     Raises:
-        ValueError: Naming the family and preset, the bytes a rank needs and has, why, and
-            what to do instead.
+        ValueError: Naming the family and preset, the bytes a rank needs and has, and the
+            fewest ranks that fit (or that none up to `SHARDED_MOST_RANKS` do, and what to do).
     """
+    from lab.families import family as get_family
     from lab.pairing.guards import (
         ACTIVATION_RESERVE_SHARE,
         MEMORY_BUDGET_ENV,
+        SHARDED_MOST_RANKS,
         device_memory_bytes,
         rank_build_fits,
+        sharded_world,
     )
 
     budget = device_memory_bytes(
@@ -384,19 +407,29 @@ def check_rank_build_fits(job: Fsdp2Job, device: str) -> None:
     )
     if budget is None:
         return
-    need = rank_build_bytes(job)
+    need = rank_build_bytes(job, nproc)
     if rank_build_fits(need, budget):
         return
+    fam = get_family(job.family_name)
+    with torch.device("meta"):
+        world = sharded_world(fam.model_cls()(**fam.config(job.preset, job.variant)), budget)
     reserve = int(budget * ACTIVATION_RESERVE_SHARE)
     gib = 2**30
+    if world is not None:
+        fix = f"nproc={world} fits ({rank_build_bytes(job, world) / gib:.1f} GiB a rank"
+        fix += f"; {world} GPUs)." if device == "cuda" else ")."
+    else:
+        fix = (
+            f"No nproc up to {SHARDED_MOST_RANKS} fits. Where the master is exact at bf16 (a "
+            "checkpoint shipped in bf16, or build(init='bf16_shipped')), pair it on one GPU "
+            "with a compact master (lab.pair; build/load with master='compact'); otherwise "
+            "use a smaller preset."
+        )
     raise ValueError(
         f"run_fsdp2_forwards: {job.family_name} {job.preset} does not fit one rank's {device} "
-        f"({budget / gib:.1f} GiB): every rank builds the whole seeded fp32 model before it "
-        f"shards it, {need / gib:.1f} GiB, plus {reserve / gib:.1f} GiB kept for the forward. "
-        "More ranks do not help. Where the master is exact at bf16 (a checkpoint shipped in "
-        "bf16, or build(init='bf16_shipped')), pair it on one GPU with a compact master "
-        "(lab.pair; build/load with master='compact'); otherwise use a smaller preset. "
-        f"${MEMORY_BUDGET_ENV} overrides the budget this check uses."
+        f"({budget / gib:.1f} GiB) at nproc={nproc}: a rank builds and holds its 1/{nproc} of "
+        f"the seeded fp32 model, {need / gib:.1f} GiB, plus {reserve / gib:.1f} GiB kept for "
+        f"the forward. {fix} ${MEMORY_BUDGET_ENV} overrides the budget this check uses."
     )
 
 
@@ -461,7 +494,7 @@ def run_fsdp2_forwards(
             )
     # One meta build a model: both sides' jobs of one pair build the same one.
     for job in {(j.family_name, j.preset, j.variant): j for j in jobs}.values():
-        check_rank_build_fits(job, device)
+        check_rank_build_fits(job, device, nproc)
     if workdir is None:
         with tempfile.TemporaryDirectory(prefix="lab-fsdp2-") as tmp:
             return run_fsdp2_forwards(
@@ -1192,12 +1225,11 @@ def _run_rank_job(
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    model, inputs = job.build(device, rank)
+    # Only this rank's rows of the seeded master: the whole model never sits on one rank.
+    shard = job.build_shard(device, rank, world)
+    model, inputs = shard.model, job.inputs(device, rank)
     if world > 1:
-        # Identical weights on every rank whatever the device's RNG did.
-        with torch.no_grad():
-            for t in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(t.data, src=0)
+        _check_same_draws(shard, world)
     module_classes = {(n or ROOT): type(m).__name__ for n, m in model.named_modules()}
     seconds["build_s"] = _elapsed(start, device)
     side = job.side
@@ -1213,6 +1245,7 @@ def _run_rank_job(
     with ops_applied(model, job.side.engine_ops, job.side.op_switches):
         start = time.perf_counter()
         plan = apply_fsdp2(model, fam, side, mesh)
+        load_shards(model, shard.rows, device)
         seconds["shard_s"] = _elapsed(start, device)
         cast = side_inputs(inputs, job.side, device)
         grad_mode = torch.enable_grad() if job.loss is not None else torch.no_grad()
@@ -1252,6 +1285,30 @@ def _run_rank_job(
         "module_classes": module_classes,
     }
     return {"leaves": leaves, "meta": meta, "grads": grads}
+
+
+def _check_same_draws(shard: ShardBuild, world: int) -> None:
+    """Every rank drew the same seeded model (each builds its own rows from the same seed).
+
+    Compares each parameter's float64 sum as the class drew it with rank 0's.
+
+    Raises:
+        RuntimeError: Naming the first rank and parameter that differ.
+    """
+    import torch.distributed as dist
+
+    digests: list[Any] = [None] * world
+    dist.all_gather_object(digests, shard.digests)
+    names = list(shard.rows)
+    for rank, theirs in enumerate(digests):
+        if not torch.equal(theirs, digests[0]):
+            first = int((theirs != digests[0]).nonzero()[0])
+            raise RuntimeError(
+                f"rank {rank} drew other seeded weights than rank 0 for {names[first]!r} "
+                f"(sum {float(theirs[first])!r} vs {float(digests[0][first])!r}): the ranks' "
+                "devices give different random draws (different GPU models?). Run every rank "
+                "on the same kind of device."
+            )
 
 
 def _elapsed(start: float, device: torch.device) -> float:

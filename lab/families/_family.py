@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from lab.families._trained_init import DEFAULT_INIT, apply_init, check_init
 from lab.families.master import check_master_mode, compact_master
+
+if TYPE_CHECKING:
+    from lab.families.shards import ShardBuild
 
 Role = Literal["latents", "cond", "timestep", "aux"]
 ROLES: tuple[str, ...] = ("latents", "cond", "timestep", "aux")
@@ -234,32 +238,86 @@ class Family:
         Raises:
             ValueError: Unknown preset, variant, expert, init or master.
         """
-        from lab.base.devices import resolve_device
-
-        check_init(init, where=f"family {self.name!r}: build(init)")
         check_master_mode(master, where=f"family {self.name!r}: build(master)")
-        check_seed(seed, where=f"family {self.name!r}: build(seed)")
-        cfg = self.config(preset, variant)
-        dev = resolve_device(device)
-        if expert is not None and expert not in self.experts:
-            known = ", ".join(self.experts) or "none (single-model family)"
-            raise ValueError(f"family {self.name!r}: unknown expert {expert!r}. Known: {known}.")
-        offset = self.experts.index(expert) * 1_000_003 if expert else 0
-        cls = self.model_cls()
-        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-            torch.manual_seed(seed + offset)
-            with dev:
-                model = cls(**cfg)
-            if self.init_weights is not None:
-                with torch.no_grad():
-                    self.init_weights(model)
-        apply_init(model, seed + offset, init)
+        model, seed = self._construct(
+            preset, seed, variant=variant, expert=expert, device=device, init=init
+        )
+        apply_init(model, seed, init)
         if master == "compact" or (master == "auto" and preset == "full"):
             compact_master(model)
         model = model.eval()
         if self.prepare_model is not None:
             self.prepare_model(model)
         return model
+
+    def build_shard(
+        self,
+        preset: str = "tiny",
+        seed: int = 0,
+        *,
+        rank: int,
+        world: int,
+        variant: str | None = None,
+        expert: str | None = None,
+        device: str | torch.device = "cpu",
+        init: str = DEFAULT_INIT,
+    ) -> ShardBuild:
+        """Build only rank `rank`'s rows (FSDP2's dim-0 chunk of `world`) of `build`'s model.
+
+        The whole model is never held: see `lab.families.shards.build_shard`. Each row is
+        bitwise the same row of `build(preset, seed, ...)` on the same device.
+        """
+        from lab.families.shards import build_shard
+
+        return build_shard(
+            self,
+            preset,
+            seed,
+            rank=rank,
+            world=world,
+            variant=variant,
+            expert=expert,
+            device=device,
+            init=init,
+        )
+
+    def _construct(
+        self,
+        preset: str,
+        seed: int,
+        *,
+        variant: str | None,
+        expert: str | None,
+        device: str | torch.device,
+        init: str,
+        keeper: Any = None,
+    ) -> tuple[torch.nn.Module, int]:
+        """The class's seeded construction plus `init_weights`: (model, the seed it used).
+
+        With a `keeper` (lab.families.shards), each finished submodule is cut to its rows as
+        it is registered, and `init_weights` runs on the rows.
+        """
+        from lab.base.devices import resolve_device
+
+        check_init(init, where=f"family {self.name!r}: build(init)")
+        check_seed(seed, where=f"family {self.name!r}: build(seed)")
+        cfg = self.config(preset, variant)
+        dev = resolve_device(device)
+        if expert is not None and expert not in self.experts:
+            known = ", ".join(self.experts) or "none (single-model family)"
+            raise ValueError(f"family {self.name!r}: unknown expert {expert!r}. Known: {known}.")
+        seed = seed + (self.experts.index(expert) * 1_000_003 if expert else 0)
+        cls = self.model_cls()
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            torch.manual_seed(seed)
+            with dev, keeper.watching() if keeper is not None else contextlib.nullcontext():
+                model = cls(**cfg)
+            if keeper is not None:
+                keeper.to_rows(model)
+            if self.init_weights is not None:
+                with torch.no_grad():
+                    self.init_weights(model)
+        return model, seed
 
     def load(
         self,

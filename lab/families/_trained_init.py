@@ -113,13 +113,47 @@ def apply_init(model: torch.nn.Module, seed: int, init: str = DEFAULT_INIT) -> N
         ValueError: For an unknown init name.
     """
     init = check_init(init, where="build(init)")
-    if init != "plain":
-        with torch.no_grad():
-            for name, param, owner in _owned_parameters(model):
-                if param.is_floating_point() and param.device.type != "meta":
-                    _shape_statistics(name, param.data, owner, seed)
-                    _place_on_regime(name, param.data, seed, init)
+    for name, param, owner in _owned_parameters(model):
+        if param.device.type != "meta":
+            init_rows(name, param.data, owner, seed, init)
     setattr(model, INIT_ATTRIBUTE, init)
+
+
+def init_rows(
+    name: str,
+    data: torch.Tensor,
+    owner: torch.nn.Module,
+    seed: int,
+    init: str,
+    *,
+    shape: tuple[int, ...] | None = None,
+    start: int = 0,
+    contiguous: bool | None = None,
+) -> None:
+    """Reshape rows [start, start + len(data)) of dim 0 of one parameter in place for `init`.
+
+    Every draw is made over the whole parameter (`shape`) and the rows are cut from it, so a
+    parameter shaped in row ranges (an FSDP2 rank's shard, `lab.families.shards`) ends bitwise
+    equal to the same rows of it shaped whole.
+
+    Args:
+        name: The parameter's full name (its draws are keyed by it).
+        data: The rows, as the class built them (plus the family's `init_weights`).
+        owner: The module that holds the parameter (its class picks the statistics).
+        seed: The build seed (with the expert offset).
+        init: "trained", "bf16_shipped" or "plain" (leaves the rows as they are).
+        shape: The whole parameter's shape (default: `data` is all of it).
+        start: The first row `data` holds.
+        contiguous: Whether the whole parameter is contiguous (default: whether `data` is).
+    """
+    if init == "plain" or not data.is_floating_point():
+        return
+    shape = tuple(data.shape) if shape is None else tuple(shape)
+    rows = slice(start, start + (data.shape[0] if data.ndim else 1))
+    contiguous = data.is_contiguous() if contiguous is None else contiguous
+    with torch.no_grad():
+        _shape_statistics(name, data, owner, seed, shape, rows)
+        _place_on_regime(name, data, seed, init, shape, rows, contiguous)
 
 
 def _owned_parameters(model: torch.nn.Module):
@@ -176,65 +210,99 @@ def _column_gains(seed: int, width: int, gen: torch.Generator) -> torch.Tensor:
     return gains
 
 
-def _shape_statistics(name: str, data: torch.Tensor, owner: torch.nn.Module, seed: int) -> None:
-    """Move one parameter's statistics to a trained checkpoint's, in place."""
+def _shape_statistics(
+    name: str,
+    data: torch.Tensor,
+    owner: torch.nn.Module,
+    seed: int,
+    shape: tuple[int, ...],
+    rows: slice,
+) -> None:
+    """Move one parameter's statistics to a trained checkpoint's, in place.
+
+    `data` holds `rows` (of dim 0) of a parameter of `shape`; whatever is drawn along dim 0 is
+    drawn whole and cut to those rows.
+    """
     gen = _generator(seed, name)
     module_name, _, local = name.rpartition(".")
     module_local = module_name.rpartition(".")[2]
     device = data.device
-    if "Norm" in type(owner).__name__ and data.ndim == 1:
+    if "Norm" in type(owner).__name__ and len(shape) == 1:
         if local == "bias":
-            data.add_((_NORM_BIAS_STD * torch.randn(data.shape, generator=gen)).to(device))
+            data.add_((_NORM_BIAS_STD * torch.randn(shape, generator=gen))[rows].to(device))
             return
         # Gains move around their plain value (1.0 for a `w * x` norm, 0.0 for a zero-centred
         # `(1 + w) * x` one), so either parametrisation ends with the same effective gain.
         level = math.exp(_NORM_LEVEL_SIGMA * float(torch.randn(1, generator=gen)))
         if _QK_NORM.match(module_local):
-            gains = level * _lognormal(data.numel(), _NORM_CHANNEL_SIGMA, gen)
+            gains = level * _lognormal(shape[0], _NORM_CHANNEL_SIGMA, gen)
         else:
-            gains = level * _channel_gains(seed, data.numel(), _NORM_CHANNEL_SIGMA, gen)
-        data.add_((gains - 1.0).to(device, data.dtype))
+            gains = level * _channel_gains(seed, shape[0], _NORM_CHANNEL_SIGMA, gen)
+        data.add_((gains[rows] - 1.0).to(device, data.dtype))
         return
     if isinstance(owner, (torch.nn.Linear, torch.nn.modules.conv._ConvNd)):
-        out_width = data.shape[0]
         own = module_name if _QKV_PROJECTION.match(module_local) else None
-        rows = _channel_gains(seed, out_width, _CHANNEL_SIGMA, gen, own).to(device, data.dtype)
-        if data.ndim == 1:  # bias: an outlier channel's bias is large too
-            data.mul_(rows)
+        out_rows = _channel_gains(seed, shape[0], _CHANNEL_SIGMA, gen, own)[rows]
+        out_rows = out_rows.to(device, data.dtype)
+        if len(shape) == 1:  # bias: an outlier channel's bias is large too
+            data.mul_(out_rows)
             return
-        view = (-1,) + (1,) * (data.ndim - 1)
-        data.mul_(rows.view(view))
-        columns = _column_gains(seed, data.shape[1], gen).to(device, data.dtype)
-        data.mul_(columns.view((1, -1) + (1,) * (data.ndim - 2)))
+        view = (-1,) + (1,) * (len(shape) - 1)
+        data.mul_(out_rows.view(view))
+        columns = _column_gains(seed, shape[1], gen).to(device, data.dtype)
+        data.mul_(columns.view((1, -1) + (1,) * (len(shape) - 2)))
         return
+    # Channels last: cut to the rows only where the last dimension is dim 0.
+    last = rows if len(shape) == 1 else slice(None)
     if isinstance(owner, torch.nn.Embedding):
-        width = data.shape[-1]
-        data.mul_(_channel_gains(seed, width, _CHANNEL_SIGMA, gen).to(device, data.dtype))
+        gains = _channel_gains(seed, shape[-1], _CHANNEL_SIGMA, gen)[last]
+        data.mul_(gains.to(device, data.dtype))
         return
     # A table held by a block or the root (scale_shift_table and kin): channels last.
-    width = data.shape[-1]
-    data.copy_((_TABLE_STD * torch.randn(data.shape, generator=gen)).to(device, data.dtype))
-    data.mul_(_channel_gains(seed, width, _CHANNEL_SIGMA, gen).to(device, data.dtype))
+    data.copy_((_TABLE_STD * torch.randn(shape, generator=gen))[rows].to(device, data.dtype))
+    gains = _channel_gains(seed, shape[-1], _CHANNEL_SIGMA, gen)[last]
+    data.mul_(gains.to(device, data.dtype))
 
 
-def _place_on_regime(name: str, data: torch.Tensor, seed: int, init: Init) -> None:
-    """Round onto the bf16 grid; for "trained", then step off it by an update-sized amount."""
-    flat = data.view(-1) if data.is_contiguous() else None
-    if flat is None:  # a view the class made non-contiguous: round it whole
-        data.copy_(data.to(torch.bfloat16))
-        if init == "trained":
-            gen = torch.Generator(data.device).manual_seed(_step_seed(seed, name))
-            data.add_(torch.randn(data.shape, generator=gen, device=data.device), alpha=_UPDATE_STD)
-        return
+def _place_on_regime(
+    name: str,
+    data: torch.Tensor,
+    seed: int,
+    init: Init,
+    shape: tuple[int, ...],
+    rows: slice,
+    contiguous: bool,
+) -> None:
+    """Round onto the bf16 grid; for "trained", then step off it by an update-sized amount.
+
+    The step is drawn over the whole parameter in `_CHUNK`-element chunks of its flat order
+    (the chunks before `rows` are drawn and dropped), so any row range gets the whole draw's
+    values.
+    """
     gen = None
     if init == "trained":
         gen = torch.Generator(data.device).manual_seed(_step_seed(seed, name))
-    for start in range(0, flat.numel(), _CHUNK):
-        chunk = flat[start : start + _CHUNK]
-        chunk.copy_(chunk.to(torch.bfloat16))
+    if not contiguous:  # a view the class made non-contiguous: round it whole
+        data.copy_(data.to(torch.bfloat16))
         if gen is not None:
-            step = torch.randn(chunk.shape, generator=gen, device=chunk.device, dtype=chunk.dtype)
-            chunk.add_(step, alpha=_UPDATE_STD)
+            step = torch.randn(shape, generator=gen, device=data.device)[rows]
+            data.add_(step, alpha=_UPDATE_STD)
+        return
+    flat = data.reshape(-1)  # a view: `data` is rows of a contiguous tensor, or all of it
+    inner = math.prod(shape[1:])
+    first, end = rows.start * inner, rows.start * inner + flat.numel()
+    for start in range(0, end, _CHUNK):
+        size = min(_CHUNK, math.prod(shape) - start)
+        step = None
+        if gen is not None:
+            step = torch.randn(size, generator=gen, device=data.device, dtype=data.dtype)
+        lo, hi = max(start, first), min(start + size, end)
+        if lo >= hi:
+            continue
+        chunk = flat[lo - first : hi - first]
+        chunk.copy_(chunk.to(torch.bfloat16))
+        if step is not None:
+            chunk.add_(step[lo - start : hi - start], alpha=_UPDATE_STD)
 
 
 def _step_seed(seed: int, name: str) -> int:

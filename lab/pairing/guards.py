@@ -179,19 +179,45 @@ def device_memory_bytes(device: torch.device) -> int | None:
 def fp32_build_bytes(model: torch.nn.Module) -> int:
     """Bytes of `model` built as a seeded fp32 master, plus its buffers.
 
-    4 bytes a parameter, however it is held now: what every FSDP2 rank builds before it shards
-    (`lab.fsdp`).
+    4 bytes a parameter, however it is held now.
     """
     params = sum(p.numel() for _, p in canonical_parameters(model)) * 4
     return params + sum(b.numel() * b.element_size() for b in model.buffers())
 
 
-def rank_build_fits(fp32_bytes: int, budget: int) -> bool:
-    """Whether one FSDP2 rank can build an fp32 model of `fp32_bytes` on `budget` bytes.
+def rank_build_bytes(model: torch.nn.Module, world: int) -> int:
+    """Bytes one FSDP2 rank of `world` holds building `model` (`lab.families.shards`).
+
+    Its rows of the fp32 master (the largest rank's), the largest module's own parameters whole
+    (held while that module is built) and the buffers. Counts a meta build as well as a real one.
+    """
+    from lab.families.shards import shard_bytes
+
+    held = shard_bytes(model, world)
+    return held["rows"] + held["largest_module"] + held["buffers"]
+
+
+def rank_build_fits(need: int, budget: int) -> bool:
+    """Whether one FSDP2 rank that holds `need` bytes fits `budget` with a forward.
 
     ACTIVATION_RESERVE_SHARE of the budget is kept for the forward.
     """
-    return fp32_bytes + int(budget * ACTIVATION_RESERVE_SHARE) <= budget
+    return need + int(budget * ACTIVATION_RESERVE_SHARE) <= budget
+
+
+SHARDED_MOST_RANKS = 8
+"""The most ranks `sharded_world` considers: one host's GPUs."""
+
+
+def sharded_world(model: torch.nn.Module, budget: int) -> int | None:
+    """The fewest FSDP2 ranks (up to SHARDED_MOST_RANKS) that build and run `model` in `budget`.
+
+    Each rank within `budget` bytes; None if even that many ranks do not fit.
+    """
+    for world in range(1, SHARDED_MOST_RANKS + 1):
+        if rank_build_fits(rank_build_bytes(model, world), budget):
+            return world
+    return None
 
 
 def estimate_pair_bytes(
@@ -272,17 +298,20 @@ def check_master_fits(
         else ""
     )
     fp32 = grid["elements"] * 4
-    if rank_build_fits(fp32_build_bytes(model), budget):
-        # Every FSDP2 rank builds the whole fp32 model before it shards it (lab.fsdp).
+    world = sharded_world(model, budget)
+    if world is not None:
+        # An FSDP2 rank builds only its rows of the fp32 master (lab.families.shards).
+        rank_gib = rank_build_bytes(model, max(world, 2)) / gib
         instead = (
             f"Pair it sharded across GPUs instead: lab.fsdp.pair_sharded({family_name!r}, "
-            f"{preset!r}, nproc=2) on 2 GPUs (each rank builds the fp32 model, then holds half "
-            "of it), or use a smaller preset."
+            f"{preset!r}, nproc={max(world, 2)}) on {max(world, 2)} GPUs (each rank builds and "
+            f"holds 1/{max(world, 2)} of the fp32 master, {rank_gib:.1f} GiB), or use a smaller "
+            "preset."
         )
     else:
         instead = (
-            f"lab.fsdp.pair_sharded cannot pair it either: each of its ranks builds the whole "
-            f"fp32 model ({fp32 / gib:.1f} GiB) before sharding it. Use a smaller preset."
+            f"lab.fsdp.pair_sharded cannot pair it on up to {SHARDED_MOST_RANKS} GPUs of this "
+            f"size either (the fp32 master is {fp32 / gib:.1f} GiB). Use a smaller preset."
         )
     raise ValueError(
         f"{where}: {what} does not fit {device} ({budget / gib:.1f} GiB) with pairing: "
