@@ -85,3 +85,31 @@ def test_minimax_h3_full_rank_builds_half_the_master_bitwise() -> None:
         assert torch.equal(_bits(mine), _bits(param[start_row:end_row])), name
         del mine
     assert host == {}
+
+
+def test_reduced_rank_forwards_built_from_rows_are_bitwise_the_in_process_trainer() -> None:
+    from lab.engine.fsdp import Fsdp2Job, pair_capture, run_fsdp2_forwards
+
+    # Real-width tensors through build_shard -> fully_shard on meta -> load_shards on one NCCL
+    # rank (tests/test_fsdp2_gpu.py does the same at tiny), block outputs and the model output.
+    jobs = [
+        Fsdp2Job(
+            family_name=n,
+            side=lab.Side.trainer(lab.family(n), device="cuda"),
+            preset="reduced",
+            capture_depth=1,
+        )
+        for n in FAMILY_NAMES
+    ]
+    _fresh()
+    for capture in run_fsdp2_forwards(jobs, nproc=1, device="cuda", timeout_s=500):
+        name = capture.job.family_name
+        model, inputs = capture.job.build("cuda")
+        reference = lab.Side.trainer(lab.family(name), device="cuda")
+        table = pair_capture(model, inputs, reference, capture).table()
+        print(f"{name} reduced, 1 NCCL rank from rows: {len(table)} block pairs, peak GiB "
+              f"{capture.meta['peak_memory_gib_per_rank']}")  # fmt: skip
+        assert len(table) > 2
+        assert (table["max_ulp"] == 0).all() and (table["bitexact_frac"] == 1.0).all(), name
+        del model
+        _fresh()
