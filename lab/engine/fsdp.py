@@ -443,13 +443,14 @@ def run_fsdp2_forwards(
 ) -> list[Fsdp2Capture]:
     """Run each job's forward under real FSDP2 in `nproc` ranks (one launch for all).
 
-    Ranks use gloo on CPU and NCCL on GPU (one GPU per rank). Every rank builds only its rows
-    of the same seeded model (`Fsdp2Job.build_shard`: the whole model is never on one rank)
-    and checks that it drew rank 0's weights, shards the model on the meta device and fills
-    its shards from its rows (`load_shards`); every rank runs the forward (the collectives need all of them) and rank 0 writes
-    its capture. CPU ranks run one thread each unless OMP_NUM_THREADS is set: the ranks share
-    the cores, and the forward kernels used here give the same bits at any thread count
-    (tests/test_fsdp2.py checks every family against a 2-thread in-process forward).
+    Ranks use gloo on CPU and NCCL on GPU (one GPU per rank). Every rank builds only its rows of
+    the same seeded model (`Fsdp2Job.build_shard`: the whole model is never on one rank) and
+    checks that it drew rank 0's weights, shards the model on the meta device and fills its
+    shards from its rows (`load_shards`); every rank runs the forward (the collectives need all
+    of them) and rank 0 writes its capture. CPU ranks run one thread each unless OMP_NUM_THREADS
+    is set: the ranks share the cores, and the forward kernels used here give the same bits at
+    any thread count (tests/test_fsdp2.py checks every family against a 2-thread in-process
+    forward).
 
     Args:
         jobs: The forwards to run, in order.
@@ -1015,12 +1016,12 @@ def pair_sharded(
 ) -> Result:
     """Pair the rollout and trainer sides with BOTH run sharded under FSDP2 across `nproc` ranks.
 
-    For models whose two sides do not fit on one device (Qwen-Image full: 20 B parameters,
-    80 GB of fp32 master; MiniMax H3 full: 33 B, 123.4 GiB). Each side is one job of one
-    launch: every rank builds only its rows of the seeded fp32 model (`Fsdp2Job.build_shard`,
-    so a rank holds 1/nproc of the master), shards it (one fully_shard per block, then the
-    root) and runs the side's forward; rank 0 captures the module outputs (block level by default, to bound
-    memory) and moves them to the CPU; the parent pairs them with `pair_leaves`, on `device`.
+    For models whose two sides do not fit on one device (Qwen-Image full: 20 B parameters, 80 GB
+    of fp32 master; MiniMax H3 full: 33 B, 123.4 GiB). Each side is one job of one launch: every
+    rank builds only its rows of the seeded fp32 model (`Fsdp2Job.build_shard`, so a rank holds
+    1/nproc of the master), shards it (one fully_shard per block, then the root) and runs the
+    side's forward; rank 0 captures the module outputs (block level by default, to bound memory)
+    and moves them to the CPU; the parent pairs them with `pair_leaves`, on `device`.
 
     The rollout side as FSDP2: the fp32 master is sharded and each block is gathered at
     param_dtype = the rollout dtype, with no autocast and the engine's input policy. Where
