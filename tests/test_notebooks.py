@@ -286,9 +286,27 @@ def _check_08(out: Path, family: str, nb: Any) -> None:
     assert "noise floor" in _text(nb)
 
 
+def _check_10(out: Path, family: str, nb: Any) -> None:
+    data = json.loads((out / "results.json").read_text())
+    assert data["summary"]["family"] == family
+    # Both sides ran as 2-rank FSDP2 jobs, each rank holding its rows only; block-level rows.
+    for key in ("fsdp2_a", "fsdp2_b"):
+        assert data["meta"][key]["world_size"] == 2 and data["meta"][key]["backend"] == "gloo"
+    assert data["meta"]["capture_depth"] == 1
+    assert len(data["rows"]) >= 10 and "<root>" in {r["module"] for r in data["rows"]}
+    # The same table as the in-process pair at block level, bit for bit.
+    in_process = lab.pair_family(family, "tiny", capture_depth=1).to_dict()
+    keys = ("module", "call", "output", "max_abs_diff", "max_ulp", "dtype_a", "dtype_b")
+    assert [[r[k] for k in keys] for r in data["rows"]] == [
+        [r[k] for k in keys] for r in in_process["rows"]
+    ]
+    assert (out / "divergence_by_layer.png").read_bytes()[:8] == PNG
+    assert "build_s" in _text(nb) and "forward_s" in _text(nb)  # the ranks' table
+
+
 CHECKS = {
     "01": _check_01, "02": _check_02, "03": _check_03, "04": _check_04, "05": _check_05,
-    "06": _check_06, "07": _check_07, "08": _check_08, "09": _check_09,
+    "06": _check_06, "07": _check_07, "08": _check_08, "09": _check_09, "10": _check_10,
 }  # fmt: skip
 
 

@@ -193,3 +193,17 @@ def test_the_one_gpu_refusal_names_the_fewest_ranks_that_hold_it(
     monkeypatch.setenv(MEMORY_BUDGET_ENV, repr(fits[2] * 0.9 / 2**30))
     with pytest.raises(ValueError, match=r"cannot pair it on up to 8 GPUs of this size either"):
         lab.pair(model, inputs, a, b)
+
+
+def test_a_sharded_pair_says_where_its_sides_ran_and_what_each_rank_took() -> None:
+    from lab.engine.fsdp import pair_sharded, sharded_ranks_table
+
+    result = pair_sharded("sd3", "tiny", nproc=2, device="cpu")
+    text = result.describe()
+    assert "rollout under FSDP2 on 2 gloo rank(s); trainer under FSDP2 on 2 gloo rank(s)" in text
+    table = sharded_ranks_table(result)
+    assert list(table["side"]) == ["rollout", "trainer"] and (table["ranks"] == 2).all()
+    assert (table[["build_s", "shard_s", "forward_s"]] > 0).all().all()
+    assert not [c for c in table.columns if c.startswith("peak_gib")], "no GPU peaks on a CPU"
+    with pytest.raises(ValueError, match=r"sharded_ranks_table: this Result has no meta"):
+        sharded_ranks_table(lab.pair_family("sd3", "tiny"))

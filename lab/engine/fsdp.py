@@ -1158,6 +1158,43 @@ def pair_sharded_captures(capture_a: Fsdp2Capture, capture_b: Fsdp2Capture) -> R
     return Result("propagated", rollout.to_dict(), trainer.to_dict(), rows, skipped, meta)
 
 
+def sharded_ranks_table(result: Result) -> Any:
+    """What each side's FSDP2 job of a sharded pair took, a row per side (pandas DataFrame).
+
+    Columns: side, ranks, backend, build_s (the rank's rows: `Fsdp2Job.build_shard`), shard_s
+    (fully_shard on meta, then the rows loaded), forward_s (rank 0's clocks; every rank runs
+    the same steps), then peak_gib_rank0, peak_gib_rank1, ... (each rank's peak GPU memory;
+    absent on a CPU).
+
+    Raises:
+        ValueError: `result` is not from `pair_sharded` (no meta["fsdp2_a"/"fsdp2_b"]).
+    """
+    import pandas as pd
+
+    meta = result.meta
+    if "fsdp2_a" not in meta or "fsdp2_b" not in meta:
+        raise ValueError(
+            "sharded_ranks_table: this Result has no meta['fsdp2_a'] / meta['fsdp2_b']; pass "
+            "one from lab.fsdp.pair_sharded (or pair_sharded_captures)."
+        )
+    rows = []
+    for key, side in (("fsdp2_a", result.side_a), ("fsdp2_b", result.side_b)):
+        job = meta[key]
+        row = {
+            "side": side.get("name", key[-1]),
+            "ranks": job["world_size"],
+            "backend": job["backend"],
+            "build_s": job.get("build_s"),
+            "shard_s": job.get("shard_s"),
+            "forward_s": job.get("forward_s"),
+        }
+        for rank, peak in enumerate(job.get("peak_memory_gib_per_rank") or []):
+            if peak is not None:  # measured on GPUs only
+                row[f"peak_gib_rank{rank}"] = peak
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def _leaves_on(
     leaves: list[tuple[str, int, str, Any]], device: torch.device
 ) -> list[tuple[str, int, str, Any]]:

@@ -220,6 +220,17 @@ class Result:
                 else ""
             ),
         ]
+        ran = [
+            f"{side.get('name')} under FSDP2 on {job['world_size']} {job['backend']} rank(s)"
+            for side, key in (
+                (self.side_a, "fsdp2_a"),
+                (self.side_b, "fsdp2_b"),
+                (self.side_b, "fsdp2"),
+            )
+            if isinstance(job := self.meta.get(key), dict) and "world_size" in job
+        ]
+        if ran:
+            lines.insert(1, "  " + "; ".join(ran))
         if s["first_divergence_why"]:
             lines.append(f"  why: {s['first_divergence_why']}")
         beyond = s["first_non_rounding_divergence"]
