@@ -392,6 +392,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     ]
     for row in rows:
         name = _name(row)
+        if "pairs" in row and "wall_s" in row:  # the sharded case: no plain forwards to divide by
+            lines.append(f"| {name} ({row['case']}) | {sharded_cell(row)} | | | | |")
+            continue
         if "every_module_vs_plain" not in row:
             why = row.get("error") or row.get("skipped") or "no figures"
             lines.append(f"| {name} ({row.get('case', row.get('preset'))}) | {why} | | | | |")
@@ -433,6 +436,24 @@ def host_work(row: dict[str, Any]) -> dict[str, Any] | None:
     return out
 
 
+def sharded_cell(row: dict[str, Any]) -> str:
+    """A sharded row in words: wall time, block pairs, each side's build and forward seconds
+    and per-rank peaks, the model output's rel_max."""
+    sides = []
+    for key in ("fsdp2_a", "fsdp2_b"):
+        job = row[key]
+        peaks = "/".join(f"{p:.1f}" for p in job.get("peak_memory_gib_per_rank") or [] if p)
+        sides.append(
+            f"{key[-1]}: build {job['build_s']:.1f} s, forward {job['forward_s']:.2f} s, "
+            f"peak GiB {peaks or '-'}"
+        )
+    return (
+        f"paired in {row['wall_s']:.1f} s on {row['fsdp2_a']['world_size']} ranks, "
+        f"{row['pairs']} block pairs ({'; '.join(sides)}), model output rel_max "
+        f"{row['model_output_rel_max']:.3g}"
+    )
+
+
 def host_table(rows: list[dict[str, Any]]) -> str:
     """Where the host's time went, family by family (`host_work`), as a Markdown table; rows
     without clocks are left out."""
@@ -470,7 +491,8 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--families", default=",".join(["flux", "sd3", "sd3:large", *FAMILIES_AFTER]),
-        help="families in order (name or name:variant); short forwards first",
+        help="families in order (name or name:variant); short forwards first; '' for none (the "
+        "sharded case alone)",
     )  # fmt: skip
     parser.add_argument("--dump", default="sd3", help="families that also dump-then-compare")
     parser.add_argument("--repeat", type=int, default=7, help="rounds at least")
@@ -515,7 +537,7 @@ def main() -> None:
         "order": "fixed" if args.fixed_order else "rotated",
     }
     rows: list[dict[str, Any]] = []
-    for name in args.families.split(","):
+    for name in [n for n in args.families.split(",") if n]:  # "": the sharded case alone
         try:
             row = measure(
                 name, args.repeat, dump=name in args.dump.split(","),

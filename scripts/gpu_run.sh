@@ -2,6 +2,7 @@
 # What one device call runs (H200): `bash scripts/gpu_run.sh OUT_DIR STAGE...`.
 # Stages: tests (metrics, fingerprint, lockstep and no-sync gpu tests), fused (Triton kernel gpu tests), paths (the
 # pairing paths bit for bit at reduced), full (Wan2.2 full pair test), sharded (2-GPU FSDP2 tests),
+# twogpu (on nvidia-h200-x2: the 2-GPU tests, MiniMax H3 full paired sharded, notebook 10 on it),
 # bench (bench/full_pair.py), drift (bench/gpu_drift.py: reduced trajectories, seeded trained-like
 # weights), parity (dtype flow, bitwise parity, scenarios and FSDP2 gpu tests), size
 # (bench/full_size.py: every family at full; SIZE_FAMILIES, SIZE_ARGS such as --fixed-order; SIZE_WATCH=1
@@ -46,6 +47,14 @@ for stage in "$@"; do
     paths) gpu_pytest -s tests/test_pairing_paths.py >"$out/paths_gpu.log" 2>&1 ;;
     full) gpu_pytest -s tests/test_full_gpu.py >"$out/full_gpu.log" 2>&1 ;;
     sharded) gpu_pytest -s tests/test_fsdp2_sharded_gpu.py >"$out/sharded_gpu.log" 2>&1 ;;
+    twogpu)
+        # Two GPUs: the sharded and 2-rank FSDP2 gpu tests, MiniMax H3 full paired sharded
+        # (bench/full_size.py's sharded row alone), and notebook 10 on it as a user runs it.
+        gpu_pytest -s tests/test_fsdp2_sharded_gpu.py tests/test_fsdp2_gpu.py >"$out/twogpu_tests.log" 2>&1
+        python bench/full_size.py "$out/sharded" --families "" >"$out/sharded_size.log" 2>&1
+        python -m lab.views.notebooks notebooks/10_sharded.ipynb "$out/10_sharded.ipynb" -p preset full \
+            -p device cuda -p nproc 2 -p interactive False -p out_dir "$out/nb10" >"$out/nb10.log" 2>&1
+        ;;
     bench) python bench/full_pair.py "$out/bench" >"$out/full_pair.log" 2>&1 ;;
     drift) python bench/gpu_drift.py "$out/drift.json" >"$out/drift.log" 2>&1 ;;
     parity)

@@ -89,6 +89,18 @@ def test_the_table_states_each_familys_ratios_and_why_a_row_has_none(
         "1.00x / 0.97x / 1.00x | 1.024 / 1.024x |"
     )
     assert "minimax_h3 (sharded_2gpu) | needs 2 GPUs, found 1 |" in lines[3]
+    # A sharded case that ran: no plain forwards, so its figures in words.
+    sharded = {"family": "minimax_h3", "preset": "full", "case": "sharded_2gpu", "wall_s": 80.25,
+               "pairs": 52, "model_output_rel_max": 0.01234,
+               "fsdp2_a": {"build_s": 1.21, "forward_s": 3.4, "world_size": 2,
+                           "peak_memory_gib_per_rank": [90.12, 89.7]},
+               "fsdp2_b": {"build_s": 1.1, "forward_s": 3.91, "world_size": 2,
+                           "peak_memory_gib_per_rank": [91.1, 90.7]}}  # fmt: skip
+    assert bench.table([sharded]).splitlines()[2] == (
+        "| minimax_h3 (sharded_2gpu) | paired in 80.2 s on 2 ranks, 52 block pairs (a: build "
+        "1.2 s, forward 3.40 s, peak GiB 90.1/89.7; b: build 1.1 s, forward 3.91 s, peak GiB "
+        "91.1/90.7), model output rel_max 0.0123 | | | | |"
+    )
     # The same table from a written file, without a GPU.
     path = tmp_path / "full_size.json"
     path.write_text(json.dumps({"meta": {}, "rows": [row, skipped]}))
