@@ -7,6 +7,9 @@ and tests/test_fsdp2_sharded_gpu.py, whose captures must equal the in-process pa
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 import pytest
 import torch
 
@@ -90,48 +93,95 @@ def test_another_seed_or_expert_gives_other_rows() -> None:
     assert torch.equal(_bits(c.rows[w]), _bits(whole.get_parameter(w)[:half]))
 
 
-class _WritesAfterBuild(torch.nn.Module):
+class _Toy(torch.nn.Module):
+    """A stand-in class: two linears, then whatever `after` does once both are registered."""
+
+    after: Any = None
+
     def __init__(self, **_: object) -> None:
         super().__init__()
         self.proj_in = torch.nn.Linear(4, 4)
         self.proj_out = torch.nn.Linear(4, 4)
-        with torch.no_grad():
-            self.proj_in.weight.mul_(2.0)  # after proj_in was registered: a whole-model pass
+        type(self).after(self)
 
 
-class _BufferFromParameter(torch.nn.Module):
-    def __init__(self, **_: object) -> None:
+def _toy(after: Any) -> type:
+    return type("Toy", (_Toy,), {"after": staticmethod(after)})
+
+
+class _ScalarChild(torch.nn.Module):
+    def __init__(self) -> None:
         super().__init__()
-        self.proj_in = torch.nn.Linear(4, 4)
-        self.register_buffer("scale", self.proj_in.weight.norm())
-
-
-class _ScalarParameter(torch.nn.Module):
-    def __init__(self, **_: object) -> None:
-        super().__init__()
-        self.proj_in = torch.nn.Linear(4, 4)
         self.gate = torch.nn.Parameter(torch.tensor(1.0))
 
 
-@pytest.mark.parametrize(
-    ("cls", "words"),
-    [
-        (_WritesAfterBuild, "writes parameter 'proj_in.weight' after its module is built"),
-        (_BufferFromParameter, "computes buffer 'scale' from a parameter"),
-        (_ScalarParameter, "has a 0-dim parameter"),
-    ],
-)
+def _tie(m: torch.nn.Module) -> None:
+    m.proj_out.weight = m.proj_in.weight
+
+
+def _no_grad(fn: Any) -> Any:
+    def run(m: torch.nn.Module) -> None:
+        with torch.no_grad():
+            fn(m)
+
+    return run
+
+
+REFUSED = {
+    # An in-place write after registration (a whole-model init pass).
+    "write": (
+        _no_grad(lambda m: m.proj_in.weight.mul_(2.0)),
+        "runs aten.mul_.Tensor on a parameter",
+    ),
+    # Through .data: no version bump, and a random fill on meta would draw nothing.
+    "data_fill": (lambda m: m.proj_in.weight.data.normal_(), "runs aten.detach.default"),
+    "cast": (lambda m: m.proj_in.to(torch.bfloat16), "runs aten._to_copy.default"),
+    "buffer": (lambda m: m.register_buffer("scale", m.proj_in.weight.norm()), "runs aten."),
+    "derived": (
+        lambda m: setattr(m, "w", torch.nn.Parameter(m.proj_in.weight.clone())),
+        "runs aten.clone",
+    ),
+    "scalar_root": (
+        lambda m: setattr(m, "gate", torch.nn.Parameter(torch.tensor(1.0))),
+        "Toy.gate is a 0-dim parameter",
+    ),
+    # Raised inside the registration hook, while the class is still building.
+    "scalar_child": (lambda m: setattr(m, "child", _ScalarChild()), "_ScalarChild.gate is a 0-dim"),
+    "tied": (_tie, "ties parameters 'proj_in.weight' and 'proj_out.weight'"),
+    "made_on_meta": (
+        lambda m: setattr(m, "w", torch.nn.Parameter(torch.empty(4, device="meta"))),
+        "parameter 'w' was not built by the class",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
 def test_what_cannot_be_replayed_in_rows_is_refused(
-    monkeypatch: pytest.MonkeyPatch, cls: type, words: str
+    monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:
-    monkeypatch.setattr(Family, "model_cls", lambda self: cls)
-    fam = lab.family("sd3")
+    from torch.nn.modules.module import _global_module_registration_hooks
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    after, words = REFUSED[case]
+    monkeypatch.setattr(Family, "model_cls", lambda self: _toy(after))
+    hooks = len(_global_module_registration_hooks)
     with pytest.raises(ShardBuildError, match="Build the whole model instead") as err:
-        fam.build_shard("tiny", 0, rank=0, world=2)
+        lab.family("sd3").build_shard("tiny", 0, rank=0, world=2)
     assert words in str(err.value)
-    # The hook is gone after a refusal: a later plain construction is untouched.
+    # The hook and the dispatch mode are gone after a refusal: later builds are untouched.
+    assert len(_global_module_registration_hooks) == hooks
+    assert _get_current_dispatch_mode() is None
     linear = torch.nn.ModuleList([torch.nn.Linear(3, 3)])
     assert linear[0].weight.device.type == "cpu"
+    # Nothing to refuse: the same class builds in rows.
+    monkeypatch.setattr(Family, "model_cls", lambda self: _toy(lambda m: None))
+    shard = lab.family("sd3").build_shard("tiny", 0, rank=1, world=2)
+    assert set(shard.rows) == {f"proj_{s}.{p}" for s in ("in", "out") for p in ("weight", "bias")}
+
+
+def test_meta_is_not_a_device_to_build_rows_on() -> None:
+    with pytest.raises(ValueError, match=r"device='meta' has no values to cut"):
+        lab.family("sd3").build_shard("tiny", 0, rank=0, world=2, device="meta")
 
 
 @pytest.mark.parametrize(
@@ -207,3 +257,107 @@ def test_a_sharded_pair_says_where_its_sides_ran_and_what_each_rank_took() -> No
     assert not [c for c in table.columns if c.startswith("peak_gib")], "no GPU peaks on a CPU"
     with pytest.raises(ValueError, match=r"sharded_ranks_table: this Result has no meta"):
         sharded_ranks_table(lab.pair_family("sd3", "tiny"))
+
+
+# ---- loading rows, and the ranks ---------------------------------------------------------------
+
+
+def test_rows_loaded_into_the_meta_model_give_the_whole_build_back() -> None:
+    from lab.families.shards import load_shards
+
+    fam = lab.family("ltx2")
+    shard = fam.build_shard("tiny", 2, rank=0, world=1)
+    load_shards(shard.model, shard.rows, torch.device("cpu"))
+    assert shard.rows == {}, "every row was placed and dropped"
+    whole = fam.build("tiny", 2, master="fp32")
+    mine = dict(shard.model.named_parameters())
+    for name, param in whole.named_parameters():
+        assert torch.equal(_bits(mine[name]), _bits(param)), name
+    for name, buf in whole.named_buffers():
+        assert torch.equal(shard.model.get_buffer(name), buf), name
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        ("other_world", "'proj_out.bias' shards to (16,) on this rank but its rows are (8,)"),
+        ("missing", "no rows for parameter 'proj_out.bias'"),
+        ("extra", "1 rows have no parameter: stray.weight"),
+    ],
+)
+def test_rows_that_do_not_fit_the_model_are_named(edit: str, words: str) -> None:
+    from lab.families.shards import load_shards
+
+    fam = lab.family("sd3")
+    shard = fam.build_shard("tiny", 0, rank=0, world=1)
+    rows = dict(shard.rows)
+    if edit == "other_world":  # rank 0 of 2's rows into an unsharded model
+        other = fam.build_shard("tiny", 0, rank=0, world=2).rows
+        rows = {n: other[n] if n == "proj_out.bias" else r for n, r in rows.items()}
+    elif edit == "missing":
+        del rows["proj_out.bias"]
+    else:
+        rows["stray.weight"] = torch.zeros(2)
+    with pytest.raises(ShardBuildError, match=re.escape(words)):
+        load_shards(shard.model, rows, torch.device("cpu"))
+
+
+def test_a_rank_builds_the_whole_model_where_rows_cannot_be_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lab.engine import fsdp
+
+    job = fsdp.Fsdp2Job(family_name="sd3", side=lab.Side.trainer(lab.family("sd3")))
+    model, shard, build = fsdp._rank_model(job, torch.device("cpu"), 0, 1)
+    assert build == "rows" and shard is not None
+    assert all(p.device.type == "meta" for p in model.parameters())
+    # A class that writes a weight after registering it: the rank builds it whole, and says why.
+    writes = _no_grad(lambda m: m.proj_in.weight.mul_(2.0))
+    monkeypatch.setattr(Family, "model_cls", lambda self: _toy(writes))
+    model, shard, build = fsdp._rank_model(job, torch.device("cpu"), 0, 1)
+    assert shard is None and build.startswith("whole: build_shard: the class runs aten.mul_")
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_lab_fsdp2_build_whole_gives_the_same_capture_and_is_checked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lab.engine.fsdp import Fsdp2Job, rank_build_bytes, run_fsdp2_forwards
+
+    job = Fsdp2Job(family_name="minimax_h3", side=lab.Side.trainer(lab.family("minimax_h3")))
+    rows = run_fsdp2_forwards([job], nproc=2, device="cpu")[0]
+    monkeypatch.setenv("LAB_FSDP2_BUILD", "whole")
+    whole = run_fsdp2_forwards([job], nproc=2, device="cpu")[0]
+    assert rows.meta["build"] == "rows" and whole.meta["build"] == "whole: LAB_FSDP2_BUILD=whole"
+    assert len(rows.leaves) == len(whole.leaves) > 50
+    for (ka, ca, oa, a), (kb, cb, ob, b) in zip(rows.leaves, whole.leaves, strict=True):
+        assert (ka, ca, oa) == (kb, cb, ob)
+        assert not isinstance(a, torch.Tensor) or torch.equal(a, b), ka
+    # The guard counts what "whole" holds: all of the model on every rank.
+    monkeypatch.setenv("LAB_MEMORY_BUDGET_GIB", repr(rank_build_bytes(job, 1) * 0.9 / 2**30))
+    with pytest.raises(ValueError, match=r"every rank builds the whole seeded fp32 model") as err:
+        run_fsdp2_forwards([job], nproc=2, device="cpu")
+    assert "Unset $LAB_FSDP2_BUILD so each rank builds only its rows: nproc=2 fits" in str(
+        err.value
+    )
+    monkeypatch.setenv("LAB_FSDP2_BUILD", "all")
+    with pytest.raises(ValueError, match=r"LAB_FSDP2_BUILD='all': use 'rows' \(each rank builds"):
+        run_fsdp2_forwards([job], nproc=2, device="cpu")
+
+
+def test_three_ranks_with_short_and_empty_shards_are_bitwise_the_in_process_trainer() -> None:
+    from lab.engine.fsdp import Fsdp2Job, pair_capture, run_fsdp2_forwards
+
+    names = ("wan2_2", "ltx2")
+    # Non-vacuous: parameters whose dim 0 is under 3 (a rank with no rows) or not a multiple
+    # of 3 (a padded last shard).
+    dims = {p.shape[0] for n in names for p in lab.family(n).build("tiny").parameters()}
+    assert 1 in dims and any(d % 3 for d in dims if d > 3)
+    jobs = [Fsdp2Job(family_name=n, side=lab.Side.trainer(lab.family(n))) for n in names]
+    for capture in run_fsdp2_forwards(jobs, nproc=3, device="cpu"):
+        name = capture.job.family_name
+        assert capture.meta["world_size"] == 3 and capture.meta["build"] == "rows"
+        model, inputs = capture.job.build("cpu")
+        table = pair_capture(model, inputs, lab.Side.trainer(lab.family(name)), capture).table()
+        assert len(table) > 50
+        assert (table["max_ulp"] == 0).all() and (table["bitexact_frac"] == 1.0).all(), name

@@ -68,7 +68,7 @@ def test_minimax_h3_full_rank_builds_half_the_master_bitwise() -> None:
     )
     # Half of 123.4 GiB, plus the module being built; the whole build needed all of it.
     assert 61.0 < rows < 62.0
-    assert peak < rows + 2 * largest + 0.5
+    assert peak < rows + largest + 0.3
     host = {name: t.cpu() for name, t in shard.rows.items()}
     del shard
     _fresh()

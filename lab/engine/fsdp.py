@@ -407,7 +407,8 @@ def check_rank_build_fits(job: Fsdp2Job, device: str, nproc: int) -> None:
     )
     if budget is None:
         return
-    need = rank_build_bytes(job, nproc)
+    whole = build_mode() == "whole"
+    need = rank_build_bytes(job, 1 if whole else nproc)
     if rank_build_fits(need, budget):
         return
     fam = get_family(job.family_name)
@@ -425,11 +426,17 @@ def check_rank_build_fits(job: Fsdp2Job, device: str, nproc: int) -> None:
             "with a compact master (lab.pair; build/load with master='compact'); otherwise "
             "use a smaller preset."
         )
+    held = (
+        f"every rank builds the whole seeded fp32 model (${BUILD_ENV}=whole), {need / gib:.1f} GiB"
+        if whole
+        else f"a rank builds and holds its 1/{nproc} of the seeded fp32 model, {need / gib:.1f} GiB"
+    )
+    if whole:
+        fix = f"Unset ${BUILD_ENV} so each rank builds only its rows: " + fix[0].lower() + fix[1:]
     raise ValueError(
         f"run_fsdp2_forwards: {job.family_name} {job.preset} does not fit one rank's {device} "
-        f"({budget / gib:.1f} GiB) at nproc={nproc}: a rank builds and holds its 1/{nproc} of "
-        f"the seeded fp32 model, {need / gib:.1f} GiB, plus {reserve / gib:.1f} GiB kept for "
-        f"the forward. {fix} ${MEMORY_BUDGET_ENV} overrides the budget this check uses."
+        f"({budget / gib:.1f} GiB) at nproc={nproc}: {held}, plus {reserve / gib:.1f} GiB kept "
+        f"for the forward. {fix} ${MEMORY_BUDGET_ENV} overrides the budget this check uses."
     )
 
 
@@ -540,6 +547,22 @@ class Fsdp2RankError(RuntimeError):
 
 LOOPBACK = "127.0.0.1"
 """Every socket of a single-node launch listens here only: the rendezvous store, gloo, NCCL."""
+
+BUILD_ENV = "LAB_FSDP2_BUILD"
+"""How a rank builds its model: "rows" (the default: only its rows, `Fsdp2Job.build_shard`) or
+"whole" (the whole seeded model on every rank, rank 0's broadcast, as before stop 30)."""
+_BUILDS = {
+    "rows": "each rank builds only its rows of the seeded master",
+    "whole": "each rank builds the whole model and takes rank 0's weights",
+}
+
+
+def build_mode() -> str:
+    """`$LAB_FSDP2_BUILD`: "rows" (default) or "whole"; anything else is refused, named."""
+    from lab.base.switches import env_choice
+
+    return env_choice(BUILD_ENV, _BUILDS, "rows")
+
 
 _FAULT_ENV = "LAB_FSDP2_FAULT"
 """Test hook honoured by the ranks: "raise@R" makes rank R raise, "hang@R" makes it sleep."""
@@ -1265,11 +1288,8 @@ def _run_rank_job(
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    # Only this rank's rows of the seeded master: the whole model never sits on one rank.
-    shard = job.build_shard(device, rank, world)
-    model, inputs = shard.model, job.inputs(device, rank)
-    if world > 1:
-        _check_same_draws(shard, world)
+    model, shard, build = _rank_model(job, device, rank, world)
+    inputs = job.inputs(device, rank)
     module_classes = {(n or ROOT): type(m).__name__ for n, m in model.named_modules()}
     seconds["build_s"] = _elapsed(start, device)
     side = job.side
@@ -1285,7 +1305,8 @@ def _run_rank_job(
     with ops_applied(model, job.side.engine_ops, job.side.op_switches):
         start = time.perf_counter()
         plan = apply_fsdp2(model, fam, side, mesh)
-        load_shards(model, shard.rows, device)
+        if shard is not None:
+            load_shards(model, shard.rows, device)
         seconds["shard_s"] = _elapsed(start, device)
         cast = side_inputs(inputs, job.side, device)
         grad_mode = torch.enable_grad() if job.loss is not None else torch.no_grad()
@@ -1321,10 +1342,45 @@ def _run_rank_job(
         "peak_memory_gib_per_rank": peaks,
         "loss": loss_value,
         "patch_applied": is_param_dtype_map_patch_applied(),
+        "build": build,
         "torch": str(torch.__version__),
         "module_classes": module_classes,
     }
     return {"leaves": leaves, "meta": meta, "grads": grads}
+
+
+def _rank_model(
+    job: Fsdp2Job, device: torch.device, rank: int, world: int
+) -> tuple[torch.nn.Module, ShardBuild | None, str]:
+    """The rank's model before sharding: (model, its rows or None, how it was built).
+
+    By default only the rank's rows (`Fsdp2Job.build_shard`: meta parameters, rows beside),
+    checked to be rank 0's draws. Where the class cannot be built in rows (`ShardBuildError`:
+    the same on every rank) or `$LAB_FSDP2_BUILD` is "whole", the whole seeded model, with
+    rank 0's weights broadcast so every rank shards identical ones; the third item then says
+    why ("whole: ...").
+    """
+    import torch.distributed as dist
+
+    from lab.families.shards import ShardBuildError
+
+    if build_mode() == "rows":
+        try:
+            shard = job.build_shard(device, rank, world)
+        except ShardBuildError as err:
+            why = f"whole: {err}"
+        else:
+            if world > 1:
+                _check_same_draws(shard, world)
+            return shard.model, shard, "rows"
+    else:
+        why = f"whole: {BUILD_ENV}=whole"
+    model, _ = job.build(device, rank)
+    if world > 1:
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t.data, src=0)
+    return model, None, why
 
 
 def _check_same_draws(shard: ShardBuild, world: int) -> None:
@@ -1340,9 +1396,10 @@ def _check_same_draws(shard: ShardBuild, world: int) -> None:
     digests: list[Any] = [None] * world
     dist.all_gather_object(digests, shard.digests)
     names = list(shard.rows)
+    ours = digests[0].view(torch.int64)  # bits: a NaN sum equals itself
     for rank, theirs in enumerate(digests):
-        if not torch.equal(theirs, digests[0]):
-            first = int((theirs != digests[0]).nonzero()[0])
+        if not torch.equal(theirs.view(torch.int64), ours):
+            first = int((theirs.view(torch.int64) != ours).nonzero()[0])
             raise RuntimeError(
                 f"rank {rank} drew other seeded weights than rank 0 for {names[first]!r} "
                 f"(sum {float(theirs[first])!r} vs {float(digests[0][first])!r}): the ranks' "

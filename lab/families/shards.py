@@ -31,11 +31,19 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-from lab.families._trained_init import DEFAULT_INIT, INIT_ATTRIBUTE, _owned_parameters, init_rows
+from lab.families._trained_init import (
+    _CHUNK,
+    DEFAULT_INIT,
+    INIT_ATTRIBUTE,
+    _owned_parameters,
+    init_rows,
+)
 
 if TYPE_CHECKING:
     from lab.families._family import Family
@@ -83,6 +91,38 @@ class ShardBuild:
     """{"rows": bytes of the rows, "largest_module": the largest module's own parameters}."""
 
 
+_WHOLE = "Build the whole model instead (lab.fsdp's ranks do so by themselves)."
+
+
+def _digest(whole: torch.Tensor) -> torch.Tensor:
+    """float64 sum of a tensor, in `_CHUNK` pieces (never a float64 copy of all of it)."""
+    if not whole.is_contiguous():
+        return whole.sum(dtype=torch.float64)
+    flat = whole.reshape(-1)
+    parts = [flat[i : i + _CHUNK].sum(dtype=torch.float64) for i in range(0, flat.numel(), _CHUNK)]
+    return torch.stack(parts).sum() if parts else whole.new_zeros((), dtype=torch.float64)
+
+
+class _NoOpsOnCut(TorchDispatchMode):
+    """While the class builds: refuse any op that reads or writes a parameter already cut.
+
+    A cut parameter is a meta tensor: an op on it computes nothing, and a random fill on it
+    draws nothing, so every later draw would shift. Shape, dtype and device reads do not
+    dispatch and stay allowed.
+    """
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor) and leaf.device.type == "meta":
+                raise ShardBuildError(
+                    f"build_shard: the class runs {func} on a parameter of a module it already "
+                    "registered (a write, copy, cast or random fill after the module was built); "
+                    f"its rows cannot replay that. {_WHOLE}"
+                )
+        return func(*args, **kwargs)
+
+
 class _RowKeeper:
     """Cuts each finished submodule's parameters to a rank's rows while the class builds."""
 
@@ -98,7 +138,8 @@ class _RowKeeper:
         register = torch.nn.modules.module.register_module_module_registration_hook
         handle = register(lambda parent, name, child: self.keep(child) if child else None)
         try:
-            yield
+            with _NoOpsOnCut():
+                yield
         finally:
             handle.remove()
 
@@ -106,17 +147,17 @@ class _RowKeeper:
         """Cut every parameter of `module` not cut yet (a finished module's are final)."""
         own = sum(p.numel() * 4 for p in module.parameters(recurse=False))
         self.largest = max(self.largest, own)
-        for param in module.parameters():
+        for local, param in module.named_parameters():
             if id(param) in self.kept or param.device.type == "meta":
                 continue
             if param.ndim == 0:
                 raise ShardBuildError(
-                    f"build_shard: {type(module).__name__} has a 0-dim parameter; FSDP2 shards "
-                    "dim 0, so it cannot be cut into rows. Build the whole model instead."
+                    f"build_shard: {type(module).__name__}.{local} is a 0-dim parameter; FSDP2 "
+                    f"shards dim 0, so it cannot be cut into rows. {_WHOLE}"
                 )
             whole = param.detach()
             start, end = shard_rows(whole.shape[0], self.rank, self.world)
-            self.digests[id(param)] = whole.sum(dtype=torch.float64)
+            self.digests[id(param)] = _digest(whole)
             rows = whole[start:end].clone()
             placeholder = torch.nn.Parameter(
                 torch.empty(whole.shape, dtype=whole.dtype, device="meta"),
@@ -133,21 +174,36 @@ class _RowKeeper:
     def to_rows(self, model: torch.nn.Module) -> None:
         """Check nothing wrote a cut parameter after its cut; make every parameter its rows."""
         self.keep(model)  # the root's own parameters: final once the class returns
+        what = type(model).__name__
         for name, buf in model.named_buffers():
             if buf.device.type == "meta":
                 raise ShardBuildError(
-                    f"build_shard: {type(model).__name__} computes buffer {name!r} from a "
-                    "parameter while it builds; it cannot be built in rows. Build the whole "
-                    "model instead."
+                    f"build_shard: {what} computes buffer {name!r} from a parameter while it "
+                    f"builds; it cannot be built in rows. {_WHOLE}"
                 )
-        names = {id(p): n for n, p in model.named_parameters()}
-        for key, kept in self.kept.items():
-            if kept.param._version != kept.version:
+        names: dict[int, list[str]] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        for key, held in names.items():
+            if len(held) > 1:
                 raise ShardBuildError(
-                    f"build_shard: {type(model).__name__} writes parameter "
-                    f"{names.get(key, '?')!r} after its module is built (a whole-model init "
-                    "pass?); the rows cannot replay it. Build the whole model instead."
+                    f"build_shard: {what} ties parameters {' and '.join(map(repr, held))} (one "
+                    f"tensor in two modules); a rank's rows of a tied tensor are not placed. "
+                    f"{_WHOLE}"
                 )
+            if key not in self.kept:
+                raise ShardBuildError(
+                    f"build_shard: {what}'s parameter {held[0]!r} was not built by the class "
+                    "in its modules (made from another parameter, or after the class returned); "
+                    f"its rows cannot be cut. {_WHOLE}"
+                )
+        for key, kept in self.kept.items():
+            if key in names and kept.param._version != kept.version:
+                raise ShardBuildError(
+                    f"build_shard: {what} writes parameter {names[key][0]!r} after its module is "
+                    f"built (a whole-model init pass?); the rows cannot replay it. {_WHOLE}"
+                )
+        for kept in self.kept.values():
             swap = torch.nn.Parameter(kept.rows, requires_grad=kept.param.requires_grad)
             torch.utils.swap_tensors(kept.param, swap)
             kept.rows = kept.param.data
@@ -194,6 +250,11 @@ def build_shard(
     if world < 1 or not 0 <= rank < world:
         raise ValueError(
             f"build_shard: need 0 <= rank < world with world >= 1, got rank={rank}, world={world}."
+        )
+    if torch.device(device).type == "meta":
+        raise ValueError(
+            "build_shard: device='meta' has no values to cut; build rows on 'cpu' or 'cuda' "
+            "(a meta model for counting: Family.model_cls()(**config) under torch.device('meta'))."
         )
     keeper = _RowKeeper(rank, world)
     model, seed = family._construct(
