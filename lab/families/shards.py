@@ -13,11 +13,12 @@ ceil(n / world)) and the parameter becomes a meta tensor of the whole shape. The
 `init_weights` then runs on the rows, and the trained-like reshaping draws over each whole
 parameter and keeps the rows (`init_rows`), so every row is bitwise the row `Family.build`
 gives. A rank holds its rows plus, briefly, the submodule being built (MiniMax H3 full: 61.7 GiB
-a rank on two GPUs, plus 1 GiB).
+a rank on two GPUs, peak 62.6 GiB on the H200).
 
-What it cannot replay it refuses (`ShardBuildError`), never guesses: a class that writes a
-parameter after its submodule is registered (a whole-model init pass), a buffer computed from a
-parameter, a 0-dim parameter. Each rank also keeps the float64 sum of every parameter as the
+What it cannot replay it refuses (`ShardBuildError`), never guesses: any op on a parameter once
+its submodule is registered (a write, a cast, a random fill, a buffer computed from it: a
+dispatch mode watches while the class builds), tied parameters, 0-dim ones, ones made on meta.
+`lab.fsdp`'s ranks then build the whole model instead. Each rank also keeps the float64 sum of every parameter as the
 class drew it (`ShardBuild.digests`); `lab.fsdp` checks that every rank drew the same.
 
 `load_shards` then fills a model that `fully_shard` sharded on the meta device: module by module
