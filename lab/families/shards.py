@@ -18,8 +18,9 @@ a rank on two GPUs, peak 62.6 GiB on the H200).
 What it cannot replay it refuses (`ShardBuildError`), never guesses: any op on a parameter once
 its submodule is registered (a write, a cast, a random fill, a buffer computed from it: a
 dispatch mode watches while the class builds), tied parameters, 0-dim ones, ones made on meta.
-`lab.fsdp`'s ranks then build the whole model instead. Each rank also keeps the float64 sum of every parameter as the
-class drew it (`ShardBuild.digests`); `lab.fsdp` checks that every rank drew the same.
+`lab.fsdp`'s ranks then build the whole model instead. Each rank also keeps the float64 sum of
+every parameter as the class drew it (`ShardBuild.digests`); `lab.fsdp` checks that every rank
+drew the same.
 
 `load_shards` then fills a model that `fully_shard` sharded on the meta device: module by module
 it allocates the rank's local shards (`to_empty`) and copies the rows in, freeing each as it
