@@ -16,7 +16,7 @@ import torch
 import lab
 from lab.families import FAMILY_NAMES, Family
 from lab.families import _trained_init as trained_init
-from lab.families.shards import ShardBuildError, build_shard, shard_bytes, shard_rows
+from lab.families.shards import ShardBuildError, shard_bytes, shard_rows
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -196,7 +196,7 @@ def test_meta_is_not_a_device_to_build_rows_on() -> None:
 )
 def test_bad_rank_or_world_is_named(rank: object, world: object, words: str) -> None:
     with pytest.raises(ValueError, match=words):
-        build_shard(lab.family("sd3"), "tiny", rank=rank, world=world)  # type: ignore[arg-type]
+        lab.family("sd3").build_shard("tiny", rank=rank, world=world)  # type: ignore[arg-type]
 
 
 def test_ranks_that_drew_other_weights_are_named(monkeypatch: pytest.MonkeyPatch) -> None:

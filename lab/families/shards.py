@@ -212,21 +212,13 @@ class _RowKeeper:
 
 
 def build_shard(
-    family: Family,
-    preset: str = "tiny",
-    seed: int = 0,
-    *,
-    rank: int,
-    world: int,
-    variant: str | None = None,
-    expert: str | None = None,
-    device: str | torch.device = "cpu",
-    init: str = DEFAULT_INIT,
+    family: Family, preset: str, seed: int, *, rank: int, world: int, **build: Any
 ) -> ShardBuild:
-    """Build rank `rank`'s rows of every parameter of `family.build(preset, seed, ...)`.
+    """Build rank `rank`'s rows of every parameter of `family.build(preset, seed, **build)`.
 
     Every row is bitwise the same row of the whole build on the same device (fp32: the whole
-    build's compact master, if any, is exact, and FSDP2 upcasts it to fp32 anyway).
+    build's compact master, if any, is exact, and FSDP2 upcasts it to fp32 anyway). Called as
+    `Family.build_shard`.
 
     Args:
         family: The family.
@@ -234,18 +226,16 @@ def build_shard(
         seed: As `Family.build`.
         rank: This rank, 0 <= rank < world.
         world: The ranks the model is sharded over.
-        variant: As `Family.build`.
-        expert: As `Family.build`.
-        device: As `Family.build`.
-        init: As `Family.build`.
+        **build: variant, expert, device and init, as `Family.build` takes them.
 
     Returns:
         The ShardBuild (meta structure, rows, digests).
 
     Raises:
-        ValueError: Bad rank or world, or what `Family.build` refuses.
+        ValueError: Bad rank or world, a meta device, or what `Family.build` refuses.
         ShardBuildError: A class whose construction cannot be replayed in rows (named).
     """
+    build = {"variant": None, "expert": None, "device": "cpu", "init": DEFAULT_INIT, **build}
     for what, value in (("world", world), ("rank", rank)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"build_shard: {what} must be an int, got {value!r}.")
@@ -253,15 +243,14 @@ def build_shard(
         raise ValueError(
             f"build_shard: need 0 <= rank < world with world >= 1, got rank={rank}, world={world}."
         )
-    if torch.device(device).type == "meta":
+    if torch.device(build["device"]).type == "meta":
         raise ValueError(
             "build_shard: device='meta' has no values to cut; build rows on 'cpu' or 'cuda' "
             "(a meta model for counting: Family.model_cls()(**config) under torch.device('meta'))."
         )
     keeper = _RowKeeper(rank, world)
-    model, seed = family._construct(
-        preset, seed, variant=variant, expert=expert, device=device, init=init, keeper=keeper
-    )
+    model, seed = family._construct(preset, seed, keeper=keeper, **build)
+    init = build["init"]
     for name, param, owner in _owned_parameters(model):
         kept = keeper.kept[id(param)]
         init_rows(
