@@ -361,3 +361,26 @@ def test_three_ranks_with_short_and_empty_shards_are_bitwise_the_in_process_trai
         table = pair_capture(model, inputs, lab.Side.trainer(lab.family(name)), capture).table()
         assert len(table) > 50
         assert (table["max_ulp"] == 0).all() and (table["bitexact_frac"] == 1.0).all(), name
+
+
+def test_a_variant_pairs_sharded_and_a_bad_preset_is_named_before_any_rank_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lab.engine import fsdp
+
+    result = fsdp.pair_sharded("sd3", "tiny", variant="large", nproc=2, device="cpu")
+    in_process = lab.pair_family("sd3", "tiny", variant="large", capture_depth=1)
+    assert result.meta["variant"] == "large"
+
+    def key(res: lab.Result) -> list:
+        return [(r.module, r.call, r.output, r.metrics.max_abs_diff, r.metrics.max_ulp)
+                for r in res.rows]  # fmt: skip
+
+    assert key(result) == key(in_process) and len(result.rows) > 10
+    launched = []
+    monkeypatch.setattr(fsdp, "_launch_ranks", lambda *a, **k: launched.append(a))
+    with pytest.raises(ValueError, match=r"family 'sd3': unknown preset 'huge'"):
+        fsdp.pair_sharded("sd3", "huge", nproc=2, device="cpu")
+    with pytest.raises(ValueError, match=r"unknown variant 'xl'. Known: large"):
+        fsdp.pair_sharded("sd3", "tiny", variant="xl", nproc=2, device="cpu")
+    assert launched == []

@@ -271,9 +271,12 @@ class Fsdp2Job:
 
     def __post_init__(self) -> None:
         # Checked here, in the caller's process: a rank would only fail with a bare error.
+        from lab.families import family as get_family
         from lab.families._family import check_seed
 
         check_seed(self.seed, where=f"Fsdp2Job({self.family_name!r}).seed")
+        # An unknown family, preset or variant: named here, not by a rank after the launch.
+        get_family(self.family_name).config(self.preset, self.variant)
         if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
             raise ValueError(
                 f"Fsdp2Job({self.family_name!r}).batch: must be an int >= 1, got {self.batch!r}."
@@ -1033,6 +1036,7 @@ def pair_sharded(
     seed: int = 0,
     sigma: float = 0.75,
     batch: int = 1,
+    variant: str | None = None,
     rollout: Side | None = None,
     trainer: Side | None = None,
     timeout_s: float = 600.0,
@@ -1070,6 +1074,7 @@ def pair_sharded(
         seed: Weight and input seed.
         sigma: The step's sigma (also picks the expert of MoE families).
         batch: Samples per forward.
+        variant: A named variant of the family (e.g. sd3's "large").
         rollout: Reference side; default `Side.rollout(family)`.
         trainer: Candidate side; default `Side.trainer(family)`.
         timeout_s: Wall-clock limit for the launch.
@@ -1090,6 +1095,7 @@ def pair_sharded(
         seed=seed,
         sigma=sigma,
         batch=batch,
+        variant=variant,
         rollout=rollout,
         trainer=trainer,
     )
@@ -1109,6 +1115,7 @@ def sharded_jobs(
     seed: int = 0,
     sigma: float = 0.75,
     batch: int = 1,
+    variant: str | None = None,
     rollout: Side | None = None,
     trainer: Side | None = None,
 ) -> list[Fsdp2Job]:
@@ -1125,6 +1132,7 @@ def sharded_jobs(
         batch=batch,
         sigma=sigma,
         capture_depth=capture_depth,
+        variant=variant,
     )
     return [
         Fsdp2Job(side=rollout, emulate_engine_load=True, **common),
@@ -1160,6 +1168,7 @@ def pair_sharded_captures(capture_a: Fsdp2Capture, capture_b: Fsdp2Capture) -> R
     meta = dict(
         family=family_name,
         preset=preset,
+        variant=job.variant,
         seed=seed,
         sigma=sigma,
         batch=batch,
