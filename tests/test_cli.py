@@ -26,7 +26,17 @@ def _run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
 @pytest.mark.parametrize(
     ("command", "options"),
     [
-        ("pair", ["--family", "--trainer-overrides", "--max-rel-max", "--baseline", "--out-dir"]),
+        (
+            "pair",
+            [
+                "--family",
+                "--trainer-overrides",
+                "--max-rel-max",
+                "--baseline",
+                "--out-dir",
+                "--sharded",
+            ],
+        ),
         ("drift", ["--steps", "--cfg-scale", "--sde-window", "--samples", "--max-clip-frac"]),
         ("report", ["RUN", "--out", "--metric"]),
         ("sweep", ["--grid", "--param", "--jobs", "--resume"]),
@@ -235,3 +245,31 @@ def test_python_dash_m_lab_is_the_same_command_line(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == EXIT_USAGE
     assert "invalid choice: 'huge'" in done.stderr
+
+
+def test_pair_sharded_runs_both_sides_under_fsdp2_and_names_what_it_cannot(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "sharded"
+    argv = ["pair", "--family", "sd3", "--sharded", "2", "--out-dir", str(out),
+            "--trainer-overrides", '{"autocast": false}']  # fmt: skip
+    code, text, _ = _run(capsys, *argv)
+    assert code == EXIT_OK, text
+    assert "rollout under FSDP2 on 2 gloo rank(s); trainer under FSDP2 on 2 gloo rank(s)" in text
+    assert "build_s" in text and "forward_s" in text  # the ranks' table
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["fsdp2_b"]["world_size"] == 2 and data["side_b"]["autocast"] is False
+    assert (out / "divergence_by_layer.png").read_bytes()[:8] == PNG
+    # The same rows as the in-process pair at block level, with the same override.
+    in_process = lab.pair_family("sd3", "tiny", capture_depth=1, trainer={"autocast": False})
+    assert [r["max_ulp"] for r in data["rows"]] == [r.metrics.max_ulp for r in in_process.rows]
+    assert data["summary"]["family"] == "sd3"
+    code, _, err = _run(capsys, "pair", "--sharded", "2", "--mode", "local")
+    assert code == EXIT_USAGE and "--mode local is not available sharded" in err
+    code, _, err = _run(capsys, "pair", "--sharded", "0")
+    assert code == EXIT_USAGE and "nproc must be an int >= 1, got 0" in err
+    # A rank that fails: exit 1, its error printed.
+    monkeypatch.setenv("LAB_FSDP2_FAULT", "raise@1")
+    code, _, err = _run(capsys, "pair", "--family", "sd3", "--sharded", "2",
+                        "--out-dir", str(tmp_path / "failed"))  # fmt: skip
+    assert code == EXIT_FAILED and "pair --sharded failed: run_fsdp2_forwards: rank 1" in err

@@ -111,6 +111,16 @@ def _parser() -> argparse.ArgumentParser:
         "or a results.json)",
     )
     pair.add_argument("--report", action="store_true", help="also write OUT_DIR/report.html")
+    pair.add_argument(
+        "--sharded",
+        type=int,
+        default=None,
+        metavar="NPROC",
+        help="run both sides under FSDP2 across NPROC ranks (gloo on cpu, one GPU each on "
+        "cuda), each rank holding only its rows of the master: for a model one GPU cannot hold, "
+        "e.g. --family minimax_h3 --preset full --device cuda --sharded 2 (notebook 10). Block "
+        "outputs and the model output; propagated mode only",
+    )
 
     drift = _command(
         commands,
@@ -252,21 +262,26 @@ def _pair(args: argparse.Namespace) -> int:
     rollout = _json_option("rollout_overrides", args.rollout_overrides, dict)
     trainer = _json_option("trainer_overrides", args.trainer_overrides, dict)
     out = Path(args.out_dir)
-    try:
-        result = lab.pair_family(
-            args.family,
-            args.preset,
-            seed=args.seed,
-            device=args.device,
-            mode=args.mode,
-            sigma=args.sigma,
-            rollout=rollout,
-            trainer=trainer,
-        )
-    except PairError as err:
-        print(f"pair failed: {err}", file=sys.stderr)
-        _save_partial(err, out)
-        return EXIT_FAILED
+    if args.sharded is not None:
+        result = _pair_sharded(args, rollout, trainer)
+        if result is None:
+            return EXIT_FAILED
+    else:
+        try:
+            result = lab.pair_family(
+                args.family,
+                args.preset,
+                seed=args.seed,
+                device=args.device,
+                mode=args.mode,
+                sigma=args.sigma,
+                rollout=rollout,
+                trainer=trainer,
+            )
+        except PairError as err:
+            print(f"pair failed: {err}", file=sys.stderr)
+            _save_partial(err, out)
+            return EXIT_FAILED
     print(result.describe())
     figure = plots.save_figure(
         plots.plot_divergence_by_layer(result, args.metric), out / "divergence_by_layer.png"
@@ -288,6 +303,41 @@ def _pair(args: argparse.Namespace) -> int:
         print(cmp.describe())
         code = code if cmp.ok else EXIT_FAILED
     return code
+
+
+def _pair_sharded(
+    args: argparse.Namespace, rollout: dict[str, Any], trainer: dict[str, Any]
+) -> Any:
+    """`pair --sharded NPROC`: both sides under FSDP2 (`lab.fsdp.pair_sharded`).
+
+    None when a rank failed (its error is printed).
+    """
+    import lab
+    from lab.engine.fsdp import Fsdp2RankError, pair_sharded, sharded_ranks_table
+
+    if args.mode != "propagated":
+        raise ValueError(
+            f"pair --sharded: --mode {args.mode} is not available sharded (each side runs in "
+            "its own ranks); use --mode propagated."
+        )
+    fam = lab.family(args.family)
+    device = args.device.split(":")[0]
+    try:
+        result = pair_sharded(
+            args.family,
+            args.preset,
+            nproc=args.sharded,
+            device=device,
+            seed=args.seed,
+            sigma=args.sigma,
+            rollout=lab.Side.rollout(fam, device=device, **rollout),
+            trainer=lab.Side.trainer(fam, device=device, **trainer),
+        )
+    except Fsdp2RankError as err:
+        print(f"pair --sharded failed: {err}", file=sys.stderr)
+        return None
+    print(sharded_ranks_table(result).to_string(index=False))
+    return result
 
 
 def _drift(args: argparse.Namespace) -> int:
