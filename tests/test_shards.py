@@ -148,6 +148,10 @@ REFUSED = {
     # Raised inside the registration hook, while the class is still building.
     "scalar_child": (lambda m: setattr(m, "child", _ScalarChild()), "_ScalarChild.gate is a 0-dim"),
     "tied": (_tie, "ties parameters 'proj_in.weight' and 'proj_out.weight'"),
+    "meta_buffer": (
+        lambda m: m.register_buffer("table", torch.empty(2, device="meta")),
+        "holds buffer 'table' on the meta device",
+    ),
     "made_on_meta": (
         lambda m: setattr(m, "w", torch.nn.Parameter(torch.empty(4, device="meta"))),
         "parameter 'w' was not built by the class",

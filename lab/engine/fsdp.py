@@ -312,14 +312,23 @@ class Fsdp2Job:
 
     def build(self, device: torch.device | str, rank: int = 0) -> tuple[torch.nn.Module, Inputs]:
         """The whole seeded model and the inputs, as the in-process pair builds them."""
+        return self.model(device), self.inputs(device, rank)
+
+    def model(self, device: torch.device | str) -> torch.nn.Module:
+        """The whole seeded model (`Family.build`)."""
         from lab.families import family as get_family
 
         fam = get_family(self.family_name)
         expert = fam.expert_for_sigma(self.sigma)
-        model = fam.build(
-            self.preset, self.seed, variant=self.variant, device=device, expert=expert
-        )
-        return model, self.inputs(device, rank)
+        return fam.build(self.preset, self.seed, variant=self.variant, device=device, expert=expert)
+
+    def meta_model(self) -> torch.nn.Module:
+        """The job's model on the meta device: shapes only, no memory, no random draws."""
+        from lab.families import family as get_family
+
+        fam = get_family(self.family_name)
+        with torch.device("meta"):
+            return fam.model_cls()(**fam.config(self.preset, self.variant))
 
     def build_shard(self, device: torch.device | str, rank: int, world: int) -> ShardBuild:
         """Rank `rank`'s rows of the same seeded model (what a rank shards).
@@ -373,13 +382,9 @@ def rank_build_bytes(job: Fsdp2Job, nproc: int) -> int:
     `guards.rank_build_bytes`: its rows of the fp32 master, the largest module whole while it
     is built, the buffers. Counted on the meta device: no memory, no random draws.
     """
-    from lab.families import family as get_family
     from lab.pairing.guards import rank_build_bytes as held_bytes
 
-    fam = get_family(job.family_name)
-    cfg = fam.config(job.preset, job.variant)
-    with torch.device("meta"):
-        return held_bytes(fam.model_cls()(**cfg), nproc)
+    return held_bytes(job.meta_model(), nproc)
 
 
 def check_rank_build_fits(job: Fsdp2Job, device: str, nproc: int) -> None:
@@ -395,7 +400,6 @@ def check_rank_build_fits(job: Fsdp2Job, device: str, nproc: int) -> None:
         ValueError: Naming the family and preset, the bytes a rank needs and has, and the
             fewest ranks that fit (or that none up to `SHARDED_MOST_RANKS` do, and what to do).
     """
-    from lab.families import family as get_family
     from lab.pairing.guards import (
         ACTIVATION_RESERVE_SHARE,
         MEMORY_BUDGET_ENV,
@@ -404,6 +408,7 @@ def check_rank_build_fits(job: Fsdp2Job, device: str, nproc: int) -> None:
         rank_build_fits,
         sharded_world,
     )
+    from lab.pairing.guards import rank_build_bytes as held_bytes
 
     budget = device_memory_bytes(
         torch.device("cuda", 0) if device == "cuda" else torch.device(device)
@@ -411,16 +416,15 @@ def check_rank_build_fits(job: Fsdp2Job, device: str, nproc: int) -> None:
     if budget is None:
         return
     whole = build_mode() == "whole"
-    need = rank_build_bytes(job, 1 if whole else nproc)
+    meta = job.meta_model()  # one meta build for every count below
+    need = held_bytes(meta, 1 if whole else nproc)
     if rank_build_fits(need, budget):
         return
-    fam = get_family(job.family_name)
-    with torch.device("meta"):
-        world = sharded_world(fam.model_cls()(**fam.config(job.preset, job.variant)), budget)
+    world = sharded_world(meta, budget)
     reserve = int(budget * ACTIVATION_RESERVE_SHARE)
     gib = 2**30
     if world is not None:
-        fix = f"nproc={world} fits ({rank_build_bytes(job, world) / gib:.1f} GiB a rank"
+        fix = f"nproc={world} fits ({held_bytes(meta, world) / gib:.1f} GiB a rank"
         fix += f"; {world} GPUs)." if device == "cuda" else ")."
     else:
         fix = (
@@ -1384,7 +1388,7 @@ def _rank_model(
             return shard.model, shard, "rows"
     else:
         why = f"whole: {BUILD_ENV}=whole"
-    model, _ = job.build(device, rank)
+    model = job.model(device)
     if world > 1:
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:

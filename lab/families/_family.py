@@ -245,9 +245,6 @@ class Family:
         apply_init(model, seed, init)
         if master == "compact" or (master == "auto" and preset == "full"):
             compact_master(model)
-        model = model.eval()
-        if self.prepare_model is not None:
-            self.prepare_model(model)
         return model
 
     def build_shard(
@@ -292,7 +289,9 @@ class Family:
         init: str,
         keeper: Any = None,
     ) -> tuple[torch.nn.Module, int]:
-        """The class's seeded construction plus `init_weights`: (model, the seed it used).
+        """The class's seeded construction, `init_weights`, eval mode and `prepare_model`.
+
+        Returns (model, the seed it used, with the expert's offset).
 
         With a `keeper` (lab.families.shards), each finished submodule is cut to its rows as
         it is registered, and `init_weights` runs on the rows.
@@ -317,6 +316,9 @@ class Family:
             if self.init_weights is not None:
                 with torch.no_grad():
                     self.init_weights(model)
+        model = model.eval()
+        if self.prepare_model is not None:
+            self.prepare_model(model)  # hooks only: the reshaping after it changes no hook
         return model, seed
 
     def load(

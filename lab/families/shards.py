@@ -74,7 +74,6 @@ class _Kept:
     shape: tuple[int, ...]
     start: int
     contiguous: bool
-    version: int
 
 
 @dataclass
@@ -169,19 +168,20 @@ class _RowKeeper:
             del whole
             torch.utils.swap_tensors(param, placeholder)  # `param` is now the meta tensor
             del placeholder  # the whole values
-            self.kept[id(param)] = _Kept(
-                param, rows, tuple(param.shape), start, contiguous, param._version
-            )
+            self.kept[id(param)] = _Kept(param, rows, tuple(param.shape), start, contiguous)
 
     def to_rows(self, model: torch.nn.Module) -> None:
-        """Check nothing wrote a cut parameter after its cut; make every parameter its rows."""
+        """Check every parameter was cut once, then make each one its rows.
+
+        (Any op on a cut parameter while the class built was refused by `_NoOpsOnCut`.)
+        """
         self.keep(model)  # the root's own parameters: final once the class returns
         what = type(model).__name__
         for name, buf in model.named_buffers():
             if buf.device.type == "meta":
                 raise ShardBuildError(
-                    f"build_shard: {what} computes buffer {name!r} from a parameter while it "
-                    f"builds; it cannot be built in rows. {_WHOLE}"
+                    f"build_shard: {what} holds buffer {name!r} on the meta device; it has no "
+                    f"values to build. {_WHOLE}"
                 )
         names: dict[int, list[str]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
@@ -198,12 +198,6 @@ class _RowKeeper:
                     f"build_shard: {what}'s parameter {held[0]!r} was not built by the class "
                     "in its modules (made from another parameter, or after the class returned); "
                     f"its rows cannot be cut. {_WHOLE}"
-                )
-        for key, kept in self.kept.items():
-            if key in names and kept.param._version != kept.version:
-                raise ShardBuildError(
-                    f"build_shard: {what} writes parameter {names[key][0]!r} after its module is "
-                    f"built (a whole-model init pass?); the rows cannot replay it. {_WHOLE}"
                 )
         for kept in self.kept.values():
             swap = torch.nn.Parameter(kept.rows, requires_grad=kept.param.requires_grad)
@@ -276,9 +270,6 @@ def build_shard(
         )
         torch.utils.swap_tensors(param, meta)
     keeper.kept.clear()
-    model = model.eval()
-    if family.prepare_model is not None:
-        family.prepare_model(model)
     held = sum(r.numel() * r.element_size() for r in rows.values())
     return ShardBuild(
         model=model,

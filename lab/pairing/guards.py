@@ -176,15 +176,6 @@ def device_memory_bytes(device: torch.device) -> int | None:
     return None
 
 
-def fp32_build_bytes(model: torch.nn.Module) -> int:
-    """Bytes of `model` built as a seeded fp32 master, plus its buffers.
-
-    4 bytes a parameter, however it is held now.
-    """
-    params = sum(p.numel() for _, p in canonical_parameters(model)) * 4
-    return params + sum(b.numel() * b.element_size() for b in model.buffers())
-
-
 def rank_build_bytes(model: torch.nn.Module, world: int) -> int:
     """Bytes one FSDP2 rank of `world` holds building `model` (`lab.families.shards`).
 
@@ -300,13 +291,14 @@ def check_master_fits(
     fp32 = grid["elements"] * 4
     world = sharded_world(model, budget)
     if world is not None:
-        # An FSDP2 rank builds only its rows of the fp32 master (lab.families.shards).
-        rank_gib = rank_build_bytes(model, max(world, 2)) / gib
+        # An FSDP2 rank builds only its rows of the fp32 master (lab.families.shards); one
+        # rank would only move the two sides into one process.
+        nproc = max(world, 2)
+        rank_gib = rank_build_bytes(model, nproc) / gib
         instead = (
             f"Pair it sharded across GPUs instead: lab.fsdp.pair_sharded({family_name!r}, "
-            f"{preset!r}, nproc={max(world, 2)}) on {max(world, 2)} GPUs (each rank builds and "
-            f"holds 1/{max(world, 2)} of the fp32 master, {rank_gib:.1f} GiB), or use a smaller "
-            "preset."
+            f"{preset!r}, nproc={nproc}) on {nproc} GPUs (each rank builds and holds 1/{nproc} "
+            f"of the fp32 master, {rank_gib:.1f} GiB), or use a smaller preset."
         )
     else:
         instead = (
