@@ -340,3 +340,29 @@ def test_papermill_command_line_gives_kernels_the_lab_start_timeout(
     notebook = NOTEBOOKS / "01_quickstart.ipynb"
     code = papermill_main([str(notebook), str(tmp_path / "out.ipynb"), *extra])
     assert code == 0 and seen["start_timeout"] == expected
+
+
+def test_papermill_command_line_makes_the_output_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """papermill refuses an output path whose folder is missing; the lab's command line and
+    `execute_notebook` make it (`-`, stdout, and URLs are left alone)."""
+    import papermill
+    import papermill.cli
+
+    seen: list[str] = []
+    monkeypatch.setattr(
+        papermill.cli, "execute_notebook", lambda **kw: seen.append(kw["output_path"])
+    )
+    notebook = NOTEBOOKS / "01_quickstart.ipynb"
+    out = tmp_path / "runs" / "deep" / "out.ipynb"
+    assert papermill_main([str(notebook), str(out), "-p", "family", "flux"]) == 0
+    assert seen == [str(out)] and out.parent.is_dir()
+    assert papermill_main([str(notebook), "-", "-p", "family", "flux"]) == 0
+    assert not (tmp_path / "-").exists() and seen[-1] == "-"
+    # A command line papermill cannot parse is left to papermill to refuse.
+    assert papermill_main(["--no-such-option"]) != 0
+    monkeypatch.setattr(papermill, "execute_notebook", lambda nb, out, **kw: seen.append(out))
+    nested = tmp_path / "api" / "out.ipynb"
+    execute_notebook(notebook, nested, {"family": "flux"})
+    assert seen[-1] == str(nested) and nested.parent.is_dir()

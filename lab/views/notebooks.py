@@ -65,6 +65,7 @@ def execute_notebook(
     """
     import papermill as pm
 
+    _make_parent(output)
     return pm.execute_notebook(
         str(notebook),
         str(output),
@@ -78,8 +79,16 @@ def execute_notebook(
     )
 
 
+def _make_parent(output: str | Path) -> None:
+    """Make the folder a local output notebook goes into (not "-", stdout, nor a URL)."""
+    text = str(output)
+    if text != "-" and "://" not in text:
+        Path(text).parent.mkdir(parents=True, exist_ok=True)
+
+
 def papermill_main(argv: Sequence[str] | None = None) -> int:
     """Run papermill's command line, its kernels started with `kernel_config()`; the exit code."""
+    import click
     from papermill.cli import papermill as papermill_cli
     from papermill.engines import NBClientEngine, papermill_engines
 
@@ -97,6 +106,16 @@ def papermill_main(argv: Sequence[str] | None = None) -> int:
     given = ("--start-timeout", "--start_timeout")  # papermill takes both spellings
     if not any(a in given or a.startswith(tuple(f"{g}=" for g in given)) for a in args):
         args += ["--start-timeout", str(KERNEL_START_TIMEOUT_S)]
+    try:
+        # The executed notebook's folder, made if missing (papermill refuses a path whose
+        # folder does not exist); a command line papermill cannot parse is left to it to name.
+        output = papermill_cli.make_context("papermill", list(args)).params.get("output_path")
+    except click.exceptions.Exit as done:  # --help, --version: printed, and done
+        return int(done.exit_code)
+    except click.ClickException:
+        output = None
+    if output:
+        _make_parent(output)
     try:
         papermill_cli.main(args=args, prog_name="papermill")
     except SystemExit as done:
