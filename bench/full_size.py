@@ -330,7 +330,9 @@ def measure(
     return row
 
 
-def measure_sharded(nproc: int = 2) -> dict[str, Any]:
+def measure_sharded(
+    nproc: int = 2, family: str = "minimax_h3", preset: str = "full", device: str = "cuda"
+) -> dict[str, Any]:
     """MiniMax H3 full with its trained (off-grid) master, paired sharded across `nproc` GPUs.
 
     One GPU refuses it before building a side (`check_master_fits`: the fp32 master and the
@@ -338,11 +340,12 @@ def measure_sharded(nproc: int = 2) -> dict[str, Any]:
     job (one fully_shard per block) on `nproc` ranks and pairs the block outputs. Recorded: the
     wall time, each side's build/shard/forward seconds and per-rank peaks (the jobs' meta), the
     pairing time, the block pairs and the model output's rel_max. With fewer GPUs the row says
-    so and why.
+    so and why; where a rank fails, the row says where and keeps what was paired before it.
+    (`family`, `preset`, `device`: another case through the same path, as the tests run it.)
     """
-    row: dict[str, Any] = {"family": "minimax_h3", "preset": "full", "init": "trained",
+    row: dict[str, Any] = {"family": family, "preset": preset, "init": "trained",
                            "case": f"sharded_{nproc}gpu"}  # fmt: skip
-    found = torch.cuda.device_count()
+    found = torch.cuda.device_count() if device == "cuda" else nproc
     if found < nproc:
         row["skipped"] = (
             f"needs {nproc} GPUs, found {found}: MiniMax H3 full with an fp32 master off the "
@@ -350,10 +353,22 @@ def measure_sharded(nproc: int = 2) -> dict[str, Any]:
             "pairing refuses it before building a side (tests/test_compact_master.py)."
         )
         return row
-    from lab.fsdp import pair_sharded
+    from lab.fsdp import ShardedPairError, pair_sharded
 
     start = time.perf_counter()
-    result = pair_sharded("minimax_h3", "full", nproc=nproc, capture_depth=1)
+    try:
+        result = pair_sharded(family, preset, nproc=nproc, device=device, capture_depth=1)
+    except ShardedPairError as err:
+        # What failed where, and what the ranks had done by then (the error's first line).
+        row["error"] = str(err).splitlines()[0]
+        row["failed"] = {"side": err.side, "module": err.module, "rank": err.rank,
+                         "error_type": err.error_type}  # fmt: skip
+        row["pairs_before_failure"] = None if err.result is None else len(err.result.rows)
+        row["captured"] = [None if c is None else {"outputs": len(c.leaves), **{
+            k: c.meta.get(k) for k in ("partial", "build_s", "shard_s", "forward_s")}}
+            for c in err.captures]  # fmt: skip
+        row["wall_s"] = time.perf_counter() - start
+        return row
     row["wall_s"] = time.perf_counter() - start
     for key in ("fsdp2_a", "fsdp2_b"):
         job = result.meta.get(key, {})
@@ -397,6 +412,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             continue
         if "every_module_vs_plain" not in row:
             why = row.get("error") or row.get("skipped") or "no figures"
+            if row.get("pairs_before_failure") is not None:
+                why += f" ({row['pairs_before_failure']} block pairs kept)"
             lines.append(f"| {name} ({row.get('case', row.get('preset'))}) | {why} | | | | |")
             continue
         lines.append(

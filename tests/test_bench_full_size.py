@@ -11,6 +11,8 @@ from types import ModuleType
 
 import pytest
 
+import lab
+
 
 def test_one_run_only_where_both_warm_forwards_take_seconds(
     load_bench: Callable[[str], ModuleType],
@@ -278,3 +280,23 @@ def test_plain_forwards_can_run_on_the_fastest_core_as_the_pairs_do(
     assert [c["probe_us"] for c in row["every_module_clocks"]] == pytest.approx([20.0, 20.0])
     assert os.sched_getaffinity(0) == allowed
     assert bench.measure("sd3", 1, preset="tiny", device="cpu")["plain_pin"] == "none"
+
+
+def test_the_sharded_row_runs_and_keeps_a_failed_runs_pairs(
+    load_bench: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`measure_sharded` through `pair_sharded` on CPU ranks (the GPU case's path at tiny): a
+    run's figures, then a rank failing in the trainer's forward, named with its pairs kept."""
+    bench = load_bench("full_size")
+    row = bench.measure_sharded(2, "sd3", "tiny", "cpu")
+    assert row["fsdp2_a"]["world_size"] == row["fsdp2_b"]["world_size"] == 2
+    assert row["pairs"] == len(lab.pair_family("sd3", "tiny", capture_depth=1).rows)
+    assert "paired in" in bench.table([row]).splitlines()[2]
+    monkeypatch.setenv("LAB_FSDP2_FAULT", "raise@0:trainer:transformer_blocks.1")
+    failed = bench.measure_sharded(2, "sd3", "tiny", "cpu")
+    assert failed["failed"] == {"side": "trainer", "module": "transformer_blocks.1", "rank": 0,
+                                "error_type": "RuntimeError"}  # fmt: skip
+    assert failed["error"].startswith("pair_sharded: side 'trainer' failed under FSDP2")
+    assert failed["pairs_before_failure"] == 9 < row["pairs"]
+    assert [c["partial"] for c in failed["captured"]] == [None, True]
+    assert "(9 block pairs kept)" in bench.table([failed]).splitlines()[2]

@@ -268,8 +268,18 @@ def test_pair_sharded_runs_both_sides_under_fsdp2_and_names_what_it_cannot(
     assert code == EXIT_USAGE and "--mode local is not available sharded" in err
     code, _, err = _run(capsys, "pair", "--sharded", "0")
     assert code == EXIT_USAGE and "nproc must be an int >= 1, got 0" in err
-    # A rank that fails: exit 1, its error printed.
+    # A rank that fails as the rollout starts: exit 1, its error printed, nothing to save.
     monkeypatch.setenv("LAB_FSDP2_FAULT", "raise@1")
     code, _, err = _run(capsys, "pair", "--family", "sd3", "--sharded", "2",
                         "--out-dir", str(tmp_path / "failed"))  # fmt: skip
-    assert code == EXIT_FAILED and "pair --sharded failed: run_fsdp2_forwards: rank 1" in err
+    assert code == EXIT_FAILED and "pair --sharded failed: pair_sharded: side 'rollout'" in err
+    assert "run_fsdp2_forwards: rank 1 of 2 failed first, in job 0" in err
+    assert not (tmp_path / "failed" / "results.json").exists()
+    # One that fails inside the trainer's forward: the pairs compared before it are saved.
+    monkeypatch.setenv("LAB_FSDP2_FAULT", "raise@0:trainer:transformer_blocks.1")
+    code, out, err = _run(capsys, "pair", "--family", "sd3", "--sharded", "2",
+                          "--out-dir", str(tmp_path / "part"))  # fmt: skip
+    assert code == EXIT_FAILED and "in module 'transformer_blocks.1'" in err
+    saved = json.loads((tmp_path / "part" / "results.json").read_text())
+    assert [r["module"] for r in saved["rows"]][-2:] == ["transformer_blocks.0"] * 2
+    assert f"saved the {len(saved['rows'])} pair(s) compared before the failure" in out

@@ -19,7 +19,18 @@ import pytest
 import torch
 
 import lab
-from lab.engine.fsdp import Fsdp2Job, Fsdp2RankError, apply_fsdp2, pair_capture, run_fsdp2_forwards
+from lab.base.errors import PairError
+from lab.engine.fsdp import (
+    Fsdp2Job,
+    Fsdp2RankError,
+    Fsdp2TimeoutError,
+    ShardedPairError,
+    apply_fsdp2,
+    pair_capture,
+    pair_fsdp2,
+    pair_sharded,
+    run_fsdp2_forwards,
+)
 from lab.families import FAMILY_NAMES
 from lab.pairing.capture import ROOT
 from lab.precision.fsdp2_patch import (
@@ -513,8 +524,11 @@ def test_a_failing_rank_reaches_the_caller_with_its_own_exception(
     err = info.value
     assert (err.rank, err.error_type) == (1, "RuntimeError")
     assert str(err).startswith(
-        "run_fsdp2_forwards: rank 1 of 2 failed first: RuntimeError: injected fault in rank 1"
+        "run_fsdp2_forwards: rank 1 of 2 failed first, in job 0: RuntimeError: injected fault "
+        "in rank 1"
     )
+    # Raised as the job started, outside any forward: no module, and nothing captured.
+    assert (err.job, err.module, err.module_class, err.captures) == (0, None, None, [None])
     assert "_injected_fault" in err.traceback, "the rank's own traceback"
     assert _leftovers(tmp_path) == [], "the launch folder was not removed"
     assert _processes_naming(str(tmp_path)) == [], "a rank outlived the failed launch"
@@ -525,10 +539,120 @@ def test_a_launch_past_its_timeout_ends_every_rank_and_removes_its_folder(
 ) -> None:
     monkeypatch.setenv(FAULT, "hang@0")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    with pytest.raises(RuntimeError, match=r"the 2-rank launch ran past 8 s; every rank was ended"):
+    with pytest.raises(
+        RuntimeError, match=r"the 2-rank launch ran past 8 s; every rank was ended"
+    ) as info:
         run_fsdp2_forwards([_wan_job()], nproc=2, device="cpu", timeout_s=8)
+    assert isinstance(info.value, Fsdp2TimeoutError) and info.value.captures == [None]
     assert _leftovers(tmp_path) == []
     assert _processes_naming(str(tmp_path)) == []
+
+
+def _block_rows(family: str) -> list[tuple]:
+    """The in-process pair's block-level rows (key and metrics), as the sharded pair gives them."""
+    rows = lab.pair_family(family, "tiny", capture_depth=1).rows
+    return [(r.module, r.call, r.output, r.metrics) for r in rows]
+
+
+@pytest.mark.parametrize(
+    ("fault", "reached"),
+    [
+        # Rank 0 itself raises as transformer_blocks.1 starts: blocks before it are kept.
+        ("raise@0:trainer:transformer_blocks.1", {"transformer_blocks.0"}),
+        # Rank 1 raises there, after that block's all-gather (FSDP2's pre-forward hook runs
+        # first): rank 0 runs the block and stops at the next all-gather, its peer gone.
+        ("raise@1:trainer:transformer_blocks.1", {"transformer_blocks.0", "transformer_blocks.1"}),
+    ],
+    ids=["rank0", "rank1"],
+)
+def test_a_sharded_pair_that_fails_part_way_keeps_the_pairs_compared_before(
+    fault: str, reached: set[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing lost on a fault: a rank failing inside the trainer's forward leaves the rollout's
+    whole capture, the trainer's outputs up to the failure, and their pairs."""
+    monkeypatch.setenv(FAULT, fault)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(ShardedPairError) as info:
+        pair_sharded("sd3", "tiny", nproc=2, device="cpu", timeout_s=300)
+    err = info.value
+    assert isinstance(err, PairError) and isinstance(err, RuntimeError)
+    failing_rank = int(fault[len("raise@")])
+    assert (err.side, err.module, err.module_class) == (
+        "trainer",
+        "transformer_blocks.1",
+        "JointTransformerBlock",
+    )  # the class's own name, not FSDP2's FSDPJointTransformerBlock
+    assert (err.rank, err.error_type) == (failing_rank, "RuntimeError")
+    assert "injected fault in rank" in err.traceback
+    rollout, trainer = err.captures
+    assert rollout is not None and not rollout.meta.get("partial")
+    assert trainer is not None and trainer.meta["partial"] is True
+    assert trainer.meta["failed"]["module_class"] == "JointTransformerBlock"
+    # The pairs: exactly the in-process block-level pair's, up to where the trainer stopped.
+    rows = [(r.module, r.call, r.output, r.metrics) for r in err.result.rows]
+    expected = _block_rows("sd3")
+    assert rows == expected[: len(rows)] and rows[-1][0] in reached
+    assert len(rows) == len(trainer.leaves) < len(expected)
+    assert err.result.skipped == [], "outputs the trainer never reached are not 'only on' a side"
+    assert str(err).startswith(
+        "pair_sharded: side 'trainer' failed under FSDP2, in module 'transformer_blocks.1' "
+        f"(JointTransformerBlock); the {len(rows)} pair(s) compared before the failure are in "
+        f"err.result; the ranks' captures (rollout: {len(expected)} output(s), trainer: "
+        f"{len(rows)} output(s) (partial)) are in err.captures.\nrun_fsdp2_forwards: rank "
+        f"{failing_rank} of 2 failed first, in job 1 in module 'transformer_blocks.1'"
+    )
+    assert _leftovers(tmp_path) == [] and _processes_naming(str(tmp_path)) == []
+
+
+def test_a_failed_rollout_side_keeps_its_capture_and_pairs_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(FAULT, "raise@0:rollout:transformer_blocks.0")
+    with pytest.raises(ShardedPairError) as info:
+        pair_sharded("sd3", "tiny", nproc=2, device="cpu", timeout_s=300)
+    err = info.value
+    assert (err.side, err.module, err.result) == ("rollout", "transformer_blocks.0", None)
+    rollout, trainer = err.captures
+    assert trainer is None and rollout.meta["partial"] is True
+    # Everything before the first block: the embedders' outputs, as the in-process pair has them.
+    assert [leaf[:3] for leaf in rollout.leaves] == [k[:3] for k in _block_rows("sd3")][:7]
+    assert "nothing could be paired (err.result is None)" in str(err)
+
+
+def test_pair_fsdp2_failing_part_way_pairs_the_reference_with_what_was_captured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(FAULT, "raise@0:trainer:transformer_blocks.1")
+    with pytest.raises(ShardedPairError) as info:
+        pair_fsdp2("sd3", "tiny", nproc=2, device="cpu", capture_depth=1)
+    err = info.value
+    (trainer,) = err.captures
+    rows = [(r.module, r.call, r.output, r.metrics) for r in err.result.rows]
+    assert rows == _block_rows("sd3")[: len(rows)] and len(rows) == len(trainer.leaves) == 9
+    assert err.result.skipped == []
+    assert str(err).startswith("pair_fsdp2: side 'trainer' failed under FSDP2, in module")
+
+
+def test_a_timed_out_sharded_pair_says_which_side_was_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(FAULT, "hang@0")
+    with pytest.raises(ShardedPairError) as info:
+        pair_sharded("sd3", "tiny", nproc=2, device="cpu", timeout_s=8)
+    err = info.value
+    assert (err.side, err.result, err.captures, err.rank) == ("rollout", None, [None, None], None)
+    assert "the 2-rank launch ran past 8 s" in str(err)
+
+
+@pytest.mark.parametrize(
+    "value", ["raise@x", "boom@0", "hang@0:trainer:proj_out", "raise@0:trainer"]
+)
+def test_a_bad_fault_hook_is_named(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lab.engine import fsdp
+
+    monkeypatch.setenv(FAULT, value)
+    with pytest.raises(ValueError, match=re.escape(f"LAB_FSDP2_FAULT={value!r}")):
+        fsdp._fault()
 
 
 _CALLER = """

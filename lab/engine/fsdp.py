@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from lab.base.dtypes import dtype_name
+from lab.base.errors import PairError
 from lab.families import Family, Inputs
 from lab.families.shards import ShardBuild, load_shards
 from lab.pairing.capture import ROOT, ModuleHooks, depth_filter, flatten_output
@@ -481,9 +482,11 @@ def run_fsdp2_forwards(
         ValueError: nproc < 1, no jobs, an unknown device, a job whose side names another
             device, more ranks than GPUs, or a model a rank cannot build on its device
             (`check_rank_build_fits`).
-        Fsdp2RankError: A rank failed: the first failing rank's own exception and traceback
-            (every rank ended).
-        RuntimeError: The launch ran past timeout_s (every rank ended, the rank logs quoted).
+        Fsdp2RankError: A rank failed: the first failing rank's own exception and traceback,
+            the job and module it failed in (every rank ended). Its `captures` keep what rank 0
+            wrote: each finished job's capture, the failing job's outputs up to the failure.
+        Fsdp2TimeoutError: The launch ran past timeout_s (every rank ended, the rank logs
+            quoted); `captures` as above.
         lab.base.processes.Terminated: SIGTERM arrived (every rank ended; a KeyboardInterrupt).
     """
     if not isinstance(nproc, int) or nproc < 1:
@@ -521,15 +524,35 @@ def run_fsdp2_forwards(
     spec = {"device": device, "jobs": [j.to_dict() for j in jobs]}
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    _launch_ranks(spec_path, workdir, nproc=nproc, device=device, timeout_s=timeout_s)
-    captures = []
-    for i, job in enumerate(jobs):
-        saved = torch.load(workdir / f"job{i}.pt", weights_only=True)
-        captures.append(
-            Fsdp2Capture(
-                job=job, leaves=saved["leaves"], meta=saved["meta"], grads=saved.get("grads")
-            )
+    try:
+        _launch_ranks(spec_path, workdir, nproc=nproc, device=device, timeout_s=timeout_s)
+    except Fsdp2LaunchError as err:
+        # Read before the launch's folder goes: what each job had finished, or begun.
+        err.captures = _written_captures(jobs, workdir)
+        raise
+    captures = _written_captures(jobs, workdir)
+    missing = [i for i, c in enumerate(captures) if c is None or c.meta.get("partial")]
+    if missing:
+        raise RuntimeError(
+            f"run_fsdp2_forwards: every rank exited 0 but rank 0 wrote no capture of job(s) "
+            f"{missing} in {workdir}."
         )
+    return captures  # type: ignore[return-value]
+
+
+def _written_captures(jobs: Sequence[Fsdp2Job], workdir: Path) -> list[Fsdp2Capture | None]:
+    """Each job's capture as rank 0 wrote it: whole, partial (its forward failed), or None."""
+    captures: list[Fsdp2Capture | None] = []
+    for i, job in enumerate(jobs):
+        found = None
+        for path in (workdir / f"job{i}.pt", workdir / f"job{i}.partial.pt"):
+            if path.exists():
+                saved = torch.load(path, weights_only=True)
+                found = Fsdp2Capture(
+                    job=job, leaves=saved["leaves"], meta=saved["meta"], grads=saved.get("grads")
+                )
+                break
+        captures.append(found)
     return captures
 
 
@@ -537,19 +560,85 @@ def _repo_root() -> str:
     return str(Path(__file__).resolve().parents[2])
 
 
-class Fsdp2RankError(RuntimeError):
+class Fsdp2LaunchError(RuntimeError):
+    """An FSDP2 launch that did not finish (a rank failed, or it ran past its timeout).
+
+    `captures` holds, per job of the launch in order, what rank 0 had written when it ended:
+    the job's whole capture, the outputs its forward captured before it failed (a capture
+    whose `meta["partial"]` is True, with `meta["failed"]` naming the module and the error),
+    or None. Nothing a finished job computed is lost with the launch.
+    """
+
+    def __init__(self, message: str) -> None:
+        """The message; `captures` is filled in by `run_fsdp2_forwards`."""
+        super().__init__(message)
+        self.captures: list[Fsdp2Capture | None] = []
+
+
+class Fsdp2RankError(Fsdp2LaunchError):
     """A rank of an FSDP2 launch failed: the first failing rank's own exception, as text.
 
     `rank` is that rank, `error_type` its exception class name, `traceback` its formatted
-    traceback (empty when the rank died without one, e.g. killed by a signal).
+    traceback (empty when the rank died without one, e.g. killed by a signal); `job` the index
+    of the job it was running, `module` and `module_class` the innermost module whose forward
+    was running (None when unknown, or when it failed outside a forward).
     """
 
-    def __init__(self, message: str, rank: int, error_type: str, traceback: str) -> None:
+    def __init__(
+        self,
+        message: str,
+        rank: int,
+        error_type: str,
+        traceback: str,
+        *,
+        job: int | None = None,
+        module: str | None = None,
+        module_class: str | None = None,
+    ) -> None:
         """Keep the failing rank's details next to the message."""
         super().__init__(message)
         self.rank = rank
         self.error_type = error_type
         self.traceback = traceback
+        self.job = job
+        self.module = module
+        self.module_class = module_class
+
+
+class Fsdp2TimeoutError(Fsdp2LaunchError):
+    """An FSDP2 launch ran past its timeout (every rank was ended)."""
+
+
+class ShardedPairError(PairError, Fsdp2LaunchError):
+    """`pair_sharded` or `pair_fsdp2` failed in a rank: the pairs compared before the failure.
+
+    A `PairError` (`result`: the pairs of what both sides computed before the failure, or None
+    where nothing can be paired; `side`, `module`, `module_class`: where it failed) that also
+    keeps the launch's `captures` and, where a rank raised, its `rank`, `error_type` and
+    `traceback` (None, "" where the launch timed out).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        result: Result | None,
+        launch: Fsdp2LaunchError,
+        *,
+        side: str | None,
+    ) -> None:
+        """The message, the partial Result and the launch error's details."""
+        module = getattr(launch, "module", None)
+        super().__init__(
+            message,
+            result,
+            side=side,
+            module=module,
+            module_class=getattr(launch, "module_class", None),
+        )
+        self.captures = launch.captures
+        self.rank: int | None = getattr(launch, "rank", None)
+        self.error_type: str = getattr(launch, "error_type", "")
+        self.traceback: str = getattr(launch, "traceback", "")
 
 
 LOOPBACK = "127.0.0.1"
@@ -590,7 +679,7 @@ def _launch_ranks(
 
     Raises:
         Fsdp2RankError: A rank failed: the first failing rank's exception and traceback.
-        RuntimeError: The launch ran past `timeout_s`.
+        Fsdp2TimeoutError: The launch ran past `timeout_s`.
     """
     import datetime
     import socket
@@ -680,7 +769,7 @@ def _wait_for_ranks(procs: list[subprocess.Popen], workdir: Path, timeout_s: flo
                 f"--- rank {r} (log tail)\n{_tail(workdir / f'rank{r}.log')}"
                 for r in range(len(procs))
             )
-            raise RuntimeError(
+            raise Fsdp2TimeoutError(
                 f"run_fsdp2_forwards: the {len(procs)}-rank launch ran past {timeout_s:g} s; "
                 "every rank was ended and the launch's temporaries removed. Use a smaller "
                 f"preset, fewer jobs, or a larger timeout_s.\n{tails}"
@@ -703,13 +792,20 @@ def _rank_failure(procs: list[subprocess.Popen], workdir: Path) -> Fsdp2RankErro
     if errors:
         first = min(errors, key=lambda e: e["time"])
         rank = first["rank"]
+        module = first.get("module")
+        where = f" in module {module!r} ({first.get('module_class')})" if module else ""
+        job = first.get("job")
         return Fsdp2RankError(
-            f"run_fsdp2_forwards: rank {rank} of {len(procs)} failed first: "
-            f"{first['type']}: {first['message']}\n{first['traceback']}({others}; every rank "
-            "was ended.)",
+            f"run_fsdp2_forwards: rank {rank} of {len(procs)} failed first"
+            + (f", in job {job}" if job is not None else "")
+            + f"{where}: {first['type']}: {first['message']}\n{first['traceback']}({others}; "
+            "every rank was ended.)",
             rank,
             first["type"],
             first["traceback"],
+            job=job,
+            module=module,
+            module_class=first.get("module_class"),
         )
     rank = next(r for r, c in enumerate(codes) if c not in (None, 0))
     return Fsdp2RankError(
@@ -815,6 +911,10 @@ def _pair_capture(
         model.train(was_training)
     seconds_a = time.perf_counter() - start
     classes = {(n or ROOT): type(m).__name__ for n, m in model.named_modules()}
+    if capture.meta.get("partial"):
+        # The FSDP2 forward stopped part-way: only what it reached is compared.
+        reached = {(m, c, o) for m, c, o, _ in capture.leaves}
+        leaves_a = [leaf for leaf in leaves_a if leaf[:3] in reached]
     rows, skipped = pair_leaves(leaves_a, capture.leaves, classes, reference.name, job.side.name)
     result_meta = {
         **(meta or {}),
@@ -878,6 +978,11 @@ def pair_fsdp2(
     Returns:
         The Result (reference first, FSDP2 trainer second), with the FSDP2 plan in
         meta["fsdp2"].
+
+    Raises:
+        ShardedPairError: A rank failed or the launch timed out (a `PairError`): `err.result`
+            pairs the reference with what the FSDP2 forward captured before the failure
+            (None where it captured nothing), `err.captures` keeps that capture.
     """
     from lab.families import family as get_family
 
@@ -895,7 +1000,13 @@ def pair_fsdp2(
         variant=variant,
         capture_depth=capture_depth,
     )
-    (capture,) = run_fsdp2_forwards([job], nproc=nproc, device=device, timeout_s=timeout_s)
+    failed = None
+    try:
+        (capture,) = run_fsdp2_forwards([job], nproc=nproc, device=device, timeout_s=timeout_s)
+    except Fsdp2LaunchError as err:
+        failed, capture = err, (err.captures or [None])[0]
+        if capture is None:
+            raise _launch_failure("pair_fsdp2", err, [job], None) from err
     model, inputs = job.build(device)
     meta = dict(
         family=family_name,
@@ -907,7 +1018,11 @@ def pair_fsdp2(
         variant=variant,
         expert=fam.expert_for_sigma(sigma),
     )
-    return pair_capture(model, inputs, reference, capture, meta=meta)
+    result = pair_capture(model, inputs, reference, capture, meta=meta)
+    if failed is not None:
+        # The reference against what the FSDP2 forward captured before it failed.
+        raise _launch_failure("pair_fsdp2", failed, [job], result) from failed
+    return result
 
 
 # ---- gradients under FSDP2's reduce ---------------------------------------------------------
@@ -1089,7 +1204,11 @@ def pair_sharded(
 
     Raises:
         ValueError: Bad arguments, or a side FSDP2 cannot express.
-        RuntimeError: A rank failed (its output is quoted).
+        ShardedPairError: A rank failed or the launch timed out (a `PairError`): `err.result`
+            pairs what both sides captured before the failure (None where the rollout side
+            did not finish), `err.captures` keeps both jobs' captures, whole or partial,
+            `err.side`/`err.module` say where it failed, `err.rank`/`err.traceback` which rank
+            raised and how.
     """
     jobs = sharded_jobs(
         family_name,
@@ -1104,10 +1223,64 @@ def pair_sharded(
         trainer=trainer,
     )
     start = time.perf_counter()
-    capture_a, capture_b = run_fsdp2_forwards(jobs, nproc=nproc, device=device, timeout_s=timeout_s)
+    try:
+        capture_a, capture_b = run_fsdp2_forwards(
+            jobs, nproc=nproc, device=device, timeout_s=timeout_s
+        )
+    except Fsdp2LaunchError as err:
+        a, b = (*err.captures, None, None)[:2]
+        partial = None
+        if a is not None and not a.meta.get("partial") and b is not None:
+            partial = pair_sharded_captures(_reached(a, b), b)
+        raise _launch_failure("pair_sharded", err, jobs, partial) from err
     result = pair_sharded_captures(capture_a, capture_b)
     result.meta["timings_s"]["launch_s"] = time.perf_counter() - start
     return result
+
+
+def _reached(capture: Fsdp2Capture, other: Fsdp2Capture) -> Fsdp2Capture:
+    """`capture` with only the outputs `other` reached, when `other` stopped part-way.
+
+    A side that failed captured its outputs up to the failure; the other side's later outputs
+    were never compared, not "only on" that side.
+    """
+    if not other.meta.get("partial"):
+        return capture
+    reached = {(m, c, o) for m, c, o, _ in other.leaves}
+    leaves = [leaf for leaf in capture.leaves if leaf[:3] in reached]
+    return Fsdp2Capture(job=capture.job, leaves=leaves, meta=capture.meta, grads=capture.grads)
+
+
+def _launch_failure(
+    caller: str, err: Fsdp2LaunchError, jobs: Sequence[Fsdp2Job], partial: Result | None
+) -> ShardedPairError:
+    """The `ShardedPairError` of a failed launch: where it failed, what was kept."""
+    job = getattr(err, "job", None)
+    if job is None:  # a timeout: the first job that did not finish was running
+        job = next(
+            (i for i, c in enumerate(err.captures) if c is None or c.meta.get("partial")), None
+        )
+    side = jobs[job].side.name if job is not None and job < len(jobs) else None
+    module = getattr(err, "module", None)
+    kept = [
+        f"{j.side.name}: "
+        + ("none" if c is None else f"{len(c.leaves)} output(s)")
+        + (" (partial)" if c is not None and c.meta.get("partial") else "")
+        for j, c in zip(jobs, (*err.captures, *[None] * len(jobs)), strict=False)
+    ]
+    return ShardedPairError(
+        f"{caller}: side {side!r} failed under FSDP2"
+        + (f", in module {module!r} ({getattr(err, 'module_class', None)})" if module else "")
+        + (
+            f"; the {len(partial.rows)} pair(s) compared before the failure are in err.result"
+            if partial is not None
+            else "; nothing could be paired (err.result is None)"
+        )
+        + f"; the ranks' captures ({', '.join(kept)}) are in err.captures.\n{err}",
+        partial,
+        err,
+        side=side,
+    )
 
 
 def sharded_jobs(
@@ -1276,7 +1449,13 @@ def _run_rank(spec_path: Path, out_dir: Path) -> None:
         mesh = init_device_mesh(device.type, (world,))
         for index, data in enumerate(spec["jobs"]):
             job = Fsdp2Job.from_dict(data)
-            saved = _run_rank_job(job, device, mesh, rank, world, backend)
+            try:
+                saved = _run_rank_job(
+                    job, device, mesh, rank, world, backend, out_dir / f"job{index}.partial.pt"
+                )
+            except BaseException as err:
+                _mark(err, job=index)
+                raise
             if rank == 0:
                 torch.save(saved, out_dir / f"job{index}.pt")
         dist.barrier()
@@ -1284,10 +1463,30 @@ def _run_rank(spec_path: Path, out_dir: Path) -> None:
         dist.destroy_process_group()
 
 
+_WHERE = "_lab_fsdp2_where"
+"""The attribute of a rank's exception that says where it was raised (job, module)."""
+
+
+def _mark(err: BaseException, **where: Any) -> None:
+    """Note where `err` was raised on it (kept first-come: the innermost place wins)."""
+    with contextlib.suppress(AttributeError, TypeError):
+        setattr(err, _WHERE, {**where, **getattr(err, _WHERE, {})})
+
+
 def _run_rank_job(
-    job: Fsdp2Job, device: torch.device, mesh: Any, rank: int, world: int, backend: str
+    job: Fsdp2Job,
+    device: torch.device,
+    mesh: Any,
+    rank: int,
+    world: int,
+    backend: str,
+    partial: Path | None = None,
 ) -> dict[str, Any]:
-    """One job on one rank: build, shard, forward (rank 0 captures), backward if asked."""
+    """One job on one rank: build, shard, forward (rank 0 captures), backward if asked.
+
+    `partial`: where rank 0 writes what its forward captured before a failure (a capture
+    whose meta says it is partial, and where and why it stopped), before re-raising.
+    """
     import torch.distributed as dist
 
     from lab.families import family as get_family
@@ -1325,11 +1524,32 @@ def _run_rank_job(
         grad_mode = torch.enable_grad() if job.loss is not None else torch.no_grad()
         start = time.perf_counter()
         with grad_mode:
-            with (
-                ModuleHooks(model, on_output, names_filter=names_filter).attached(),
-                side_context(job.side, device),
-            ):
-                output = model(**cast.kwargs)
+            try:
+                with (
+                    ModuleHooks(model, on_output, names_filter=names_filter).attached(),
+                    side_context(job.side, device),
+                    _forward_fault(model, rank, job),
+                ):
+                    output = model(**cast.kwargs)
+            except BaseException as err:
+                from lab.pairing.guards import failing_module
+
+                where = failing_module(err, model)
+                if where is not None:  # the class's own name, not FSDP2's FSDP<Class>
+                    where = (where[0], module_classes.get(where[0], where[1]))
+                    _mark(err, module=where[0], module_class=where[1])
+                if rank == 0 and partial is not None:
+                    seconds["forward_s"] = time.perf_counter() - start
+                    failed = {"module": where[0] if where else None,
+                              "module_class": where[1] if where else None,
+                              "error": f"{type(err).__name__}: {err}"}  # fmt: skip
+                    meta = {"world_size": world, "backend": backend, "device": str(device),
+                            "plan": plan.summary(), **seconds, "build": build,
+                            "module_classes": module_classes, "partial": True,
+                            "failed": failed}  # fmt: skip
+                    with contextlib.suppress(Exception):  # the rank's own error goes first
+                        torch.save({"leaves": leaves, "meta": meta}, partial)
+                raise
             seconds["forward_s"] = _elapsed(start, device)
             if job.loss is not None:
                 # Loss and backward outside autocast, as master_gradients runs them.
@@ -1450,21 +1670,65 @@ def _cast_buffers(
         module._buffers[name] = module._buffers[name].to(master).to(dtype)
 
 
-def _injected_fault(rank: int) -> None:
-    """Honour LAB_FSDP2_FAULT ("raise@R" or "hang@R"), so tests can make one rank fail."""
+def _fault() -> tuple[str, int, str | None, str | None] | None:
+    """LAB_FSDP2_FAULT parsed: (kind, rank, side, module), or None when unset.
+
+    "raise@R" / "hang@R": rank R raises (hangs) as each job starts; "raise@R:SIDE:MODULE":
+    rank R raises in the forward of the job whose side is named SIDE, as module MODULE (its
+    `named_modules()` path) starts, so tests can fail a rank part-way through a forward.
+    """
     value = os.environ.get(_FAULT_ENV)
     if not value:
-        return
+        return None
     kind, _, target = value.partition("@")
-    if kind not in ("raise", "hang") or not target.isdigit():
-        raise ValueError(f"{_FAULT_ENV}={value!r}: expected 'raise@RANK' or 'hang@RANK'.")
-    if int(target) != rank:
+    rank, *place = target.split(":", 2)
+    if kind not in ("raise", "hang") or not rank.isdigit() or len(place) not in (0, 2):
+        raise ValueError(
+            f"{_FAULT_ENV}={value!r}: expected 'raise@RANK', 'hang@RANK' or "
+            "'raise@RANK:SIDE:MODULE'."
+        )
+    if place and kind != "raise":
+        raise ValueError(f"{_FAULT_ENV}={value!r}: only 'raise' takes a SIDE:MODULE.")
+    side, module = place if place else (None, None)
+    return kind, int(rank), side, module
+
+
+def _injected_fault(rank: int) -> None:
+    """Honour LAB_FSDP2_FAULT ("raise@R" or "hang@R"), so tests can make one rank fail."""
+    fault = _fault()
+    if fault is None or fault[2] is not None or fault[1] != rank:
         return
+    kind, value = fault[0], os.environ[_FAULT_ENV]
     if kind == "raise":
         raise RuntimeError(f"injected fault in rank {rank} ({_FAULT_ENV}={value!r})")
     Path(os.environ.get("TMPDIR", "."), f"hang{rank}").write_text("hanging")
     while True:
         time.sleep(60)
+
+
+@contextlib.contextmanager
+def _forward_fault(model: torch.nn.Module, rank: int, job: Fsdp2Job) -> Iterator[None]:
+    """LAB_FSDP2_FAULT "raise@R:SIDE:MODULE": this rank raises as that module's forward starts."""
+    fault = _fault()
+    if fault is None or fault[2] is None or fault[1] != rank or fault[2] != job.side.name:
+        yield
+        return
+    modules = dict(model.named_modules())
+    name = fault[3]
+    if name not in modules:
+        raise ValueError(f"{_FAULT_ENV}: no module {name!r} in {job.family_name}.")
+
+    def fail(module: torch.nn.Module, args: Any) -> None:
+        raise RuntimeError(
+            f"injected fault in rank {rank}, side {job.side.name!r}, module {name!r} "
+            f"({_FAULT_ENV}={os.environ[_FAULT_ENV]!r})"
+        )
+
+    handle = modules[name].register_forward_pre_hook(fail)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _write_rank_error(out_dir: Path, err: BaseException) -> None:
@@ -1477,6 +1741,8 @@ def _write_rank_error(out_dir: Path, err: BaseException) -> None:
         "message": str(err),
         "traceback": "".join(traceback.format_exception(err)),
         "time": time.time(),
+        # The job it was running and the module whose forward raised (`_run_rank`).
+        **getattr(err, _WHERE, {}),
     }
     with contextlib.suppress(OSError):
         path = out_dir / f"rank{record['rank']}.error.json"

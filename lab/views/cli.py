@@ -310,10 +310,11 @@ def _pair_sharded(
 ) -> Any:
     """`pair --sharded NPROC`: both sides under FSDP2 (`lab.fsdp.pair_sharded`).
 
-    None when a rank failed (its error is printed).
+    None when a rank failed (its error is printed, and the pairs compared before the failure
+    saved to results.json).
     """
     import lab
-    from lab.engine.fsdp import Fsdp2RankError, pair_sharded, sharded_ranks_table
+    from lab.engine.fsdp import ShardedPairError, pair_sharded, sharded_ranks_table
 
     if args.mode != "propagated":
         raise ValueError(
@@ -333,8 +334,9 @@ def _pair_sharded(
             rollout=lab.Side.rollout(fam, device=device, **rollout),
             trainer=lab.Side.trainer(fam, device=device, **trainer),
         )
-    except Fsdp2RankError as err:
+    except ShardedPairError as err:
         print(f"pair --sharded failed: {err}", file=sys.stderr)
+        _save_partial(err, Path(args.out_dir))
         return None
     print(sharded_ranks_table(result).to_string(index=False))
     return result
