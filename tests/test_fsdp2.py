@@ -604,6 +604,50 @@ def test_a_sharded_pair_that_fails_part_way_keeps_the_pairs_compared_before(
     assert _leftovers(tmp_path) == [] and _processes_naming(str(tmp_path)) == []
 
 
+def test_a_stuck_rank_0_saves_its_outputs_when_another_rank_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On NCCL a rank whose peer died waits in its collective for good, and raises nothing:
+    the parent tells rank 0 the launch failed (ABORT_KEY), and it saves what it captured."""
+    # Rank 0 stalls as transformer_blocks.1 starts (it never raises); rank 1 raises there.
+    monkeypatch.setenv(
+        FAULT, "raise@1:trainer:transformer_blocks.1,hang@0:trainer:transformer_blocks.1"
+    )
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    start = time.monotonic()
+    with pytest.raises(ShardedPairError) as info:
+        pair_sharded("sd3", "tiny", nproc=2, device="cpu", timeout_s=300)
+    err = info.value
+    assert time.monotonic() - start < 60, "rank 0 was ended by the grace period, not its save"
+    assert (err.rank, err.side, err.module) == (1, "trainer", "transformer_blocks.1")
+    trainer = err.captures[1]
+    assert trainer.meta["partial"] and trainer.meta["failed"] == {
+        "module": None,
+        "module_class": None,
+        "error": "ended: rank 1 of 2 exited with 1",
+    }
+    rows = [(r.module, r.call, r.output, r.metrics) for r in err.result.rows]
+    assert rows == _block_rows("sd3")[: len(rows)] and rows[-1][0] == "transformer_blocks.0"
+    assert "rank 0: ended on the launch's failure (its forward's outputs so far saved)" in str(err)
+    assert _leftovers(tmp_path) == [] and _processes_naming(str(tmp_path)) == []
+
+
+def test_a_launch_that_times_out_mid_forward_keeps_rank_0s_outputs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(FAULT, "hang@0:trainer:transformer_blocks.1")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    job = Fsdp2Job(family_name="sd3", side=lab.Side.trainer(lab.family("sd3")), capture_depth=1)
+    with pytest.raises(Fsdp2TimeoutError, match="the 2-rank launch ran past 20 s") as info:
+        run_fsdp2_forwards([job], nproc=2, device="cpu", timeout_s=20)
+    (capture,) = info.value.captures
+    assert capture.meta["failed"]["error"] == "ended: the launch ran past 20 s"
+    keys = [leaf[:3] for leaf in capture.leaves]
+    assert keys == [row[:3] for row in _block_rows("sd3")][: len(keys)]
+    assert keys[-1][0] == "transformer_blocks.0"
+    assert _leftovers(tmp_path) == [] and _processes_naming(str(tmp_path)) == []
+
+
 def test_a_failed_rollout_side_keeps_its_capture_and_pairs_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -644,15 +688,16 @@ def test_a_timed_out_sharded_pair_says_which_side_was_running(
     assert "the 2-rank launch ran past 8 s" in str(err)
 
 
-@pytest.mark.parametrize(
-    "value", ["raise@x", "boom@0", "hang@0:trainer:proj_out", "raise@0:trainer"]
-)
+@pytest.mark.parametrize("value", ["raise@x", "boom@0", "raise@0:trainer", "raise@0,hang@y"])
 def test_a_bad_fault_hook_is_named(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from lab.engine import fsdp
 
     monkeypatch.setenv(FAULT, value)
     with pytest.raises(ValueError, match=re.escape(f"LAB_FSDP2_FAULT={value!r}")):
-        fsdp._fault()
+        fsdp._faults()
+    monkeypatch.setenv(FAULT, "raise@1:trainer:transformer_blocks.1,hang@0")
+    assert fsdp._faults() == [("raise", 1, "trainer", "transformer_blocks.1"),
+                              ("hang", 0, None, None)]  # fmt: skip
 
 
 _CALLER = """

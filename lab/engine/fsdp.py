@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -742,7 +743,7 @@ def _launch_ranks(
                         )
                     )
             (workdir / "ranks.json").write_text(json.dumps([p.pid for p in procs]))
-            _wait_for_ranks(procs, workdir, timeout_s)
+            _wait_for_ranks(procs, workdir, timeout_s, store)
     finally:
         for proc in procs:
             end_child(proc, group=True, grace_s=2.0)
@@ -750,14 +751,23 @@ def _launch_ranks(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _wait_for_ranks(procs: list[subprocess.Popen], workdir: Path, timeout_s: float) -> None:
-    """Wait until every rank exits 0; raise on the first failure or past the deadline."""
+def _wait_for_ranks(
+    procs: list[subprocess.Popen], workdir: Path, timeout_s: float, store: Any = None
+) -> None:
+    """Wait until every rank exits 0; raise on the first failure or past the deadline.
+
+    Either way the launch failed, `store` (the launch's) gets ABORT_KEY first: rank 0 saves
+    what its running forward captured and exits (`_watch_for_abort`), also where it is stuck
+    in a collective whose peer is gone.
+    """
     deadline = time.monotonic() + timeout_s
     while True:
         codes = [p.poll() for p in procs]
         if all(c == 0 for c in codes):
             return
         if any(c not in (None, 0) for c in codes):
+            failed = next(r for r, c in enumerate(codes) if c not in (None, 0))
+            _abort(store, f"rank {failed} of {len(procs)} {_exit_text(codes[failed])}")
             # The others usually fail within moments (a collective loses its peer); give them
             # that long to write their own errors, so the first failure can be told apart.
             grace = min(deadline, time.monotonic() + _FAILED_GRACE_S)
@@ -765,6 +775,10 @@ def _wait_for_ranks(procs: list[subprocess.Popen], workdir: Path, timeout_s: flo
                 time.sleep(0.05)
             raise _rank_failure(procs, workdir)
         if time.monotonic() > deadline:
+            _abort(store, f"the launch ran past {timeout_s:g} s")
+            grace = time.monotonic() + _FAILED_GRACE_S
+            while procs[0].poll() is None and time.monotonic() < grace:
+                time.sleep(0.05)  # rank 0 saving its forward's outputs so far
             tails = "\n".join(
                 f"--- rank {r} (log tail)\n{_tail(workdir / f'rank{r}.log')}"
                 for r in range(len(procs))
@@ -775,6 +789,13 @@ def _wait_for_ranks(procs: list[subprocess.Popen], workdir: Path, timeout_s: flo
                 f"preset, fewer jobs, or a larger timeout_s.\n{tails}"
             )
         time.sleep(0.05)
+
+
+def _abort(store: Any, why: str) -> None:
+    """Tell rank 0 the launch failed (ABORT_KEY), if the store still answers."""
+    if store is not None:
+        with contextlib.suppress(Exception):
+            store.set(ABORT_KEY, why)
 
 
 def _rank_failure(procs: list[subprocess.Popen], workdir: Path) -> Fsdp2RankError:
@@ -807,7 +828,9 @@ def _rank_failure(procs: list[subprocess.Popen], workdir: Path) -> Fsdp2RankErro
             module=module,
             module_class=first.get("module_class"),
         )
-    rank = next(r for r, c in enumerate(codes) if c not in (None, 0))
+    ended = [r for r, c in enumerate(codes) if c not in (None, 0)]
+    # Rank 0 ending on the parent's word (`_ABORTED`) came after the failure, not before it.
+    rank = next((r for r in ended if codes[r] != _ABORTED), ended[0])
     return Fsdp2RankError(
         f"run_fsdp2_forwards: rank {rank} of {len(procs)} {_exit_text(codes[rank])} without a "
         f"Python exception (killed? out of host memory?). Its log (tail):\n"
@@ -819,6 +842,8 @@ def _rank_failure(procs: list[subprocess.Popen], workdir: Path) -> Fsdp2RankErro
 
 
 def _exit_text(code: int) -> str:
+    if code == _ABORTED:
+        return "ended on the launch's failure (its forward's outputs so far saved)"
     if code < 0:
         with contextlib.suppress(ValueError):
             return f"killed by {signal.Signals(-code).name}"
@@ -1446,6 +1471,8 @@ def _run_rank(spec_path: Path, out_dir: Path) -> None:
     )
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
+        if rank == 0:
+            threading.Thread(target=_watch_for_abort, name="lab-abort", daemon=True).start()
         mesh = init_device_mesh(device.type, (world,))
         for index, data in enumerate(spec["jobs"]):
             job = Fsdp2Job.from_dict(data)
@@ -1461,6 +1488,74 @@ def _run_rank(spec_path: Path, out_dir: Path) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+_LIVE: dict[str, Any] = {}
+"""Rank 0's forward in progress: where its partial capture goes, its outputs so far, its meta."""
+_LIVE_LOCK = threading.Lock()
+ABORT_KEY = "lab/abort"
+"""The store key the parent sets when a launch failed: rank 0 saves what its forward captured."""
+_ABORTED = 3
+"""Rank 0's exit code after it saved its partial capture on the parent's word."""
+
+
+@contextlib.contextmanager
+def _live_capture(
+    path: Path | None, leaves: list[Any], meta: Callable[[], dict[str, Any]]
+) -> Iterator[None]:
+    """While rank 0 runs a forward, what `_write_partial` saves if the forward never finishes."""
+    if path is None:
+        yield
+        return
+    with _LIVE_LOCK:
+        _LIVE.update(path=path, leaves=leaves, meta=meta)
+    try:
+        yield
+    finally:
+        with _LIVE_LOCK:
+            _LIVE.clear()
+
+
+def _write_partial(failed: dict[str, Any]) -> None:
+    """Save rank 0's forward in progress as a partial capture (once; no-op on other ranks).
+
+    Called by the forward's own exception, and by `_watch_for_abort` when the parent says the
+    launch failed while this rank is stuck (an NCCL collective whose peer died never returns).
+    """
+    with _LIVE_LOCK:
+        path = _LIVE.get("path")
+        if path is None or path.exists():
+            return
+        meta = {**_LIVE["meta"](), "partial": True, "failed": failed}
+        with contextlib.suppress(Exception):  # the rank's own error goes first
+            tmp = path.with_suffix(".tmp")
+            torch.save({"leaves": list(_LIVE["leaves"]), "meta": meta}, tmp)
+            os.replace(tmp, path)
+
+
+def _watch_for_abort() -> None:
+    """Rank 0's watcher thread: save the forward's outputs when the parent says it failed.
+
+    When the parent sets ABORT_KEY, `_write_partial`, then end the process (`_ABORTED`).
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        None,
+        False,
+        datetime.timedelta(seconds=60),
+    )
+    while not store.check([ABORT_KEY]):
+        time.sleep(0.1)
+    why = store.get(ABORT_KEY).decode()
+    _write_partial({"module": None, "module_class": None, "error": f"ended: {why}"})
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_ABORTED)
 
 
 _WHERE = "_lab_fsdp2_where"
@@ -1523,7 +1618,14 @@ def _run_rank_job(
         cast = side_inputs(inputs, job.side, device)
         grad_mode = torch.enable_grad() if job.loss is not None else torch.no_grad()
         start = time.perf_counter()
-        with grad_mode:
+
+        def partial_meta() -> dict[str, Any]:
+            return {"world_size": world, "backend": backend, "device": str(device),
+                    "plan": plan.summary(), **seconds,
+                    "forward_s": time.perf_counter() - start, "build": build,
+                    "module_classes": module_classes}  # fmt: skip
+
+        with grad_mode, _live_capture(partial if rank == 0 else None, leaves, partial_meta):
             try:
                 with (
                     ModuleHooks(model, on_output, names_filter=names_filter).attached(),
@@ -1538,17 +1640,9 @@ def _run_rank_job(
                 if where is not None:  # the class's own name, not FSDP2's FSDP<Class>
                     where = (where[0], module_classes.get(where[0], where[1]))
                     _mark(err, module=where[0], module_class=where[1])
-                if rank == 0 and partial is not None:
-                    seconds["forward_s"] = time.perf_counter() - start
-                    failed = {"module": where[0] if where else None,
-                              "module_class": where[1] if where else None,
-                              "error": f"{type(err).__name__}: {err}"}  # fmt: skip
-                    meta = {"world_size": world, "backend": backend, "device": str(device),
-                            "plan": plan.summary(), **seconds, "build": build,
-                            "module_classes": module_classes, "partial": True,
-                            "failed": failed}  # fmt: skip
-                    with contextlib.suppress(Exception):  # the rank's own error goes first
-                        torch.save({"leaves": leaves, "meta": meta}, partial)
+                _write_partial({"module": where[0] if where else None,
+                                "module_class": where[1] if where else None,
+                                "error": f"{type(err).__name__}: {err}"})  # fmt: skip
                 raise
             seconds["forward_s"] = _elapsed(start, device)
             if job.loss is not None:
@@ -1670,65 +1764,79 @@ def _cast_buffers(
         module._buffers[name] = module._buffers[name].to(master).to(dtype)
 
 
-def _fault() -> tuple[str, int, str | None, str | None] | None:
-    """LAB_FSDP2_FAULT parsed: (kind, rank, side, module), or None when unset.
+_Fault = tuple[str, int, str | None, str | None]
+"""(kind, rank, side, module) of one LAB_FSDP2_FAULT entry."""
 
-    "raise@R" / "hang@R": rank R raises (hangs) as each job starts; "raise@R:SIDE:MODULE":
-    rank R raises in the forward of the job whose side is named SIDE, as module MODULE (its
-    `named_modules()` path) starts, so tests can fail a rank part-way through a forward.
+
+def _faults() -> list[_Fault]:
+    """LAB_FSDP2_FAULT parsed: its comma-separated entries, each (kind, rank, side, module).
+
+    "raise@R" / "hang@R": rank R raises (hangs) as each job starts; "raise@R:SIDE:MODULE" /
+    "hang@R:SIDE:MODULE": rank R raises (hangs) in the forward of the job whose side is named
+    SIDE, as module MODULE (its `named_modules()` path) starts. Tests fail a rank part-way
+    through a forward with it, or stall one as a rank stuck in an NCCL collective would be.
     """
-    value = os.environ.get(_FAULT_ENV)
-    if not value:
-        return None
-    kind, _, target = value.partition("@")
-    rank, *place = target.split(":", 2)
-    if kind not in ("raise", "hang") or not rank.isdigit() or len(place) not in (0, 2):
-        raise ValueError(
-            f"{_FAULT_ENV}={value!r}: expected 'raise@RANK', 'hang@RANK' or "
-            "'raise@RANK:SIDE:MODULE'."
-        )
-    if place and kind != "raise":
-        raise ValueError(f"{_FAULT_ENV}={value!r}: only 'raise' takes a SIDE:MODULE.")
-    side, module = place if place else (None, None)
-    return kind, int(rank), side, module
+    value = os.environ.get(_FAULT_ENV, "")
+    faults = []
+    for entry in filter(None, value.split(",")):
+        kind, _, target = entry.partition("@")
+        rank, *place = target.split(":", 2)
+        if kind not in ("raise", "hang") or not rank.isdigit() or len(place) not in (0, 2):
+            raise ValueError(
+                f"{_FAULT_ENV}={value!r}: expected entries 'raise@RANK', 'hang@RANK', "
+                "'raise@RANK:SIDE:MODULE' or 'hang@RANK:SIDE:MODULE', comma-separated."
+            )
+        side, module = place if place else (None, None)
+        faults.append((kind, int(rank), side, module))
+    return faults
 
 
-def _injected_fault(rank: int) -> None:
-    """Honour LAB_FSDP2_FAULT ("raise@R" or "hang@R"), so tests can make one rank fail."""
-    fault = _fault()
-    if fault is None or fault[2] is not None or fault[1] != rank:
-        return
-    kind, value = fault[0], os.environ[_FAULT_ENV]
-    if kind == "raise":
-        raise RuntimeError(f"injected fault in rank {rank} ({_FAULT_ENV}={value!r})")
+def _hang(rank: int) -> None:
+    """Sleep for good (a test's stalled rank), leaving a file that says so."""
     Path(os.environ.get("TMPDIR", "."), f"hang{rank}").write_text("hanging")
     while True:
         time.sleep(60)
 
 
+def _injected_fault(rank: int) -> None:
+    """Honour LAB_FSDP2_FAULT's "raise@R" and "hang@R" entries as a job starts on rank R."""
+    for kind, target, side, _ in _faults():
+        if side is not None or target != rank:
+            continue
+        if kind == "raise":
+            raise RuntimeError(
+                f"injected fault in rank {rank} ({_FAULT_ENV}={os.environ[_FAULT_ENV]!r})"
+            )
+        _hang(rank)
+
+
 @contextlib.contextmanager
 def _forward_fault(model: torch.nn.Module, rank: int, job: Fsdp2Job) -> Iterator[None]:
-    """LAB_FSDP2_FAULT "raise@R:SIDE:MODULE": this rank raises as that module's forward starts."""
-    fault = _fault()
-    if fault is None or fault[2] is None or fault[1] != rank or fault[2] != job.side.name:
-        yield
-        return
+    """Raise (hang) as a module's forward starts: this rank's "raise@R:SIDE:MODULE" entries.
+
+    And "hang@R:SIDE:MODULE" (LAB_FSDP2_FAULT, `_faults`).
+    """
+    mine = [f for f in _faults() if f[1] == rank and f[2] == job.side.name]
     modules = dict(model.named_modules())
-    name = fault[3]
-    if name not in modules:
-        raise ValueError(f"{_FAULT_ENV}: no module {name!r} in {job.family_name}.")
+    handles = []
+    for kind, _, _, name in mine:
+        if name not in modules:
+            raise ValueError(f"{_FAULT_ENV}: no module {name!r} in {job.family_name}.")
 
-    def fail(module: torch.nn.Module, args: Any) -> None:
-        raise RuntimeError(
-            f"injected fault in rank {rank}, side {job.side.name!r}, module {name!r} "
-            f"({_FAULT_ENV}={os.environ[_FAULT_ENV]!r})"
-        )
+        def fault(module: torch.nn.Module, args: Any, kind: str = kind, name: str = name) -> None:
+            if kind == "hang":
+                _hang(rank)
+            raise RuntimeError(
+                f"injected fault in rank {rank}, side {job.side.name!r}, module {name!r} "
+                f"({_FAULT_ENV}={os.environ[_FAULT_ENV]!r})"
+            )
 
-    handle = modules[name].register_forward_pre_hook(fail)
+        handles.append(modules[name].register_forward_pre_hook(fault))
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 def _write_rank_error(out_dir: Path, err: BaseException) -> None:
