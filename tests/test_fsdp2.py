@@ -648,6 +648,22 @@ def test_a_launch_that_times_out_mid_forward_keeps_rank_0s_outputs(
     assert _leftovers(tmp_path) == [] and _processes_naming(str(tmp_path)) == []
 
 
+def test_a_rank_failing_after_rank_0s_forward_finished_keeps_the_whole_capture(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Qwen-Image tiny's last block: rank 1 raises after its all-gather, rank 0 runs the block
+    and the root's last modules (no collective left) and fails after, gathering the peaks."""
+    monkeypatch.setenv(FAULT, "raise@1:trainer:transformer_blocks.1")
+    with pytest.raises(ShardedPairError) as info:
+        pair_sharded("qwen_image", "tiny", nproc=2, device="cpu", timeout_s=300)
+    err = info.value
+    trainer = err.captures[1]
+    assert trainer.meta["partial"] is False and "Connection" in trainer.meta["failed"]["error"]
+    rows = [(r.module, r.call, r.output, r.metrics) for r in err.result.rows]
+    assert rows == _block_rows("qwen_image"), "every pair, as the in-process pair has them"
+    assert "trainer: 18 output(s))" in str(err)
+
+
 def test_a_failed_rollout_side_keeps_its_capture_and_pairs_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

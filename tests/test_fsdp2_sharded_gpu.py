@@ -121,3 +121,37 @@ def test_qwen_image_full_sharded_over_two_gpus_has_every_block_row() -> None:
     for key in ("fsdp2_a", "fsdp2_b"):
         peaks = result.meta[key]["peak_memory_gib_per_rank"]
         assert len(peaks) == 2 and all(0 < p < total_gib for p in peaks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("fault", "module"),
+    [
+        # Rank 1 raises after block 0's all-gather: rank 0 runs block 0, then waits in block
+        # 1's all-gather for good (NCCL): the parent's ABORT_KEY has it save its outputs.
+        ("raise@1:trainer:transformer_blocks.0", "transformer_blocks.0"),
+        ("raise@0:trainer:transformer_blocks.1", "transformer_blocks.1"),  # rank 0 raises
+    ],
+    ids=["rank1", "rank0"],
+)
+def test_a_failed_nccl_rank_keeps_the_pairs_compared_before_it(
+    fault: str, module: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing lost on a fault on NCCL: rank 0's outputs up to the failure come back and pair."""
+    from lab.engine.fsdp import ShardedPairError
+
+    _need_gpus(2)
+    monkeypatch.setenv("LAB_FSDP2_FAULT", fault)
+    start = time.perf_counter()
+    with pytest.raises(ShardedPairError) as info:
+        pair_sharded("qwen_image", "tiny", nproc=2, device="cuda", timeout_s=300)
+    err = info.value
+    print(f"\n{fault}: failed in {time.perf_counter() - start:.1f} s; {str(err).splitlines()[0]}")
+    assert (err.side, err.module, err.rank) == ("trainer", module, int(fault[6]))
+    rollout, trainer = err.captures
+    assert not rollout.meta.get("partial") and trainer.meta["partial"]
+    in_process = lab.pair_family("qwen_image", "tiny", device="cuda", capture_depth=1).rows
+    rows = err.result.rows
+    assert 0 < len(rows) == len(trainer.leaves) < len(in_process)
+    for a, b in zip(in_process, rows, strict=False):
+        assert (a.module, a.call, a.output, a.metrics) == (b.module, b.call, b.output, b.metrics)

@@ -1516,17 +1516,25 @@ def _live_capture(
             _LIVE.clear()
 
 
-def _write_partial(failed: dict[str, Any]) -> None:
-    """Save rank 0's forward in progress as a partial capture (once; no-op on other ranks).
+def _forward_done() -> None:
+    """Rank 0's forward finished: what `_write_partial` saves from here on is its whole capture."""
+    with _LIVE_LOCK:
+        if _LIVE:
+            _LIVE["done"] = True
 
-    Called by the forward's own exception, and by `_watch_for_abort` when the parent says the
-    launch failed while this rank is stuck (an NCCL collective whose peer died never returns).
+
+def _write_partial(failed: dict[str, Any]) -> None:
+    """Save rank 0's forward as a capture: partial, or whole once the forward finished.
+
+    Once a job; a no-op on other ranks and before the forward starts. Called by the job's
+    own exception, and by `_watch_for_abort` when the parent says the launch failed while this
+    rank is stuck (an NCCL collective whose peer died never returns).
     """
     with _LIVE_LOCK:
         path = _LIVE.get("path")
         if path is None or path.exists():
             return
-        meta = {**_LIVE["meta"](), "partial": True, "failed": failed}
+        meta = {**_LIVE["meta"](), "partial": not _LIVE.get("done"), "failed": failed}
         with contextlib.suppress(Exception):  # the rank's own error goes first
             tmp = path.with_suffix(".tmp")
             torch.save({"leaves": list(_LIVE["leaves"]), "meta": meta}, tmp)
@@ -1579,9 +1587,30 @@ def _run_rank_job(
 ) -> dict[str, Any]:
     """One job on one rank: build, shard, forward (rank 0 captures), backward if asked.
 
-    `partial`: where rank 0 writes what its forward captured before a failure (a capture
-    whose meta says it is partial, and where and why it stopped), before re-raising.
+    `partial`: where rank 0 writes what its forward captured when the job fails once the
+    forward has started (`_write_partial`: partial, or whole where the forward had finished
+    and a later step failed), before re-raising.
     """
+    with contextlib.ExitStack() as live:
+        try:
+            return _rank_job(job, device, mesh, rank, world, backend, partial, live)
+        except BaseException as err:
+            _write_partial({"module": None, "module_class": None,
+                            "error": f"{type(err).__name__}: {err}"})  # fmt: skip
+            raise
+
+
+def _rank_job(
+    job: Fsdp2Job,
+    device: torch.device,
+    mesh: Any,
+    rank: int,
+    world: int,
+    backend: str,
+    partial: Path | None,
+    live: contextlib.ExitStack,
+) -> dict[str, Any]:
+    """`_run_rank_job`'s steps; `live` holds rank 0's forward in progress until it returns."""
     import torch.distributed as dist
 
     from lab.families import family as get_family
@@ -1622,10 +1651,12 @@ def _run_rank_job(
         def partial_meta() -> dict[str, Any]:
             return {"world_size": world, "backend": backend, "device": str(device),
                     "plan": plan.summary(), **seconds,
-                    "forward_s": time.perf_counter() - start, "build": build,
-                    "module_classes": module_classes}  # fmt: skip
+                    "forward_s": seconds.get("forward_s", time.perf_counter() - start),
+                    "build": build, "module_classes": module_classes}  # fmt: skip
 
-        with grad_mode, _live_capture(partial if rank == 0 else None, leaves, partial_meta):
+        # From here on rank 0 keeps what its forward captured whatever happens (`_write_partial`).
+        live.enter_context(_live_capture(partial if rank == 0 else None, leaves, partial_meta))
+        with grad_mode:
             try:
                 with (
                     ModuleHooks(model, on_output, names_filter=names_filter).attached(),
@@ -1645,6 +1676,7 @@ def _run_rank_job(
                                 "error": f"{type(err).__name__}: {err}"})  # fmt: skip
                 raise
             seconds["forward_s"] = _elapsed(start, device)
+            _forward_done()  # its capture is whole now, whatever fails after
             if job.loss is not None:
                 # Loss and backward outside autocast, as master_gradients runs them.
                 value = job.loss(output, inputs)
