@@ -628,7 +628,7 @@ def test_a_stuck_rank_0_saves_its_outputs_when_another_rank_fails(
     }
     rows = [(r.module, r.call, r.output, r.metrics) for r in err.result.rows]
     assert rows == _block_rows("sd3")[: len(rows)] and rows[-1][0] == "transformer_blocks.0"
-    assert "rank 0: ended on the launch's failure (its forward's outputs so far saved)" in str(err)
+    assert "rank 0: ended on the launch's failure (what its forward had captured saved)" in str(err)
     assert _leftovers(tmp_path) == [] and _processes_naming(str(tmp_path)) == []
 
 

@@ -843,7 +843,7 @@ def _rank_failure(procs: list[subprocess.Popen], workdir: Path) -> Fsdp2RankErro
 
 def _exit_text(code: int) -> str:
     if code == _ABORTED:
-        return "ended on the launch's failure (its forward's outputs so far saved)"
+        return "ended on the launch's failure (what its forward had captured saved)"
     if code < 0:
         with contextlib.suppress(ValueError):
             return f"killed by {signal.Signals(-code).name}"
