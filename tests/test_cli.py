@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import lab
 from lab.views.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
@@ -169,6 +170,31 @@ def test_drift_writes_the_trajectory_and_its_figures(
     # clip_frac >= 0 > -1: the threshold path reports and exits 1.
     code, text, _ = _run(capsys, *argv, "--max-clip-frac", "-1")
     assert code == EXIT_FAILED and "FAILED: clip_frac" in text
+
+
+def test_a_drift_that_fails_part_way_saves_the_steps_before(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lab.rl import trajectory as module
+
+    real, calls = module._guided_velocity, []
+
+    def guided(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 5:  # step 2's rollout velocity
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "_guided_velocity", guided)
+    out = tmp_path / "drift"
+    code, text, err = _run(capsys, "drift", "--out-dir", str(out), "--steps", "4")
+    assert code == EXIT_FAILED and "drift failed: trajectory('flux'): step 2 of 4" in err
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["completed_steps"] == 2 and len(data["per_step"]) == 2
+    assert data["meta"]["failed"]["step"] == 2
+    for name in ("ratio_drift.png", "ratio_hist.png", "logprob_vs_velocity_gap.png"):
+        assert (out / name).read_bytes()[:8] == PNG, name
+    assert "saved the 2 step(s) completed before the failure" in text
 
 
 def test_report_and_compare_read_saved_runs(tmp_path: Path, capsys: pytest.CaptureFixture,

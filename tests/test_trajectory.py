@@ -210,6 +210,58 @@ def test_bad_inputs_give_clear_errors() -> None:
         trajectory("sd3", steps=4, capture_steps=(4,))
 
 
+def _failing_at(monkeypatch: pytest.MonkeyPatch, call: int) -> None:
+    """Make the trajectory's `call`-th guided velocity (0-based; two a step) raise."""
+    from lab.rl import trajectory as module
+
+    real, calls = module._guided_velocity, []
+
+    def guided(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == call + 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "_guided_velocity", guided)
+
+
+def test_a_failed_step_keeps_the_steps_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing lost on a fault: step 2 of 4 runs out of memory, steps 0-1 come back, the same
+    numbers as the whole trajectory's, and save as a trajectory JSON."""
+    kwargs = dict(steps=4, samples=2, progress=False, capture_steps=(1,))
+    whole = trajectory("sd3", **kwargs)
+    _failing_at(monkeypatch, 5)  # step 2's trainer velocity
+    with pytest.raises(lab.errors.TrajectoryError) as info:
+        trajectory("sd3", **kwargs)
+    err = info.value
+    assert isinstance(err, lab.errors.PairError) and err.step == 2 and err.result is None
+    assert isinstance(err.__cause__, torch.cuda.OutOfMemoryError)
+    assert str(err).startswith(
+        "trajectory('sd3'): step 2 of 4 (sigma "
+    ) and "OutOfMemoryError: CUDA out of memory (injected). The 2 step(s) before it" in str(err)
+    done = err.trajectory
+    assert done.meta["completed_steps"] == 2 and done.meta["failed"] == {
+        "step": 2,
+        "error": "OutOfMemoryError: CUDA out of memory (injected)",
+    }
+    assert done.step_drifts == whole.step_drifts[:2]
+    assert done.sample_drifts == [s for s in whole.sample_drifts if s.step < 2]
+    assert list(done.captures) == [1] and done.captures[1].rows == whole.captures[1].rows
+    back = Trajectory.from_json(done.to_json(tmp_path / "partial.json"))
+    assert back.meta["failed"]["step"] == 2 and len(back.step_drifts) == 2
+    assert done.describe().endswith(
+        "FAILED at step 2: OutOfMemoryError: CUDA out of memory (injected); the figures above "
+        "are the 2 step(s) before it"
+    )
+    assert "FAILED" not in whole.describe()
+    # Before any step completed: the error itself, nothing to keep.
+    _failing_at(monkeypatch, 0)
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="injected"):
+        trajectory("sd3", **kwargs)
+
+
 def test_no_cyclic_collection_runs_inside_a_captured_trajectory(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from lab.pairing.result import Result
+    from lab.rl.trajectory import Trajectory
 
 
 class PairError(RuntimeError):
@@ -39,6 +40,30 @@ class NonFiniteOutputError(PairError, ValueError):
 
 class DegenerateOutputError(PairError, ValueError):
     """Both sides' model outputs are all zero or constant: agreement there proves nothing."""
+
+
+class TrajectoryError(PairError):
+    """A trajectory step failed; `trajectory` holds every step completed before it.
+
+    A `PairError`: `result` is the failed step's pair (what it compared) where the step failed
+    in its captured pair, else None; `step` is the step that failed, `__cause__` the error.
+    """
+
+    def __init__(
+        self, message: str, trajectory: Trajectory, *, step: int, cause: BaseException
+    ) -> None:
+        """The message, the steps completed, the failing step and what it raised."""
+        inner = cause if isinstance(cause, PairError) else None
+        super().__init__(
+            message,
+            inner.result if inner is not None else None,
+            side=inner.side if inner is not None else None,
+            module=inner.module if inner is not None else None,
+            module_class=inner.module_class if inner is not None else None,
+            fix=inner.fix if inner is not None else None,
+        )
+        self.trajectory = trajectory
+        self.step = step
 
 
 class CheckpointError(ValueError):

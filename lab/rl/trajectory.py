@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from lab.base.atomic import atomic_write_text
+from lab.base.errors import PairError, TrajectoryError
 from lab.families import Family, Inputs
 from lab.families import family as get_family
 from lab.families.master import master_summary
@@ -270,6 +271,12 @@ class Trajectory:
             f"{o['predicted_log_ratio']:.3e} (noise-averaged part {o['expected_log_ratio']:.3e})"
             f"; transition KL mean {o['transition_kl']:.3e}, max {o['transition_kl_max']:.3e}"
             + "".join(f"\n  note: {n}" for n in self.meta.get("metric_notes", ()))
+            + (
+                f"\n  FAILED at step {failed['step']}: {failed['error']}; the figures above are "
+                f"the {self.meta.get('completed_steps')} step(s) before it"
+                if (failed := self.meta.get("failed"))
+                else ""
+            )
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -451,6 +458,11 @@ def trajectory(
         ValueError: steps < 2, a schedule that is not decreasing, a window or capture step
             outside the schedule, noise_level <= 0, cfg_scale > 1 on a guidance-distilled
             family, an unknown sde_type, or stream=True on a model without block classes.
+        TrajectoryError: A step failed after earlier ones completed (out of memory, a failed
+            captured pair): `err.trajectory` holds the completed steps (`meta["failed"]`:
+            the step and the error; `meta["completed_steps"]`), `err.step` the failing
+            step, `err.result` the failed captured pair's compared modules, if any. A
+            failure before any step completed raises the error itself.
     """
     from tqdm.auto import tqdm
 
@@ -562,115 +574,165 @@ def trajectory(
     sample_drifts: list[SampleDrift] = []
     captures: dict[int, Result] = {}
     notes: list[str] = []
-    for i in tqdm(range(steps), desc=f"{family_name} steps", disable=not progress):
-        sigma, sigma_prev = sigma_list[i], sigma_list[i + 1]
-        in_window = window[0] <= i < window[1]
-        expert = step_experts[i]
-        model = expert_model(expert)
-        per_prompt: list[tuple] = []
-        for p, (ps, n) in enumerate(streams):
-            x = states[p]
-            inputs = fam.make_inputs(
-                preset,
-                ps,
-                n,
-                use_cfg,
-                variant=variant,
-                sigma=sigma,
-                latents=unflatten_samples(x.cpu(), stream_shapes[p]),
-                device=device,
-            )
-            like = [torch.empty(s, device="meta") for s in stream_shapes[p]]
-            outs: dict[str, Any] = {}
-            if i in capture_steps and p == 0:
-                # The pair's two forwards are the step's own (the same outputs, bit for bit:
-                # tests/test_trajectory.py): a captured step costs no extra forward.
-                captures[i] = pair(
-                    model,
-                    inputs,
-                    side_a,
-                    side_b,
-                    meta=dict(family=family_name, preset=preset, step=i, sigma=sigma),
-                    stream=stream,
-                    outputs=outs,
-                )
-            v_old = _guided_velocity(
-                fam, model, views[(expert, 0)], side_a, inputs, cfg_scale, like, n, outs.get("a")
-            )
-            v_new = _guided_velocity(
-                fam, model, views[(expert, 1)], side_b, inputs, cfg_scale, like, n, outs.get("b")
-            )
-            if in_window:
-                x_prev, lp_old, _, std = sde_step_with_logprob(
-                    v_old, x, sigma, sigma_prev, sigma_max, noise_level,
-                    generator=gens[p], sde_type=sde_type,
-                )  # fmt: skip
-                _, lp_new, _, _ = sde_step_with_logprob(
-                    v_new, x, sigma, sigma_prev, sigma_max, noise_level,
-                    prev_sample=x_prev, sde_type=sde_type,
-                )  # fmt: skip
-                std_f = float(std)
-            else:
-                x_prev, lp_old, lp_new = euler_step(v_old, x, sigma, sigma_prev), None, None
-                std_f = math.nan
-            per_prompt.append((x, x_prev, v_old, v_new, lp_old, lp_new))
-            states[p] = x_prev
-        x_t, x_prev, v_old, v_new = (torch.cat([r[k] for r in per_prompt]).cpu() for k in range(4))
-        lp_old = torch.cat([r[4] for r in per_prompt]).cpu() if in_window else None
-        lp_new = torch.cat([r[5] for r in per_prompt]).cpu() if in_window else None
-        if keep_tensors:
-            records.append(
-                StepRecord(
-                    i, sigma, sigma_prev, in_window, expert, x_t, x_prev, v_old, v_new,
-                    lp_old, lp_new, None if not in_window else std_f,
-                )
-            )  # fmt: skip
-        drift, rows = _step_drift(
-            i, sigma, sigma_prev, in_window, expert, x_t, x_prev, v_old, v_new, lp_old, lp_new,
-            std_f, cfg_scale, clip_range, sde_type, samples, prompt_seeds,
-        )  # fmt: skip
-        step_drifts.append(drift)
-        sample_drifts.extend(rows)
-        if sde_type == "cps" and in_window and std_f == 0.0:
-            notes.append(
-                f"step {i}: transition_kl and chi_square are NaN: the cps step to sigma_prev "
-                f"{sigma_prev:g} has noise scale 0, so both transitions are point masses "
-                "(infinite KL when they differ); the log-ratio columns are still exact."
-            )
-        if last_step[expert] == i:
-            # The last reference too: the next expert is built before `model` is rebound, and
-            # two Wan2.2-A14B masters (2 x 57 GB) do not fit one H200 next to a forward.
-            for k in (0, 1):
-                del views[(expert, k)]
-            del models[expert]
-            model = inputs = None
 
-    meta = dict(
-        family=family_name,
-        preset=preset,
-        variant=variant,
-        steps=steps,
-        sde_window=list(window),
-        noise_level=float(noise_level),
-        cfg_scale=float(cfg_scale),
-        cfg_layout=fam.cfg_layout,
-        samples=samples,
-        prompts=prompts,
-        seed=seed,
-        device=str(device),
-        sde_type=sde_type,
-        clip_range=float(clip_range),
-        latent_shapes=[list(s) for s in shapes],
-        experts=[e for e in experts if e is not None],
-        side_a=side_a.to_dict(),
-        side_b=side_b.to_dict(),
-        sampler_notes=sampler_settings(fam).notes,
-        init=model_init[0] if model_init else None,
-        master=model_master[0] if model_master else None,
-        stream=stream,
-        metric_notes=notes,
-    )
-    return Trajectory(meta, sigma_list, step_drifts, sample_drifts, records, captures)
+    def _assemble(completed: int) -> Trajectory:
+        """The Trajectory of the `completed` steps run so far (all of them but on a failure)."""
+        meta = dict(
+            family=family_name,
+            preset=preset,
+            variant=variant,
+            steps=steps,
+            sde_window=list(window),
+            noise_level=float(noise_level),
+            cfg_scale=float(cfg_scale),
+            cfg_layout=fam.cfg_layout,
+            samples=samples,
+            prompts=prompts,
+            seed=seed,
+            device=str(device),
+            sde_type=sde_type,
+            clip_range=float(clip_range),
+            latent_shapes=[list(s) for s in shapes],
+            experts=[e for e in experts if e is not None],
+            side_a=side_a.to_dict(),
+            side_b=side_b.to_dict(),
+            sampler_notes=sampler_settings(fam).notes,
+            init=model_init[0] if model_init else None,
+            master=model_master[0] if model_master else None,
+            stream=stream,
+            metric_notes=notes,
+        )
+        meta["completed_steps"] = completed
+        return Trajectory(meta, sigma_list, step_drifts, sample_drifts, records, captures)
+
+    step = 0
+    try:
+        for i in tqdm(range(steps), desc=f"{family_name} steps", disable=not progress):
+            step = i
+            sigma, sigma_prev = sigma_list[i], sigma_list[i + 1]
+            in_window = window[0] <= i < window[1]
+            expert = step_experts[i]
+            model = expert_model(expert)
+            per_prompt: list[tuple] = []
+            for p, (ps, n) in enumerate(streams):
+                x = states[p]
+                inputs = fam.make_inputs(
+                    preset,
+                    ps,
+                    n,
+                    use_cfg,
+                    variant=variant,
+                    sigma=sigma,
+                    latents=unflatten_samples(x.cpu(), stream_shapes[p]),
+                    device=device,
+                )
+                like = [torch.empty(s, device="meta") for s in stream_shapes[p]]
+                outs: dict[str, Any] = {}
+                if i in capture_steps and p == 0:
+                    # The pair's two forwards are the step's own (the same outputs, bit for bit:
+                    # tests/test_trajectory.py): a captured step costs no extra forward.
+                    captures[i] = pair(
+                        model,
+                        inputs,
+                        side_a,
+                        side_b,
+                        meta=dict(family=family_name, preset=preset, step=i, sigma=sigma),
+                        stream=stream,
+                        outputs=outs,
+                    )
+                v_old = _guided_velocity(
+                    fam,
+                    model,
+                    views[(expert, 0)],
+                    side_a,
+                    inputs,
+                    cfg_scale,
+                    like,
+                    n,
+                    outs.get("a"),
+                )
+                v_new = _guided_velocity(
+                    fam,
+                    model,
+                    views[(expert, 1)],
+                    side_b,
+                    inputs,
+                    cfg_scale,
+                    like,
+                    n,
+                    outs.get("b"),
+                )
+                if in_window:
+                    x_prev, lp_old, _, std = sde_step_with_logprob(
+                        v_old, x, sigma, sigma_prev, sigma_max, noise_level,
+                        generator=gens[p], sde_type=sde_type,
+                    )  # fmt: skip
+                    _, lp_new, _, _ = sde_step_with_logprob(
+                        v_new, x, sigma, sigma_prev, sigma_max, noise_level,
+                        prev_sample=x_prev, sde_type=sde_type,
+                    )  # fmt: skip
+                    std_f = float(std)
+                else:
+                    x_prev, lp_old, lp_new = euler_step(v_old, x, sigma, sigma_prev), None, None
+                    std_f = math.nan
+                per_prompt.append((x, x_prev, v_old, v_new, lp_old, lp_new))
+                states[p] = x_prev
+            x_t, x_prev, v_old, v_new = (
+                torch.cat([r[k] for r in per_prompt]).cpu() for k in range(4)
+            )
+            lp_old = torch.cat([r[4] for r in per_prompt]).cpu() if in_window else None
+            lp_new = torch.cat([r[5] for r in per_prompt]).cpu() if in_window else None
+            if keep_tensors:
+                records.append(
+                    StepRecord(
+                        i, sigma, sigma_prev, in_window, expert, x_t, x_prev, v_old, v_new,
+                        lp_old, lp_new, None if not in_window else std_f,
+                    )
+                )  # fmt: skip
+            drift, rows = _step_drift(
+                i, sigma, sigma_prev, in_window, expert, x_t, x_prev, v_old, v_new, lp_old, lp_new,
+                std_f, cfg_scale, clip_range, sde_type, samples, prompt_seeds,
+            )  # fmt: skip
+            step_drifts.append(drift)
+            sample_drifts.extend(rows)
+            if sde_type == "cps" and in_window and std_f == 0.0:
+                notes.append(
+                    f"step {i}: transition_kl and chi_square are NaN: the cps step to sigma_prev "
+                    f"{sigma_prev:g} has noise scale 0, so both transitions are point masses "
+                    "(infinite KL when they differ); the log-ratio columns are still exact."
+                )
+            if last_step[expert] == i:
+                # The last reference too: the next expert is built before `model` is rebound, and
+                # two Wan2.2-A14B masters (2 x 57 GB) do not fit one H200 next to a forward.
+                for k in (0, 1):
+                    del views[(expert, k)]
+                del models[expert]
+                model = inputs = None
+
+    except Exception as err:
+        # The experts' masters go now, not with the error (a notebook keeps the last one).
+        models.clear()
+        views.clear()
+        model = inputs = None
+        if not step_drifts and not captures:
+            raise  # nothing computed yet: the error as it is
+        # Nothing computed is lost: the steps before the failing one, as a Trajectory.
+        done = _assemble(len(step_drifts))
+        done.meta["failed"] = {"step": step, "error": f"{type(err).__name__}: {err}"}
+        raise TrajectoryError(
+            f"{where}: step {step} of {steps} (sigma {sigma_list[step]:g}) failed: "
+            f"{type(err).__name__}: {err}. The {len(step_drifts)} step(s) before it are in "
+            "err.trajectory (its meta['failed'] says where)"
+            + (
+                ", the failed pair's compared modules in err.result."
+                if isinstance(err, PairError) and err.result is not None
+                else "."
+            ),
+            done,
+            step=step,
+            cause=err,
+        ) from err
+    return _assemble(steps)
 
 
 def _step_drift(

@@ -345,7 +345,6 @@ def _pair_sharded(
 def _drift(args: argparse.Namespace) -> int:
     from lab.base.errors import PairError
     from lab.rl.trajectory import trajectory
-    from lab.views import plots
 
     rollout = _json_option("rollout_overrides", args.rollout_overrides, dict)
     trainer = _json_option("trainer_overrides", args.trainer_overrides, dict)
@@ -371,8 +370,24 @@ def _drift(args: argparse.Namespace) -> int:
         )
     except PairError as err:
         print(f"drift failed: {err}", file=sys.stderr)
+        done = getattr(err, "trajectory", None)  # a TrajectoryError: the steps completed
+        if done is not None:
+            _write_drift(done, out)
+            print(f"saved the {done.meta['completed_steps']} step(s) completed before the failure")
         return EXIT_FAILED
     print(traj.describe())
+    _write_drift(traj, out)
+    clip_frac = traj.overall()["clip_frac"]
+    if args.max_clip_frac is not None and clip_frac > args.max_clip_frac:
+        print(f"FAILED: clip_frac {clip_frac:.3g} > --max-clip-frac {args.max_clip_frac:g}")
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _write_drift(traj: Any, out: Path) -> None:
+    """A trajectory's results.json and its three figures under `out` (the paths printed)."""
+    from lab.views import plots
+
     written = [traj.to_json(out / "results.json")]
     for name, plot in (
         ("ratio_drift.png", plots.plot_ratio_drift),
@@ -381,11 +396,6 @@ def _drift(args: argparse.Namespace) -> int:
     ):
         written.append(plots.save_figure(plot(traj, backend="matplotlib"), out / name))
     print("wrote " + ", ".join(str(p) for p in written))
-    clip_frac = traj.overall()["clip_frac"]
-    if args.max_clip_frac is not None and clip_frac > args.max_clip_frac:
-        print(f"FAILED: clip_frac {clip_frac:.3g} > --max-clip-frac {args.max_clip_frac:g}")
-        return EXIT_FAILED
-    return EXIT_OK
 
 
 def _report(args: argparse.Namespace) -> int:
