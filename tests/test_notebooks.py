@@ -360,9 +360,15 @@ def test_papermill_command_line_makes_the_output_folder(
     assert seen == [str(out)] and out.parent.is_dir()
     assert papermill_main([str(notebook), "-", "-p", "family", "flux"]) == 0
     assert not (tmp_path / "-").exists() and seen[-1] == "-"
+    # papermill fills {name} from the parameters: the filled-in folder is made, not "{family}".
+    templated = str(tmp_path / "by" / "{family}" / "out.ipynb")
+    assert papermill_main([str(notebook), templated, "-p", "family", "sd3"]) == 0
+    assert (tmp_path / "by" / "sd3").is_dir() and not (tmp_path / "by" / "{family}").exists()
     # A command line papermill cannot parse is left to papermill to refuse.
     assert papermill_main(["--no-such-option"]) != 0
     monkeypatch.setattr(papermill, "execute_notebook", lambda nb, out, **kw: seen.append(out))
     nested = tmp_path / "api" / "out.ipynb"
     execute_notebook(notebook, nested, {"family": "flux"})
     assert seen[-1] == str(nested) and nested.parent.is_dir()
+    execute_notebook(notebook, tmp_path / "api" / "{family}" / "o.ipynb", {"family": "wan2_2"})
+    assert (tmp_path / "api" / "wan2_2").is_dir()

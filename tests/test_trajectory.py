@@ -230,12 +230,26 @@ def test_a_failed_step_keeps_the_steps_before_it(
 ) -> None:
     """Nothing lost on a fault: step 2 of 4 runs out of memory, steps 0-1 come back, the same
     numbers as the whole trajectory's, and save as a trajectory JSON."""
-    kwargs = dict(steps=4, samples=2, progress=False, capture_steps=(1,))
+    import weakref
+
+    from lab.families import Family
+
+    kwargs = dict(steps=4, samples=2, progress=False, capture_steps=(1, 2))
     whole = trajectory("sd3", **kwargs)
-    _failing_at(monkeypatch, 5)  # step 2's trainer velocity
+    built, build = [], Family.build
+
+    def tracked(self: Family, *args: object, **kw: object) -> torch.nn.Module:
+        model = build(self, *args, **kw)
+        built.append(weakref.ref(model))
+        return model
+
+    monkeypatch.setattr(Family, "build", tracked)
+    _failing_at(monkeypatch, 5)  # step 2's trainer velocity, after step 2's captured pair
     with pytest.raises(lab.errors.TrajectoryError) as info:
         trajectory("sd3", **kwargs)
     err = info.value
+    gc.collect()
+    assert built and built[0]() is None, "the error (kept by a notebook) holds the model"
     assert isinstance(err, lab.errors.PairError) and err.step == 2 and err.result is None
     assert isinstance(err.__cause__, torch.cuda.OutOfMemoryError)
     assert str(err).startswith(
@@ -248,6 +262,7 @@ def test_a_failed_step_keeps_the_steps_before_it(
     }
     assert done.step_drifts == whole.step_drifts[:2]
     assert done.sample_drifts == [s for s in whole.sample_drifts if s.step < 2]
+    # Step 2's pair ran, but step 2 did not complete: only completed steps' captures are kept.
     assert list(done.captures) == [1] and done.captures[1].rows == whole.captures[1].rows
     back = Trajectory.from_json(done.to_json(tmp_path / "partial.json"))
     assert back.meta["failed"]["step"] == 2 and len(back.step_drifts) == 2
@@ -256,10 +271,10 @@ def test_a_failed_step_keeps_the_steps_before_it(
         "are the 2 step(s) before it"
     )
     assert "FAILED" not in whole.describe()
-    # Before any step completed: the error itself, nothing to keep.
+    # Before any step completed (step 0's captured pair ran): the error itself.
     _failing_at(monkeypatch, 0)
     with pytest.raises(torch.cuda.OutOfMemoryError, match="injected"):
-        trajectory("sd3", **kwargs)
+        trajectory("sd3", **{**kwargs, "capture_steps": (0,)})
 
 
 def test_no_cyclic_collection_runs_inside_a_captured_trajectory(

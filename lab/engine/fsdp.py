@@ -525,11 +525,16 @@ def run_fsdp2_forwards(
     spec = {"device": device, "jobs": [j.to_dict() for j in jobs]}
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec))
+    # A reused folder: nothing of an earlier launch may pass for this one's.
+    for pattern in ("job*.pt", "job*.tmp", "rank*.error.json", "rank*.tmp"):
+        for stale in workdir.glob(pattern):
+            stale.unlink()
     try:
         _launch_ranks(spec_path, workdir, nproc=nproc, device=device, timeout_s=timeout_s)
     except Fsdp2LaunchError as err:
-        # Read before the launch's folder goes: what each job had finished, or begun.
-        err.captures = _written_captures(jobs, workdir)
+        # Read before the launch's folder goes: what each job had finished, or begun (a file
+        # that cannot be read counts as none: the launch's own error comes first).
+        err.captures = _written_captures(jobs, workdir, lenient=True)
         raise
     captures = _written_captures(jobs, workdir)
     missing = [i for i, c in enumerate(captures) if c is None or c.meta.get("partial")]
@@ -541,14 +546,24 @@ def run_fsdp2_forwards(
     return captures  # type: ignore[return-value]
 
 
-def _written_captures(jobs: Sequence[Fsdp2Job], workdir: Path) -> list[Fsdp2Capture | None]:
-    """Each job's capture as rank 0 wrote it: whole, partial (its forward failed), or None."""
+def _written_captures(
+    jobs: Sequence[Fsdp2Job], workdir: Path, lenient: bool = False
+) -> list[Fsdp2Capture | None]:
+    """Each job's capture as rank 0 wrote it: whole, partial (its forward failed), or None.
+
+    `lenient`: a file that cannot be read counts as None instead of raising.
+    """
     captures: list[Fsdp2Capture | None] = []
     for i, job in enumerate(jobs):
         found = None
         for path in (workdir / f"job{i}.pt", workdir / f"job{i}.partial.pt"):
             if path.exists():
-                saved = torch.load(path, weights_only=True)
+                try:
+                    saved = torch.load(path, weights_only=True)
+                except Exception:
+                    if not lenient:
+                        raise
+                    continue
                 found = Fsdp2Capture(
                     job=job, leaves=saved["leaves"], meta=saved["meta"], grads=saved.get("grads")
                 )
@@ -779,6 +794,8 @@ def _wait_for_ranks(
             grace = time.monotonic() + _FAILED_GRACE_S
             while procs[0].poll() is None and time.monotonic() < grace:
                 time.sleep(0.05)  # rank 0 saving its forward's outputs so far
+            if all(p.poll() == 0 for p in procs):
+                return  # every rank finished within the grace after all
             tails = "\n".join(
                 f"--- rank {r} (log tail)\n{_tail(workdir / f'rank{r}.log')}"
                 for r in range(len(procs))
@@ -1280,21 +1297,25 @@ def _launch_failure(
     caller: str, err: Fsdp2LaunchError, jobs: Sequence[Fsdp2Job], partial: Result | None
 ) -> ShardedPairError:
     """The `ShardedPairError` of a failed launch: where it failed, what was kept."""
+    captures = (*err.captures, *[None] * len(jobs))[: len(jobs)]
+    finished = all(c is not None and not c.meta.get("failed") for c in captures)
     job = getattr(err, "job", None)
-    if job is None:  # a timeout: the first job that did not finish was running
-        job = next(
-            (i for i, c in enumerate(err.captures) if c is None or c.meta.get("partial")), None
-        )
+    if job is None and not finished:  # a timeout: the first job that did not finish was running
+        job = next((i for i, c in enumerate(captures) if c is None or c.meta.get("partial")), None)
     side = jobs[job].side.name if job is not None and job < len(jobs) else None
     module = getattr(err, "module", None)
     kept = [
         f"{j.side.name}: "
         + ("none" if c is None else f"{len(c.leaves)} output(s)")
         + (" (partial)" if c is not None and c.meta.get("partial") else "")
-        for j, c in zip(jobs, (*err.captures, *[None] * len(jobs)), strict=False)
+        for j, c in zip(jobs, captures, strict=True)
     ]
     return ShardedPairError(
-        f"{caller}: side {side!r} failed under FSDP2"
+        (
+            f"{caller}: every job finished and the launch failed after them"
+            if finished
+            else f"{caller}: side {side!r} failed under FSDP2"
+        )
         + (f", in module {module!r} ({getattr(err, 'module_class', None)})" if module else "")
         + (
             f"; the {len(partial.rows)} pair(s) compared before the failure are in err.result"
@@ -1481,11 +1502,19 @@ def _run_rank(spec_path: Path, out_dir: Path) -> None:
                     job, device, mesh, rank, world, backend, out_dir / f"job{index}.partial.pt"
                 )
             except BaseException as err:
+                _failing(err)
                 _mark(err, job=index)
                 raise
             if rank == 0:
-                torch.save(saved, out_dir / f"job{index}.pt")
+                # Whole or not at all, and not cut off by the watcher's exit (it takes the lock).
+                with _LIVE_LOCK:
+                    _save_atomic(saved, out_dir / f"job{index}.pt")
         dist.barrier()
+    except BaseException as err:
+        _failing(err)
+        # Now: on NCCL, destroy_process_group can wait for good on a peer that died.
+        _write_rank_error(out_dir, err)
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -1497,6 +1526,21 @@ ABORT_KEY = "lab/abort"
 """The store key the parent sets when a launch failed: rank 0 saves what its forward captured."""
 _ABORTED = 3
 """Rank 0's exit code after it saved its partial capture on the parent's word."""
+_OWN_FAILURE = threading.Event()
+"""Set as soon as this rank's own job raised: the watcher then leaves the exit to it."""
+
+
+def _failing(err: BaseException) -> None:
+    """This rank's job raised `err`: note when (first-come) and keep the watcher's hands off."""
+    _OWN_FAILURE.set()
+    _mark(err, raised_at=time.time())
+
+
+def _save_atomic(obj: Any, path: Path) -> None:
+    """`torch.save` to a temporary name beside `path`, then renamed: never half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
 
 
 @contextlib.contextmanager
@@ -1531,14 +1575,17 @@ def _write_partial(failed: dict[str, Any]) -> None:
     rank is stuck (an NCCL collective whose peer died never returns).
     """
     with _LIVE_LOCK:
-        path = _LIVE.get("path")
-        if path is None or path.exists():
-            return
-        meta = {**_LIVE["meta"](), "partial": not _LIVE.get("done"), "failed": failed}
-        with contextlib.suppress(Exception):  # the rank's own error goes first
-            tmp = path.with_suffix(".tmp")
-            torch.save({"leaves": list(_LIVE["leaves"]), "meta": meta}, tmp)
-            os.replace(tmp, path)
+        _write_partial_locked(failed)
+
+
+def _write_partial_locked(failed: dict[str, Any]) -> None:
+    """`_write_partial` with `_LIVE_LOCK` held by the caller."""
+    path = _LIVE.get("path")
+    if path is None or path.exists():
+        return
+    meta = {**_LIVE["meta"](), "partial": not _LIVE.get("done"), "failed": failed}
+    with contextlib.suppress(Exception):  # the rank's own error goes first
+        _save_atomic({"leaves": list(_LIVE["leaves"]), "meta": meta}, path)
 
 
 def _watch_for_abort() -> None:
@@ -1560,10 +1607,14 @@ def _watch_for_abort() -> None:
     while not store.check([ABORT_KEY]):
         time.sleep(0.1)
     why = store.get(ABORT_KEY).decode()
-    _write_partial({"module": None, "module_class": None, "error": f"ended: {why}"})
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(_ABORTED)
+    # Under the lock: a capture being saved is saved whole before the process ends.
+    with _LIVE_LOCK:
+        if _OWN_FAILURE.is_set():
+            return  # this rank failed itself: it writes its error and exits on its own
+        _write_partial_locked({"module": None, "module_class": None, "error": f"ended: {why}"})
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_ABORTED)
 
 
 _WHERE = "_lab_fsdp2_where"
@@ -1595,6 +1646,7 @@ def _run_rank_job(
         try:
             return _rank_job(job, device, mesh, rank, world, backend, partial, live)
         except BaseException as err:
+            _failing(err)
             _write_partial({"module": None, "module_class": None,
                             "error": f"{type(err).__name__}: {err}"})  # fmt: skip
             raise
@@ -1667,6 +1719,7 @@ def _rank_job(
             except BaseException as err:
                 from lab.pairing.guards import failing_module
 
+                _failing(err)
                 where = failing_module(err, model)
                 if where is not None:  # the class's own name, not FSDP2's FSDP<Class>
                     where = (where[0], module_classes.get(where[0], where[1]))
@@ -1872,21 +1925,31 @@ def _forward_fault(model: torch.nn.Module, rank: int, job: Fsdp2Job) -> Iterator
 
 
 def _write_rank_error(out_dir: Path, err: BaseException) -> None:
-    """Leave this rank's exception for the parent (`_rank_failure` picks the earliest)."""
+    """Leave this rank's exception for the parent (`_rank_failure` picks the earliest).
+
+    Written once (the first call wins: `_run_rank` writes it before tearing the process group
+    down, `main` for what failed outside it), stamped with when it was raised (`_failing`).
+    """
     import traceback
 
+    where = dict(getattr(err, _WHERE, {}))
+    rank = int(os.environ.get("RANK", "0"))
     record = {
-        "rank": int(os.environ.get("RANK", "0")),
+        "rank": rank,
         "type": type(err).__name__,
         "message": str(err),
         "traceback": "".join(traceback.format_exception(err)),
-        "time": time.time(),
+        "time": where.pop("raised_at", time.time()),
         # The job it was running and the module whose forward raised (`_run_rank`).
-        **getattr(err, _WHERE, {}),
+        **where,
     }
+    path = out_dir / f"rank{rank}.error.json"
+    if path.exists():
+        return
     with contextlib.suppress(OSError):
-        path = out_dir / f"rank{record['rank']}.error.json"
-        path.write_text(json.dumps(record))
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -714,9 +715,15 @@ def trajectory(
         models.clear()
         views.clear()
         model = inputs = None
-        if not step_drifts and not captures:
-            raise  # nothing computed yet: the error as it is
-        # Nothing computed is lost: the steps before the failing one, as a Trajectory.
+        if not step_drifts:
+            raise  # no step completed: the error as it is
+        # The frames of the failed call (the model's forward among them) hold the model too;
+        # the traceback still prints.
+        traceback.clear_frames(err.__traceback__)
+        # Nothing computed is lost: the steps before the failing one, as a Trajectory (the
+        # failed step's own capture, if it got one, is no completed step's).
+        for k in [k for k in captures if k >= len(step_drifts)]:
+            del captures[k]
         done = _assemble(len(step_drifts))
         done.meta["failed"] = {"step": step, "error": f"{type(err).__name__}: {err}"}
         raise TrajectoryError(

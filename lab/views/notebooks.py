@@ -65,7 +65,7 @@ def execute_notebook(
     """
     import papermill as pm
 
-    _make_parent(output)
+    _make_parent(output, parameters)
     return pm.execute_notebook(
         str(notebook),
         str(output),
@@ -79,11 +79,23 @@ def execute_notebook(
     )
 
 
-def _make_parent(output: str | Path) -> None:
-    """Make the folder a local output notebook goes into (not "-", stdout, nor a URL)."""
+def _make_parent(output: str | Path, parameters: Mapping[str, Any] | None = None) -> None:
+    """Make the folder a local output notebook goes into (not "-", stdout, nor a URL).
+
+    papermill fills `{name}` in the path from the parameters: the folder is made for the
+    filled-in path; one it cannot fill is left to papermill to refuse.
+    """
     text = str(output)
-    if text != "-" and "://" not in text:
-        Path(text).parent.mkdir(parents=True, exist_ok=True)
+    if text == "-" or "://" in text:
+        return
+    if "{" in text:
+        from papermill.parameterize import parameterize_path
+
+        try:
+            text = str(parameterize_path(text, dict(parameters or {})))
+        except Exception:
+            return
+    Path(text).parent.mkdir(parents=True, exist_ok=True)
 
 
 def papermill_main(argv: Sequence[str] | None = None) -> int:
@@ -109,13 +121,16 @@ def papermill_main(argv: Sequence[str] | None = None) -> int:
     try:
         # The executed notebook's folder, made if missing (papermill refuses a path whose
         # folder does not exist); a command line papermill cannot parse is left to it to name.
-        output = papermill_cli.make_context("papermill", list(args)).params.get("output_path")
+        params = papermill_cli.make_context("papermill", list(args)).params
+        output = params.get("output_path")
+        # What `-p NAME VALUE` gives papermill (as text: enough to fill a path).
+        given = dict(params.get("parameters") or ())
     except click.exceptions.Exit as done:  # --help, --version: printed, and done
         return int(done.exit_code)
     except click.ClickException:
-        output = None
+        output, given = None, {}
     if output:
-        _make_parent(output)
+        _make_parent(output, given)
     try:
         papermill_cli.main(args=args, prog_name="papermill")
     except SystemExit as done:
