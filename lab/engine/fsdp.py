@@ -582,7 +582,9 @@ class Fsdp2LaunchError(RuntimeError):
     `captures` holds, per job of the launch in order, what rank 0 had written when it ended:
     the job's whole capture, the outputs its forward captured before it failed (a capture
     whose `meta["partial"]` is True, with `meta["failed"]` naming the module and the error),
-    or None. Nothing a finished job computed is lost with the launch.
+    the whole forward's outputs of a job that failed after its forward (`meta["partial"]`
+    False beside `meta["failed"]`; no gradients, loss or peaks), or None. Nothing a finished
+    job computed is lost with the launch.
     """
 
     def __init__(self, message: str) -> None:
