@@ -1461,6 +1461,15 @@ def _leaves_on(
 # ---- the rank entry point -------------------------------------------------------------------
 
 
+def _store_client(world: int | None, timeout: Any) -> Any:
+    """A client of the parent's store (bound to 127.0.0.1): no rank opens a listening store."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, timeout
+    )
+
+
 def _run_rank(spec_path: Path, out_dir: Path) -> None:
     import datetime
 
@@ -1477,14 +1486,7 @@ def _run_rank(spec_path: Path, out_dir: Path) -> None:
         device = torch.device("cpu")
         backend = "gloo"
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    # A client of the parent's store (bound to 127.0.0.1): no rank opens a listening store.
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world,
-        False,
-        datetime.timedelta(minutes=30),
-    )
+    store = _store_client(world, datetime.timedelta(minutes=30))
     dist.init_process_group(
         backend,
         store=store,
@@ -1597,15 +1599,7 @@ def _watch_for_abort() -> None:
     """
     import datetime
 
-    import torch.distributed as dist
-
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        None,
-        False,
-        datetime.timedelta(seconds=60),
-    )
+    store = _store_client(None, datetime.timedelta(seconds=60))
     while not store.check([ABORT_KEY]):
         time.sleep(0.1)
     why = store.get(ABORT_KEY).decode()
