@@ -638,7 +638,7 @@ def test_a_stuck_rank_0_saves_its_outputs_when_another_rank_fails(
     with pytest.raises(ShardedPairError) as info:
         pair_sharded("sd3", "tiny", nproc=2, device="cpu", timeout_s=300)
     err = info.value
-    assert time.monotonic() - start < 60, "rank 0 was ended by the grace period, not its save"
+    assert time.monotonic() - start < 60, "the launch waited for its timeout"
     assert (err.rank, err.side, err.module) == (1, "trainer", "transformer_blocks.1")
     trainer = err.captures[1]
     assert trainer.meta["partial"] and trainer.meta["failed"] == {
