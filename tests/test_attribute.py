@@ -165,6 +165,51 @@ def test_default_pair_on_flux_matches_the_research_numbers(flux) -> None:
     assert 4 <= attr.meta["block_evaluations"] < attr.meta["unit_evaluations"]
 
 
+def test_a_failed_graft_keeps_the_units_grafted_before_it(
+    flux, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing lost on a fault: a graft that runs out of memory part-way leaves the units
+    grafted before it, their rows the same as the whole attribution's."""
+    from lab.causes import attribute as module
+
+    fam, model, inputs = flux
+    sides = (lab.Side.rollout(fam), lab.Side.trainer(fam))
+    whole = attribute(model, inputs, *sides)
+    real, calls = module._Grafter.run, []
+
+    def run(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(module._Grafter, "run", run)
+    with pytest.raises(lab.errors.AttributionError) as info:
+        attribute(model, inputs, *sides)
+    err = info.value
+    assert isinstance(err, lab.errors.PairError)
+    assert isinstance(err.__cause__, torch.cuda.OutOfMemoryError)
+    done = err.attribution
+    failed = done.meta["failed"]
+    k = failed["position"]
+    assert 0 < len(done.rows) == k < len(whole.rows) and failed["unit"] == whole.rows[k]["module"]
+    assert failed["error"] == "OutOfMemoryError: CUDA out of memory (injected)"
+    assert done.rows == whole.rows[:k], "the same rows as the whole walk's, up to the failure"
+    # Shares still sum to 1 - residual, the residual being what is left after those units.
+    assert sum(r["share"] for r in done.rows) == pytest.approx(1 - done.residual, abs=1e-9)
+    assert f"before unit {k} ({failed['unit']}) failed" in done.verdict
+    assert str(err).startswith(f"attribute: the graft of unit {k} of {len(whole.rows)} (")
+    # The first graft failing: only the units before it whose outputs already agree (no graft
+    # needed: "none") are kept, as the whole walk has them.
+    calls.clear()
+    monkeypatch.setattr(module._Grafter, "run", lambda self, *a, **k: (_ for _ in ()).throw(
+        torch.cuda.OutOfMemoryError("at once")))  # fmt: skip
+    with pytest.raises(lab.errors.AttributionError) as info:
+        attribute(model, inputs, *sides)
+    first = info.value.attribution.rows
+    assert first == whole.rows[: len(first)] and {r["evaluated"] for r in first} == {"none"}
+
+
 def test_identical_sides_give_zero_shares_and_say_so(flux) -> None:
     fam, model, inputs = flux
     side = lab.Side.rollout(fam)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lab.pairing.result import Result
@@ -64,6 +64,19 @@ class TrajectoryError(PairError):
         )
         self.trajectory = trajectory
         self.step = step
+
+
+class AttributionError(PairError):
+    """A graft of `lab.attribute` failed; `attribution` holds the units grafted before it.
+
+    Its rows are those units' shares, its residual what remains after them, and its
+    `meta["failed"]` the unit (position and path) and the error; `__cause__` is the error.
+    """
+
+    def __init__(self, message: str, attribution: Any) -> None:
+        """The message and the partial Attribution."""
+        super().__init__(message)
+        self.attribution = attribution
 
 
 class CheckpointError(ValueError):

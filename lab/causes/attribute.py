@@ -43,6 +43,7 @@ import torch
 
 from lab.base.atomic import atomic_write_text
 from lab.base.dtypes import dtype_name
+from lab.base.errors import AttributionError
 from lab.families import Inputs
 from lab.pairing.capture import ROOT, flatten_output
 from lab.pairing.guards import check_fp32_master, check_inputs, model_in_use
@@ -584,11 +585,17 @@ class Attribution:
         what = f"final {self.metric} divergence"
         if self.metric == "log_ratio":
             what = f"step-{self.meta['step']['step']} log-prob drift mean |log ratio|"
+        failed = self.meta.get("failed")
         return (
             f"{top['module']} ({top['module_class']}) takes {top['share']:.1%} of the "
             f"{what} {self.r0.get(self.metric):.3g} (own {top['own_share']:.1%}, "
             f"input {top['input_share']:.1%}); residual after every graft "
             f"{self.residual:.1%} ({sides})."
+            if failed is None
+            else f"{top['module']} ({top['module_class']}) takes {top['share']:.1%} of the "
+            f"{what} {self.r0.get(self.metric):.3g} among the {len(self.rows)} unit(s) grafted "
+            f"before unit {failed['position']} ({failed['unit']}) failed ({failed['error']}); "
+            f"residual after them {self.residual:.1%} ({sides})."
         )
 
     def summary(self) -> dict[str, Any]:
@@ -797,6 +804,10 @@ def attribute(
     Raises:
         ValueError: An unknown level or metric, names matching no unit, a side that is not a
             Side or cannot run on the model's device, outputs of different shapes.
+        AttributionError: A graft failed after earlier units were grafted (out of memory, a
+            forward error): `err.attribution` holds those units' rows, the residual after
+            them and `meta["failed"]` (the unit and the error). A failure before any unit
+            was grafted raises the error itself.
     """
     _check_level(level)
     if metric is None:
@@ -834,7 +845,11 @@ def attribute(
         grafter = _Grafter(
             model, inputs, source, target, units, step=step, rollout_is_source=not reverse
         )
-        rows, residual = _walk(grafter, metric)
+        failed: _WalkFailed | None = None
+        try:
+            rows, residual = _walk(grafter, metric)
+        except _WalkFailed as walk:
+            rows, residual, failed = walk.rows, walk.residual, walk
     classes = {n: type(m).__name__ for n, m in units}
     for row in rows:
         row["module_class"] = classes[row["module"]]
@@ -872,6 +887,20 @@ def attribute(
     }
     if inputs.origin is not None:
         meta["family"], meta["preset"], meta["variant"] = inputs.origin
+    if failed is not None:
+        cause = failed.__cause__
+        if not rows:
+            raise cause  # no unit grafted yet: the error as it is
+        error = f"{type(cause).__name__}: {cause}"
+        meta["failed"] = {"position": failed.position, "unit": failed.unit, "error": error}
+        done = Attribution(rows, meta, grafter=grafter)
+        raise AttributionError(
+            f"attribute: the graft of unit {failed.position} of {len(units)} "
+            f"({failed.unit!r}) failed: {error}. The {len(rows)} unit(s) grafted before it are "
+            "in err.attribution (their shares, and the residual after them; its "
+            "meta['failed'] says where).",
+            done,
+        ) from cause
     return Attribution(rows, meta, grafter=grafter)
 
 
@@ -994,16 +1023,29 @@ def _walk(grafter: _Grafter, metric: str) -> tuple[list[dict[str, Any]], float]:
         if same_in and same_out:
             rows.append(row(k, name, before, before, before, "none"))
             continue
-        if same_in:
-            inp, how = before, "graft"
-        else:
-            inp, how = grafter.run(frozenset(order[:k]), input_graft=name).divergence, "input+graft"
-        last = grafter.run(frozenset(order[: k + 1]))
+        try:
+            if same_in:
+                inp, how = before, "graft"
+            else:
+                graft = grafter.run(frozenset(order[:k]), input_graft=name)
+                inp, how = graft.divergence, "input+graft"
+            last = grafter.run(frozenset(order[: k + 1]))
+        except Exception as err:
+            # The units grafted so far keep their rows; what is left is their residual.
+            raise _WalkFailed(rows, before.get(metric) / r0_value, k, name) from err
         after = last.divergence
         rows.append(row(k, name, before, inp, after, how))
         before = after
     residual = before.get(metric) / r0_value
     return rows, residual
+
+
+class _WalkFailed(Exception):
+    """A graft of `_walk` raised: the rows of the units before it, and their residual."""
+
+    def __init__(self, rows: list[dict[str, Any]], residual: float, k: int, name: str) -> None:
+        super().__init__(f"the graft of unit {k} ({name!r}) failed")
+        self.rows, self.residual, self.position, self.unit = rows, residual, k, name
 
 
 # ---- known scenarios -----------------------------------------------------------------------
