@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from lab.causes.attribute import Attribution
     from lab.pairing.result import Result
     from lab.rl.trajectory import Trajectory
 
@@ -53,14 +54,14 @@ class TrajectoryError(PairError):
         self, message: str, trajectory: Trajectory, *, step: int, cause: BaseException
     ) -> None:
         """The message, the steps completed, the failing step and what it raised."""
-        inner = cause if isinstance(cause, PairError) else None
+        inner = cause if isinstance(cause, PairError) else PairError("")  # all None
         super().__init__(
             message,
-            inner.result if inner is not None else None,
-            side=inner.side if inner is not None else None,
-            module=inner.module if inner is not None else None,
-            module_class=inner.module_class if inner is not None else None,
-            fix=inner.fix if inner is not None else None,
+            inner.result,
+            side=inner.side,
+            module=inner.module,
+            module_class=inner.module_class,
+            fix=inner.fix,
         )
         self.trajectory = trajectory
         self.step = step
@@ -73,7 +74,7 @@ class AttributionError(PairError):
     `meta["failed"]` the unit (position and path) and the error; `__cause__` is the error.
     """
 
-    def __init__(self, message: str, attribution: Any) -> None:
+    def __init__(self, message: str, attribution: Attribution) -> None:
         """The message and the partial Attribution."""
         super().__init__(message)
         self.attribution = attribution

@@ -769,7 +769,7 @@ def _launch_ranks(
 
 
 def _wait_for_ranks(
-    procs: list[subprocess.Popen], workdir: Path, timeout_s: float, store: Any = None
+    procs: list[subprocess.Popen], workdir: Path, timeout_s: float, store: Any
 ) -> None:
     """Wait until every rank exits 0; raise on the first failure or past the deadline.
 
@@ -812,9 +812,8 @@ def _wait_for_ranks(
 
 def _abort(store: Any, why: str) -> None:
     """Tell rank 0 the launch failed (ABORT_KEY), if the store still answers."""
-    if store is not None:
-        with contextlib.suppress(Exception):
-            store.set(ABORT_KEY, why)
+    with contextlib.suppress(Exception):
+        store.set(ABORT_KEY, why)
 
 
 def _rank_failure(procs: list[subprocess.Popen], workdir: Path) -> Fsdp2RankError:
@@ -1501,14 +1500,19 @@ def _run_rank(spec_path: Path, out_dir: Path) -> None:
         mesh = init_device_mesh(device.type, (world,))
         for index, data in enumerate(spec["jobs"]):
             job = Fsdp2Job.from_dict(data)
-            try:
-                saved = _run_rank_job(
-                    job, device, mesh, rank, world, backend, out_dir / f"job{index}.partial.pt"
-                )
-            except BaseException as err:
-                _failing(err)
-                _mark(err, job=index)
-                raise
+            partial = out_dir / f"job{index}.partial.pt"
+            # `live` holds rank 0's forward in progress until the job returns or raises.
+            with contextlib.ExitStack() as live:
+                try:
+                    saved = _run_rank_job(job, device, mesh, rank, world, backend, partial, live)
+                except BaseException as err:
+                    _failing(err)
+                    _mark(err, job=index)
+                    where = getattr(err, _WHERE, {})
+                    _write_partial({"module": where.get("module"),
+                                    "module_class": where.get("module_class"),
+                                    "error": f"{type(err).__name__}: {err}"})  # fmt: skip
+                    raise
             if rank == 0:
                 # Whole or not at all, and not cut off by the watcher's exit (it takes the lock).
                 with _LIVE_LOCK:
@@ -1630,35 +1634,15 @@ def _run_rank_job(
     rank: int,
     world: int,
     backend: str,
-    partial: Path | None = None,
+    partial: Path,
+    live: contextlib.ExitStack,
 ) -> dict[str, Any]:
     """One job on one rank: build, shard, forward (rank 0 captures), backward if asked.
 
-    `partial`: where rank 0 writes what its forward captured when the job fails once the
-    forward has started (`_write_partial`: partial, or whole where the forward had finished
-    and a later step failed), before re-raising.
+    Once the forward starts, rank 0 enters its outputs so far into `live` (`_live_capture`):
+    where the job then fails, `_write_partial` saves them to `partial` (partial, or whole
+    where the forward had finished and a later step failed).
     """
-    with contextlib.ExitStack() as live:
-        try:
-            return _rank_job(job, device, mesh, rank, world, backend, partial, live)
-        except BaseException as err:
-            _failing(err)
-            _write_partial({"module": None, "module_class": None,
-                            "error": f"{type(err).__name__}: {err}"})  # fmt: skip
-            raise
-
-
-def _rank_job(
-    job: Fsdp2Job,
-    device: torch.device,
-    mesh: Any,
-    rank: int,
-    world: int,
-    backend: str,
-    partial: Path | None,
-    live: contextlib.ExitStack,
-) -> dict[str, Any]:
-    """`_run_rank_job`'s steps; `live` holds rank 0's forward in progress until it returns."""
     import torch.distributed as dist
 
     from lab.families import family as get_family
@@ -1715,14 +1699,10 @@ def _rank_job(
             except BaseException as err:
                 from lab.pairing.guards import failing_module
 
-                _failing(err)
+                # Where it failed, for the error record and the partial capture (`_run_rank`).
                 where = failing_module(err, model)
                 if where is not None:  # the class's own name, not FSDP2's FSDP<Class>
-                    where = (where[0], module_classes.get(where[0], where[1]))
-                    _mark(err, module=where[0], module_class=where[1])
-                _write_partial({"module": where[0] if where else None,
-                                "module_class": where[1] if where else None,
-                                "error": f"{type(err).__name__}: {err}"})  # fmt: skip
+                    _mark(err, module=where[0], module_class=module_classes.get(*where))
                 raise
             seconds["forward_s"] = _elapsed(start, device)
             _forward_done()  # its capture is whole now, whatever fails after

@@ -576,8 +576,8 @@ def trajectory(
     captures: dict[int, Result] = {}
     notes: list[str] = []
 
-    def _assemble(completed: int) -> Trajectory:
-        """The Trajectory of the `completed` steps run so far (all of them but on a failure)."""
+    def _assemble() -> Trajectory:
+        """The Trajectory of the steps run so far (all of them but on a failure)."""
         meta = dict(
             family=family_name,
             preset=preset,
@@ -603,13 +603,11 @@ def trajectory(
             stream=stream,
             metric_notes=notes,
         )
-        meta["completed_steps"] = completed
+        meta["completed_steps"] = len(step_drifts)
         return Trajectory(meta, sigma_list, step_drifts, sample_drifts, records, captures)
 
-    step = 0
     try:
         for i in tqdm(range(steps), desc=f"{family_name} steps", disable=not progress):
-            step = i
             sigma, sigma_prev = sigma_list[i], sigma_list[i + 1]
             in_window = window[0] <= i < window[1]
             expert = step_experts[i]
@@ -715,20 +713,21 @@ def trajectory(
         models.clear()
         views.clear()
         model = inputs = None
-        if not step_drifts:
+        step = len(step_drifts)  # steps complete in order: the failing one is the next
+        if not step:
             raise  # no step completed: the error as it is
         # The frames of the failed call (the model's forward among them) hold the model too;
         # the traceback still prints.
         traceback.clear_frames(err.__traceback__)
         # Nothing computed is lost: the steps before the failing one, as a Trajectory (the
         # failed step's own capture, if it got one, is no completed step's).
-        for k in [k for k in captures if k >= len(step_drifts)]:
+        for k in [k for k in captures if k >= step]:
             del captures[k]
-        done = _assemble(len(step_drifts))
+        done = _assemble()
         done.meta["failed"] = {"step": step, "error": f"{type(err).__name__}: {err}"}
         raise TrajectoryError(
             f"{where}: step {step} of {steps} (sigma {sigma_list[step]:g}) failed: "
-            f"{type(err).__name__}: {err}. The {len(step_drifts)} step(s) before it are in "
+            f"{type(err).__name__}: {err}. The {step} step(s) before it are in "
             "err.trajectory (its meta['failed'] says where)"
             + (
                 ", the failed pair's compared modules in err.result."
@@ -739,7 +738,7 @@ def trajectory(
             step=step,
             cause=err,
         ) from err
-    return _assemble(steps)
+    return _assemble()
 
 
 def _step_drift(

@@ -79,7 +79,7 @@ def execute_notebook(
     )
 
 
-def _make_parent(output: str | Path, parameters: Mapping[str, Any] | None = None) -> None:
+def _make_parent(output: str | Path, parameters: Mapping[str, Any] | None) -> None:
     """Make the folder a local output notebook goes into (not "-", stdout, nor a URL).
 
     papermill fills `{name}` in the path from the parameters: the folder is made for the
