@@ -101,6 +101,47 @@ def test_pair_exits_1_over_a_threshold_and_against_a_baseline(
     assert "REGRESSED" in text
 
 
+def test_pair_saves_a_baseline_then_gates_on_it_and_refuses_bad_names_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lab.views import baselines
+
+    monkeypatch.setattr(baselines, "BASELINE_DIR", tmp_path / "baselines")
+    # An unknown baseline is a bad argument, found before the pair runs: nothing is written.
+    code, _, err = _run(capsys, "pair", "--out-dir", str(tmp_path / "x"), "--baseline", "flux_t")
+    assert code == EXIT_USAGE
+    assert "no baseline 'flux_t'" in err and "--save-baseline NAME" in err
+    assert not (tmp_path / "x").exists()
+
+    # Exact sides: a bit-exact run kept as known-good.
+    exact = ["--trainer-overrides", '{"autocast": false}']
+    code, text, _ = _run(
+        capsys, "pair", "--out-dir", str(tmp_path / "a"), *exact, "--save-baseline", "flux_t"
+    )
+    assert code == EXIT_OK and "saved baseline 'flux_t'" in text
+    kept = lab.Result.from_json(tmp_path / "baselines" / "flux_t.json")
+    assert kept.output_metrics()["model_output_rel_max"] == 0.0
+
+    code, _, err = _run(
+        capsys, "pair", "--out-dir", str(tmp_path / "y"), *exact, "--save-baseline", "flux_t"
+    )
+    assert code == EXIT_USAGE and "flux_t.json exists" in err
+    assert not (tmp_path / "y").exists(), "a taken name is refused before the pair runs"
+
+    code, text, _ = _run(capsys, "pair", "--out-dir", str(tmp_path / "b"), *exact,
+                         "--baseline", "flux_t")  # fmt: skip
+    assert code == EXIT_OK and "vs baseline 'flux_t'" in text
+
+    # The default trainer (autocast) is worse than the bit-exact baseline: exit 1, with the
+    # threshold's verdict still printed, and the failed run not kept as a baseline.
+    code, text, _ = _run(capsys, "pair", "--out-dir", str(tmp_path / "c"), "--baseline", "flux_t",
+                         "--max-rel-max", "1e-9", "--save-baseline", "flux_c")  # fmt: skip
+    assert code == EXIT_FAILED
+    assert "FAILED: model_output_rel_max" in text and "REGRESSED" in text
+    assert "not saved as baseline 'flux_c'" in text
+    assert not (tmp_path / "baselines" / "flux_c.json").exists()
+
+
 def test_pair_that_fails_part_way_exits_1_and_keeps_the_partial_result(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -224,6 +265,7 @@ def test_report_and_compare_read_saved_runs(tmp_path: Path, capsys: pytest.Captu
     lab.pair_family("wan2_2", "tiny").to_json("runs/wan/results.json")
     code, _, err = _run(capsys, "compare", "runs/autocast_on", "runs/wan")
     assert code == EXIT_USAGE and "different models" in err
+    assert "the run and baseline 'runs/autocast_on' are different models" in err
 
     code, _, _ = _run(capsys, "report", "autocast_on", "runs/autocast_off", "--out", "r.html")
     assert code == EXIT_OK

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 
 import pytest
@@ -533,3 +534,34 @@ def test_a_bare_pair_names_the_family_and_preset_its_inputs_came_from() -> None:
     assert lab.pair(model, inputs, a, b, meta={"family": "mine"}).meta["family"] == "mine"
     bare = dataclasses.replace(inputs, origin=None)
     assert "family" not in lab.pair(model, bare, a, b).meta
+
+
+def test_describe_places_a_near_zero_max_ulp_and_gives_its_size_at_scale() -> None:
+    # flux tiny: the largest ULP count (thousands) is at a projection whose elements near zero
+    # are a few bf16 values apart on the integer line, yet its largest difference is under one
+    # rounding step of its largest value.
+    flux = lab.pair_family("flux")
+    top = max(flux.rows, key=lambda r: r.metrics.max_ulp)
+    assert top.metrics.max_ulp > 1000
+    m = top.metrics
+    coarse = 2.0**-7  # bf16 is the coarser side there
+    assert "bf16" in (top.dtype_a, top.dtype_b)
+    step = coarse * 2.0 ** math.floor(math.log2(m.max_abs_a))
+    assert top.ulp_at_scale() == pytest.approx(m.max_abs_diff / step, rel=1e-12)
+    assert 0 < top.ulp_at_scale() <= 1.0
+    text = flux.describe()
+    assert f"max ULP is at {top.label()}, among elements near zero" in text
+    assert f"{top.ulp_at_scale():.3g} ULP of its largest value" in text
+    # Bit-exact sides: no such line, and the words for "no divergence".
+    exact = lab.pair_family("flux", trainer={"autocast": False})
+    assert all(r.ulp_at_scale() == 0.0 for r in exact.rows)
+    assert "max ULP is at" not in exact.describe()
+    assert "first divergent module: none (bit-exact)" in exact.describe()
+
+
+def test_ulp_at_scale_of_an_all_zero_reference_is_inf() -> None:
+    row = lab.pair_family("flux").rows[0]
+    zero_ref = dataclasses.replace(
+        row, metrics=dataclasses.replace(row.metrics, max_abs_a=0.0, max_abs_diff=0.5)
+    )
+    assert zero_ref.ulp_at_scale() == math.inf

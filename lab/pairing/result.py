@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +14,8 @@ from lab.pairing.capture import ROOT
 from lab.pairing.metrics import ULP_BIN_LABELS, PairMetrics
 
 SCHEMA = "precision-lab/result/1"
+# Machine epsilon (one ULP at 1.0) of the dtypes a pair's outputs come in.
+_EPS: dict[str, float] = {"bf16": 2.0**-7, "fp16": 2.0**-10, "fp32": 2.0**-23, "fp64": 2.0**-52}
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,23 @@ class LayerDivergence:
         m = self.metrics
         return m.max_abs_diff > 0 or m.nonfinite_a != m.nonfinite_b or m.bitexact_frac < 1.0
 
+    def ulp_at_scale(self) -> float:
+        """The largest difference in ULPs of the reference's largest magnitude.
+
+        In the coarser dtype of the two sides. `max_ulp` counts the representable values
+        between paired elements, which runs to thousands (bf16) or billions (fp32) for elements
+        near or across zero even when the difference is one rounding step of the tensor's own
+        scale; this is that difference at the scale: 1.0 is one ULP of the largest value. 0 for
+        no difference; inf when the reference is all zero and the candidate is not.
+        """
+        m = self.metrics
+        if m.max_abs_diff == 0:
+            return 0.0
+        if not (math.isfinite(m.max_abs_a) and m.max_abs_a > 0):
+            return math.inf
+        eps = max(_EPS.get(self.dtype_a, 0.0), _EPS.get(self.dtype_b, 0.0)) or _EPS["fp32"]
+        return m.max_abs_diff / (eps * 2.0 ** math.floor(math.log2(m.max_abs_a)))
+
     def label(self) -> str:
         """Display name: `module[:output][#call]`."""
         out = f":{self.output}" if self.output else ""
@@ -58,6 +78,11 @@ class LayerDivergence:
             **m,
             "ulp_hist": list(hist),
         }
+
+
+def _near_zero_ulps(row: LayerDivergence) -> bool:
+    """A max ULP count that elements near zero inflate: large, and far above the one at scale."""
+    return row.metrics.max_ulp > 64 and row.ulp_at_scale() * 16 < row.metrics.max_ulp
 
 
 @dataclass(frozen=True)
@@ -213,9 +238,10 @@ class Result:
             f"  paired outputs: {s['pairs']}, bit-exact: {s['bitexact_pairs']}, "
             f"skipped: {s['skipped']}, degenerate: {s['degenerate_pairs']}, "
             f"max ULP: {s['max_ulp']:g}",
-            f"  first divergent module: {s['first_divergent_module']}"
+            f"  first divergent module: {s['first_divergent_module'] or 'none (bit-exact)'}"
             + (
-                f" (rounding only; first beyond rounding: {s['first_non_rounding_divergence']})"
+                " (rounding only; first beyond rounding: "
+                f"{s['first_non_rounding_divergence'] or 'none'})"
                 if first is not None and first.metrics.rounding_only
                 else ""
             ),
@@ -240,6 +266,13 @@ class Result:
             and s["first_non_rounding_divergence_why"]
         ):
             lines.append(f"  why ({beyond}): {s['first_non_rounding_divergence_why']}")
+        top = max(self.rows, key=lambda r: r.metrics.max_ulp, default=None)
+        if top is not None and _near_zero_ulps(top):
+            lines.append(
+                f"  max ULP is at {top.label()}, among elements near zero (where ULPs are tiny): "
+                f"its largest difference is {top.ulp_at_scale():.3g} ULP of its largest value "
+                f"(rel_max {top.metrics.rel_max:.1e})"
+            )
         if "model_output_rel_max" in s:
             lines.append(
                 "  model_output_mean_abs_diff={:.3e} max_abs_diff={:.3e} rel_max={:.3e}".format(

@@ -99,13 +99,24 @@ def save_baseline(
     Raises:
         ValueError: A bad name, or a baseline of that name exists and overwrite is False.
     """
+    return result.to_json(free_baseline_path(name, directory=directory, overwrite=overwrite))
+
+
+def free_baseline_path(
+    name: str, *, directory: str | Path | None = None, overwrite: bool = False
+) -> Path:
+    """Where `save_baseline(result, name)` would write, checked before any run is made.
+
+    Raises:
+        ValueError: A bad name, or a baseline of that name exists and overwrite is False.
+    """
     path = _baseline_path(name, directory)
     if path.exists() and not overwrite:
         raise ValueError(
-            f"save_baseline: {path} exists. Pass overwrite=True to replace the known-good run, "
-            "or choose another name."
+            f"save_baseline: {path} exists. Pass overwrite=True (from the command line: delete "
+            "the file) to replace the known-good run, or choose another name."
         )
-    return result.to_json(path)
+    return path
 
 
 def load_baseline(name_or_path: str | Path, *, directory: str | Path | None = None) -> Result:
@@ -124,7 +135,8 @@ def load_baseline(name_or_path: str | Path, *, directory: str | Path | None = No
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(
             f"load_baseline: no baseline {str(name_or_path)!r} in {path.parent}.{hint} "
-            f"Saved: {known or 'none'}. Save one with save_baseline(result, name)."
+            f"Saved: {known or 'none'}. Save one with save_baseline(result, name), or from "
+            "the command line with `precision-lab pair ... --save-baseline NAME`."
         )
     return Result.from_json(path)
 
@@ -226,6 +238,7 @@ def compare_to_baseline(
     factor: float = DEFAULT_FACTOR,
     atol: float = 0.0,
     directory: str | Path | None = None,
+    baseline_name: str | None = None,
 ) -> BaselineComparison:
     """Compare a run against a known-good one, per module output (module, call, output).
 
@@ -236,6 +249,8 @@ def compare_to_baseline(
         factor: Worse when candidate > factor * baseline + atol; improved the other way. >= 1.
         atol: Absolute slack in the metric's units; 0 flags any departure from bit-exact.
         directory: Folder to look a baseline name up in instead of data/baselines/.
+        baseline_name: What the verdict and errors call the baseline (default: its name or file
+            stem; "baseline" for a Result).
 
     Returns:
         A BaselineComparison; `.worse()` lists the regressions.
@@ -252,9 +267,10 @@ def compare_to_baseline(
     if not (isinstance(atol, int | float) and atol >= 0):
         raise ValueError(f"{where}: atol must be a number >= 0, got {atol!r}.")
     if isinstance(baseline, Result):
-        base, name = baseline, "baseline"
+        base, name = baseline, baseline_name or "baseline"
     else:
-        base, name = load_baseline(baseline, directory=directory), Path(str(baseline)).stem
+        base = load_baseline(baseline, directory=directory)
+        name = baseline_name or Path(str(baseline)).stem
     probe = next(iter(result.rows or base.rows), None)
     if probe is not None:
         numeric = [

@@ -110,6 +110,13 @@ def _parser() -> argparse.ArgumentParser:
         help="exit 1 when a module output is worse than in this baseline (data/baselines/ name "
         "or a results.json)",
     )
+    pair.add_argument(
+        "--save-baseline",
+        default=None,
+        metavar="NAME",
+        help="keep this run as known-good, data/baselines/NAME.json, for later --baseline NAME "
+        "(not when it fails --max-rel-max or --baseline; an existing NAME is refused)",
+    )
     pair.add_argument("--report", action="store_true", help="also write OUT_DIR/report.html")
     pair.add_argument(
         "--sharded",
@@ -258,10 +265,21 @@ def _pair(args: argparse.Namespace) -> int:
     import lab
     from lab.base.errors import PairError
     from lab.views import plots
+    from lab.views.baselines import (
+        compare_to_baseline,
+        free_baseline_path,
+        load_baseline,
+        save_baseline,
+    )
 
     rollout = _json_option("rollout_overrides", args.rollout_overrides, dict)
     trainer = _json_option("trainer_overrides", args.trainer_overrides, dict)
     out = Path(args.out_dir)
+    # Before any work: an unknown baseline, or a name to save under that is taken, is a bad
+    # argument, not something to learn after the forwards.
+    baseline = load_baseline(args.baseline) if args.baseline else None
+    if args.save_baseline:
+        free_baseline_path(args.save_baseline)
     if args.sharded is not None:
         result = _pair_sharded(args, rollout, trainer)
         if result is None:
@@ -296,12 +314,16 @@ def _pair(args: argparse.Namespace) -> int:
     if args.max_rel_max is not None and rel_max is not None and rel_max > args.max_rel_max:
         print(f"FAILED: model_output_rel_max {rel_max:.3e} > --max-rel-max {args.max_rel_max:g}")
         code = EXIT_FAILED
-    if args.baseline:
-        from lab.views.baselines import compare_to_baseline
-
-        cmp = compare_to_baseline(result, args.baseline, metric=args.metric)
+    if baseline is not None:
+        cmp = compare_to_baseline(result, baseline, metric=args.metric, baseline_name=args.baseline)
         print(cmp.describe())
         code = code if cmp.ok else EXIT_FAILED
+    if args.save_baseline:
+        if code == EXIT_OK:
+            path = save_baseline(result, args.save_baseline)
+            print(f"saved baseline {args.save_baseline!r}: {path}")
+        else:
+            print(f"not saved as baseline {args.save_baseline!r}: the run failed its gate above")
     return code
 
 

@@ -23,7 +23,6 @@ results.json is listed (kind "trajectory") but has no layers to overlay.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import json
 import math
@@ -300,12 +299,14 @@ class RunComparison:
         out = {}
         for name, result in rest:
             try:
-                cmp = compare_to_baseline(result, first, metric=self.metric)
+                cmp = compare_to_baseline(
+                    result, first, metric=self.metric, baseline_name=first_name
+                )
             except ValueError as err:
                 raise ValueError(
                     f"compare: {name!r} cannot be held against {first_name!r}: {err}"
                 ) from None
-            out[name] = dataclasses.replace(cmp, baseline_name=first_name)
+            out[name] = cmp
         return out
 
     def verdicts(self) -> pd.DataFrame:
@@ -319,7 +320,9 @@ class RunComparison:
         rows = []
         for name, result in rest:
             try:
-                s = compare_to_baseline(result, first, metric=self.metric).summary()
+                s = compare_to_baseline(
+                    result, first, metric=self.metric, baseline_name=first_name
+                ).summary()
             except ValueError as err:
                 rows.append({"run": name, "vs": first_name, "verdict": "not comparable",
                              "reason": str(err)})  # fmt: skip

@@ -184,9 +184,13 @@ def _module_hover(r: dict[str, Any]) -> str:
 
 def _draw_modules(
     result: CheckResult, title: str, backend: Backend, series: dict[str, list[dict]],
-    side_panel: tuple[str, list[str], list[float]] | None,
+    side_panel: tuple[str, list[str], list[float], list[float]] | None,
 ) -> Any:  # fmt: skip
-    """Per-module max ULP, one line per series; optionally a bar panel on the right."""
+    """Per-module max ULP, one line per series; optionally a bar panel on the right.
+
+    The panel is (title, bar labels, max ULPs, rel_maxes): each bar is labelled with its
+    rel_max, since an output's max ULP runs to millions from elements near zero alone.
+    """
     if backend == "plotly":
         from plotly.subplots import make_subplots
 
@@ -205,9 +209,10 @@ def _draw_modules(
                 row=1, col=1,
             )  # fmt: skip
         if side_panel:
-            _, labels, values = side_panel
+            _, labels, values, rel = side_panel
             fig.add_bar(x=labels, y=_ulp(values), name="model output", row=1, col=2,
-                        marker={"color": "#7f7f7f"})  # fmt: skip
+                        marker={"color": "#7f7f7f"}, text=[_rel_words(v) for v in rel],
+                        textposition="auto")  # fmt: skip
             _ulp_axis_plotly(fig, _ulp(values), 1, 2, note=_exact_note(values, "output"))
         raw = [r["max_ulp"] for rows in series.values() for r in rows]
         _ulp_axis_plotly(fig, _ulp(raw), 1, 1, note=_exact_note(raw, "output"),
@@ -236,12 +241,18 @@ def _draw_modules(
     ax.set_ylabel("max ULP (dotted line = bit-exact)")
     ax.legend(fontsize=8, loc="best")
     if side_panel:
-        name, labels, values = side_panel
-        side_ax.bar(labels, _ulp(values), color="#7f7f7f")
+        name, labels, values, rel = side_panel
+        bars = side_ax.bar(labels, _ulp(values), color="#7f7f7f")
         _ulp_axis_mpl(side_ax, _ulp(values), note=_exact_note(values, "output"))
+        side_ax.bar_label(bars, [_rel_words(v) for v in rel], fontsize=8, label_type="center",
+                          color="white", rotation=90 if len(rel) > 1 else 0)  # fmt: skip
         side_ax.set_title(name, fontsize=9)
     fig.suptitle(title, fontsize=10)
     return fig
+
+
+def _rel_words(rel_max: float) -> str:
+    return "bit-exact" if rel_max == 0 else f"rel_max {rel_max:.1e}"
 
 
 def _batch_invariance(result: CheckResult, title: str, backend: Backend) -> Any:
@@ -253,6 +264,7 @@ def _batch_invariance(result: CheckResult, title: str, backend: Backend) -> Any:
         f"model output per position (batch {result.meta.get('batch')})",
         [f"pos {r['position']}" + (f":{r['output']}" if several else "") for r in roots],
         [r["max_ulp"] for r in roots],
+        [r["rel_max"] for r in roots],
     )
     return _draw_modules(result, title, backend, {f"sample {position}": mine}, panel)
 
@@ -264,6 +276,7 @@ def _cfg_batching(result: CheckResult, title: str, backend: Backend) -> Any:
         f"guided velocity (CFG {result.meta.get('cfg_scale', 0):g})",
         [f"output {r['output']}" for r in guided],
         [r["max_ulp"] for r in guided],
+        [r["rel_max"] for r in guided],
     )
     return _draw_modules(result, title, backend, series, panel if guided else None)
 
