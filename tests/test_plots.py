@@ -371,6 +371,63 @@ def test_drift_plots_in_both_backends(traj, shell) -> None:
     plt.close(mpl)
 
 
+def test_drift_axes_say_which_steps_the_sde_window_leaves_out_and_tick_whole_numbers() -> None:
+    from lab.rl.trajectory import trajectory
+
+    windowed = trajectory("flux", steps=6, samples=2, sde_window=(1, 4), progress=False)
+    words = "SDE window: steps 1-3 of 6; the others are deterministic (no log-prob, no ratio)"
+    fig = plots.plot_ratio_drift(windowed)
+    assert fig.layout.xaxis.title.text.endswith(words)
+    assert fig.layout.xaxis.dtick == 1
+    mpl = plots.plot_ratio_drift(windowed, backend="matplotlib")
+    ax = mpl.axes[0]
+    assert ax.get_xlabel().endswith(words)
+    assert all(float(t).is_integer() for t in ax.get_xticks())
+    plt.close(mpl)
+
+    hist = plots.plot_ratio_histogram(windowed, bins=10)
+    assert max(hist.data[0].y) <= 10 and hist.layout.yaxis.dtick == 1
+    mpl = plots.plot_ratio_histogram(windowed, backend="matplotlib")
+    ax = mpl.axes[0]
+    mpl.canvas.draw()
+    assert all(float(t).is_integer() for t in ax.get_yticks())
+    # Ratios within 1e-4 of 1 share one power of ten (the offset text), not per-tick decimals.
+    assert ax.xaxis.get_offset_text().get_text() != ""
+    ticks = [re.sub(r"\$|\\mathdefault|[{}]", "", t.get_text()) for t in ax.get_xticklabels()]
+    assert ticks and all(len(t) <= 5 for t in ticks), ticks
+    plt.close(mpl)
+
+
+def test_all_bit_exact_divergence_plot_says_so_on_one_zero_tick() -> None:
+    exact = lab.pair_family("flux", trainer={"autocast": False}, mode="local")
+    fig = plots.plot_divergence_by_layer(exact)
+    assert list(fig.layout.yaxis.tickvals) == [1e-12] and list(fig.layout.yaxis.ticktext) == ["0"]
+    assert fig.layout.annotations[0].text == f"all {len(exact.rows)} outputs bit-exact / zero"
+    mpl = plots.plot_divergence_by_layer(exact, backend="matplotlib")
+    ax = mpl.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["0"]
+    assert f"all {len(exact.rows)} outputs bit-exact / zero" in [t.get_text() for t in ax.texts]
+    plt.close(mpl)
+
+
+def test_check_figures_label_the_model_output_bars_with_rel_max() -> None:
+    from lab.causes import checks
+    from lab.views.plots.checks import plot_check
+
+    fam = lab.family("sd3")
+    model = fam.build("tiny", seed=0)
+    res = checks.cfg_batching(
+        model, fam.make_inputs("tiny", seed=0, cfg=True), lab.Side.trainer(fam)
+    )
+    guided = [r for r in res.rows if r["branch"] == "guided"]
+    assert guided and guided[0]["max_ulp"] > 0
+    want = f"rel_max {guided[0]['rel_max']:.1e}"
+    assert list(plot_check(res).data[-1].text) == [want]
+    mpl = plot_check(res, backend="matplotlib")
+    assert want in [t.get_text() for t in mpl.axes[1].texts]
+    plt.close(mpl)
+
+
 def test_scenario_plot_marks_the_culprit_with_hover_names() -> None:
     from lab.engine import scenarios
 

@@ -232,6 +232,9 @@ def plot_divergence_by_layer(
         int((table["order"] == first.order).to_numpy().argmax()) if first is not None else None
     )
     title = title or _title(result)
+    # Every row at the floor: say so, and no decades of ticks around a value nobody measured.
+    flat = bool(len(values)) and bool((values <= _FLOOR).all())
+    floor_words = f"all {len(values)} outputs bit-exact / zero" if flat else "bit-exact / zero"
     if backend == "plotly":
         import plotly.graph_objects as go
 
@@ -252,9 +255,11 @@ def plot_divergence_by_layer(
             )
         fig.add_hline(y=_FLOOR, line={"color": "#bbb", "dash": "dot", "width": 1})
         fig.add_annotation(
-            x=0, y=math.log10(_FLOOR), text="bit-exact / zero", showarrow=False, yshift=8,
-            xanchor="left", font={"size": 9, "color": "#888"},
+            x=0, y=math.log10(_FLOOR), text=floor_words, showarrow=False, yshift=8,
+            xanchor="left", font={"size": 12 if flat else 9, "color": "#888"},
         )  # fmt: skip
+        if flat:
+            fig.update_yaxes(tickvals=[_FLOOR], ticktext=["0"])
         if first is not None:
             fig.add_vline(x=first_pos, line={"color": "crimson", "dash": "dash", "width": 1})
             fig.add_annotation(
@@ -276,7 +281,10 @@ def plot_divergence_by_layer(
         ax.scatter(sel.nonzero()[0], values[sel], s=14, color=colours[kind], label=kind)
     ax.set_yscale("log")
     ax.axhline(_FLOOR, color="0.8", lw=0.8, ls=":")
-    ax.text(0, _FLOOR * 1.6, "bit-exact / zero", fontsize=7, color="0.5")
+    ax.text(0, _FLOOR * 1.6, floor_words, fontsize=10 if flat else 7, color="0.5")
+    if flat:
+        ax.set_yticks([_FLOOR], ["0"])
+        ax.minorticks_off()
     if first is not None:
         ax.axvline(first_pos, color="crimson", lw=1, ls="--")
         ax.annotate(

@@ -68,6 +68,28 @@ def _in_window(df: pd.DataFrame) -> pd.DataFrame:
     return df[df["in_window"].astype(bool)] if "in_window" in df.columns else df
 
 
+def _step_words(traj: Any, newline: str = "\n") -> str:
+    """The step axis' title: and when an SDE window leaves steps out, which and why."""
+    full = traj.per_step()
+    words = "denoising step (sigma 1 -> 0)"
+    if "in_window" not in full.columns or bool(full["in_window"].astype(bool).all()):
+        return words
+    inside = full.loc[full["in_window"].astype(bool), "step"].tolist()
+    shown = f"steps {min(inside)}-{max(inside)}" if inside else "no step"
+    total = _meta(traj).get("steps") or len(full)
+    return (
+        f"{words}{newline}SDE window: {shown} of {total}; the others are deterministic (no "
+        "log-prob, no ratio)"
+    )
+
+
+def _integer_axis(ax: Any, axis: str) -> None:
+    """Whole-number ticks (steps, counts) on a matplotlib axis."""
+    from matplotlib.ticker import MaxNLocator
+
+    getattr(ax, f"{axis}axis").set_major_locator(MaxNLocator(integer=True))
+
+
 def _g(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
@@ -123,7 +145,7 @@ def plot_ratio_drift(traj: Trajectory, *, backend: Backend = "plotly") -> Any:
         if clip is not None:
             for sign in (1, -1):
                 fig.add_hline(y=sign * clip, line={"color": "red", "dash": "dot", "width": 1})
-        fig.update_xaxes(title="denoising step (sigma 1 -> 0)")
+        fig.update_xaxes(title=_step_words(traj, "<br>"), dtick=1 if len(steps) <= 20 else None)
         fig.update_yaxes(title="ratio - 1 (trainer / rollout)", exponentformat="e")
         legend = f"clip range +-{clip:g}" if clip is not None else ""
         fig.update_layout(
@@ -145,7 +167,8 @@ def plot_ratio_drift(traj: Trajectory, *, backend: Backend = "plotly") -> Any:
     ax.axhline(0.0, color="black", linewidth=0.5)
     # symlog: identical sides give exactly 0, real drift spans decades around the clip range.
     ax.set_yscale("symlog", linthresh=(clip or 0.2) / 100)
-    ax.set_xlabel("denoising step (sigma 1 -> 0)")
+    _integer_axis(ax, "x")
+    ax.set_xlabel(_step_words(traj), fontsize=9)
     ax.set_ylabel("ratio - 1 (trainer / rollout)")
     ax.set_title(title, fontsize=9)
     ax.legend(
@@ -193,7 +216,7 @@ def plot_ratio_histogram(traj: Trajectory, *, bins: int = 40, backend: Backend =
             for sign in (1, -1):
                 fig.add_vline(x=sign * clip, line={"color": "red", "dash": "dot", "width": 1})
         fig.update_xaxes(title="ratio - 1", exponentformat="e")
-        fig.update_yaxes(title="samples x steps")
+        fig.update_yaxes(title="samples x steps", dtick=1 if counts.max(initial=0) <= 10 else None)
         fig.update_layout(title=title, template="plotly_white", height=360, bargap=0)
         return attach_static_twin(
             fig, lambda: plot_ratio_histogram(traj, bins=bins, backend="matplotlib")
@@ -204,6 +227,9 @@ def plot_ratio_histogram(traj: Trajectory, *, bins: int = 40, backend: Backend =
     if clip is not None:
         for sign in (1, -1):
             ax.axvline(sign * clip, color="red", linewidth=0.8, linestyle=":")
+    # Ratios sit within ~1e-4 of 1: a shared power of ten keeps the tick labels apart.
+    ax.ticklabel_format(axis="x", style="sci", scilimits=(-2, 2), useMathText=True)
+    _integer_axis(ax, "y")
     ax.set_xlabel("ratio - 1")
     ax.set_ylabel("samples x steps")
     ax.set_title(title, fontsize=9)
