@@ -300,6 +300,10 @@ def test_smallest_set_reaches_the_fraction_and_is_minimal(flux, perturb, tmp_pat
     assert found.forwards >= 2, "the greedy pair and the pruned set were both measured"
     assert attr.removed_by(["x_embedder"]) < 0.9
     assert attr.smallest_set(0.9) is found
+    assert str(found) == (
+        "grafting 1 unit(s) (single_transformer_blocks.1) removes 100.0% of the divergence "
+        f"(asked 90%: reached; {found.forwards} side-B forward(s) measured it)"
+    )
 
     half = attr.smallest_set(0.5)
     assert half.modules == ("x_embedder",) and half.removed_fraction >= 0.5
@@ -485,7 +489,12 @@ def test_plot_ranks_units_with_own_and_input_bars(flux) -> None:
     fig = plot_attribution(attr, top=5)
     own, _ = fig.data
 
-    assert [t.name for t in fig.data] == ["own", "input"]
+    # flux tiny's units add their own divergence only: no input share to draw, and the legend
+    # says so; a unit with one gets the plain name.
+    assert all(r["input_share"] == 0.0 for r in attr.rows)
+    assert [t.name for t in fig.data] == ["own", "input (0 for every unit)"]
+    fed = [dict(r, input_share=0.25) if r["module"] == "norm_out" else r for r in attr.rows]
+    assert [t.name for t in plot_attribution(Attribution(fed, attr.meta)).data] == ["own", "input"]
     assert list(own.y)[-1] == "norm_out" and len(own.y) == 5  # largest on top
     assert own.x[-1] == pytest.approx(attr.top()["own_share"])
     assert "AdaLayerNormContinuous" in own.text[-1] and "rel_l2 after graft" in own.text[-1]
@@ -503,3 +512,5 @@ def test_plot_of_identical_sides_says_nothing_to_attribute(flux, tmp_path) -> No
     attribute(model, inputs, side, side).to_json(tmp_path / "a.json")
     fig = plot_attribution(Attribution.from_json(tmp_path / "a.json"))
     assert "bit-identical" in fig.layout.annotations[0].text
+    # No unit has an input share: the legend says so rather than naming an undrawn colour.
+    assert fig.data[1].name == "input (0 for every unit)"

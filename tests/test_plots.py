@@ -444,5 +444,28 @@ def test_scenario_plot_marks_the_culprit_with_hover_names() -> None:
     assert len(twin.axes) == 1
     plt.close(twin)
     mpl = plots.plot_bug_vs_fixed([run], interactive=False)
-    assert hasattr(mpl, "savefig")
+    # One legend above the panels (a panel's own sat on its data), the culprit line in it.
+    assert all(ax.get_legend() is None for ax in mpl.axes)
+    (legend,) = mpl.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["bug", "fixed", "found culprit"]
+    assert "bit-exact" in mpl.axes[0].get_ylabel()
     plt.close(mpl)
+
+
+def test_sweep_bars_start_a_decade_below_the_smallest() -> None:
+    import pandas as pd
+
+    from lab.views.sweep import plot_sweep
+
+    table = pd.DataFrame(
+        {
+            "run": ["000_a", "001_b", "002_c"],
+            "status": ["ok", "ok", "failed"],
+            "model_output_rel_max": [6.5e-3, 1.0e-3, float("nan")],
+        }
+    )
+    fig = plot_sweep(table)
+    ax = fig.axes[0]
+    low, high = ax.get_ylim()
+    assert low == pytest.approx(1.0e-4) and high == pytest.approx(6.5e-3 * 3)
+    assert [t.get_text() for t in ax.texts] == ["6.50e-03", "1.00e-03", "FAILED"]

@@ -487,6 +487,16 @@ class GraftSet:
     forwards: int
     """Side-B forwards this search ran (each grafting one candidate set)."""
 
+    def __str__(self) -> str:
+        """One sentence: the set, what it removed against what was asked, and its cost."""
+        names = ", ".join(self.modules) or "no unit"
+        verdict = "reached" if self.reached else "not reached, even with every unit"
+        return (
+            f"grafting {len(self.modules)} unit(s) ({names}) removes "
+            f"{self.removed_fraction:.1%} of the divergence (asked {self.fraction:.0%}: "
+            f"{verdict}; {self.forwards} side-B forward(s) measured it)"
+        )
+
 
 class Attribution:
     """Per-unit shares of the final model-output divergence, from cumulative grafts.

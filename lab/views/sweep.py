@@ -299,6 +299,11 @@ def plot_sweep(table: Any, metric: str | None = None, *, title: str | None = Non
             fontsize=7,
         )
     ax.set_yscale("log")
+    # Bars on a log axis grow from its bottom: a decade below the smallest keeps every bar's
+    # height readable against the others (autoscaling puts the bottom at the smallest bar).
+    drawn = [h for h in heights if h > 0]
+    if drawn:
+        ax.set_ylim(min(drawn) / 10, max(drawn) * 3)
     ax.set_xticks(range(len(values)), labels, rotation=30, ha="right", fontsize=7)
     ax.set_ylabel(metric)
     ax.set_title(title or f"{metric} per sweep run (red: failed)", fontsize=9)

@@ -107,6 +107,8 @@ def plot_attribution(
     rows = df.iloc[::-1].to_dict("records")
     labels = [r["module"] for r in rows]
     height = max(3.0, 0.32 * len(rows) + 1.5)
+    # No unit with an input share: the legend says so rather than naming a colour never drawn.
+    input_name = "input" if any(r["input_share"] for r in rows) else "input (0 for every unit)"
     if backend == "plotly":
         import plotly.graph_objects as go
 
@@ -119,7 +121,7 @@ def plot_attribution(
                     hovertemplate="%{text}<extra></extra>",
                 ),
                 go.Bar(
-                    y=labels, x=[r["input_share"] for r in rows], orientation="h", name="input",
+                    y=labels, x=[r["input_share"] for r in rows], orientation="h", name=input_name,
                     marker_color=_INPUT_COLOR, text=hover, textposition="none",
                     hovertemplate="%{text}<extra></extra>",
                 ),
@@ -150,7 +152,7 @@ def plot_attribution(
     ax.barh(labels, own, color=_OWN_COLOR, label="own")
     # Stacked like plotly's relative mode: each part continues on its own sign's side.
     left = [o if (o >= 0) == (i >= 0) else 0.0 for o, i in zip(own, inp, strict=True)]
-    ax.barh(labels, inp, left=left, color=_INPUT_COLOR, label="input")
+    ax.barh(labels, inp, left=left, color=_INPUT_COLOR, label=input_name)
     ax.axvline(0.0, color="black", linewidth=0.5)
     ax.xaxis.set_major_formatter(PercentFormatter(1.0))
     ax.set_xlabel(xlabel)

@@ -59,6 +59,8 @@ def plot_bug_vs_fixed(
         return attach_static_twin(fig, lambda: plot_bug_vs_fixed(runs, backend="matplotlib"))
     plt = _pyplot()
 
+    from matplotlib.lines import Line2D
+
     n = max(len(runs), 1)
     fig, axes = plt.subplots(n, 1, figsize=(8.0, 2.4 * n), layout="constrained", squeeze=False)
     for ax, run in zip(axes[:, 0], runs, strict=False):
@@ -68,10 +70,15 @@ def plot_bug_vs_fixed(
         if idx is not None:
             ax.axvline(idx, color="red", linestyle=":", linewidth=1.0)
         ax.set_yscale("log")
-        ax.set_ylabel("rel_max")
+        ax.set_ylabel(f"rel_max\n({_FLOOR:g}: bit-exact)", fontsize=8)
         ax.set_title(_title(run), fontsize=8)
-        ax.legend(fontsize=7)
-    axes[-1, 0].set_xlabel(f"module output, forward completion order (0 = bit-exact at {_FLOOR})")
+    axes[-1, 0].set_xlabel("module output, forward completion order")
+    # One legend for every panel, above them: a panel's own would sit on its data.
+    handles = [
+        Line2D([], [], color=_COLOURS[label], marker=".", linewidth=0.8, label=label)
+        for label in ("bug", "fixed")
+    ] + [Line2D([], [], color="red", linestyle=":", linewidth=1.0, label="found culprit")]
+    fig.legend(handles=handles, loc="outside upper center", ncols=3, fontsize=8)
     return fig
 
 
