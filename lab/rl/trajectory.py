@@ -465,7 +465,7 @@ def trajectory(
             step, `err.result` the failed captured pair's compared modules, if any. A
             failure before any step completed raises the error itself.
     """
-    from tqdm.auto import tqdm
+    from lab.base.progress import progress as progress_bar
 
     fam = get_family(family_name)
     where = f"trajectory({family_name!r})"
@@ -607,7 +607,7 @@ def trajectory(
         return Trajectory(meta, sigma_list, step_drifts, sample_drifts, records, captures)
 
     try:
-        for i in tqdm(range(steps), desc=f"{family_name} steps", disable=not progress):
+        for i in progress_bar(range(steps), desc=f"{family_name} steps", disable=not progress):
             sigma, sigma_prev = sigma_list[i], sigma_list[i + 1]
             in_window = window[0] <= i < window[1]
             expert = step_experts[i]

@@ -398,9 +398,9 @@ def run_sweep(
         SweepInterrupted: Ctrl-C or SIGTERM (a KeyboardInterrupt; `.sweep` has what finished).
     """
     import papermill as pm
-    from tqdm.auto import tqdm
 
     from lab.base.processes import Terminated, sigterm_raises
+    from lab.base.progress import progress as progress_bar
 
     path = resolve_notebook(notebook)
     if not grid or any(not list(v) for v in grid.values()):
@@ -451,7 +451,7 @@ def run_sweep(
         write_table()
     running: dict[int, tuple[_Task, Any]] = {}
     pending = list(reversed(todo))
-    bar = tqdm(
+    bar = progress_bar(
         total=len(tasks), initial=len(outcomes), desc=f"sweep {path.stem}", disable=not progress
     )
     try:
