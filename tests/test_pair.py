@@ -193,6 +193,22 @@ def test_nonfinite_output_is_an_error_with_partial_result(built: dict) -> None:
     with pytest.raises(NonFiniteOutputError, match=r"NaN/Inf.*first module with non-finite") as err:
         lab.pair(model, bad, side, side)
     assert err.value.result is not None and err.value.result.rows
+    # The inputs carried them in: the error says so, with the kwarg, its role and its count.
+    numel = inputs.kwargs["hidden_states"].numel()
+    assert f"The inputs already hold NaN/Inf ('hidden_states' (latents): {numel})" in str(err.value)
+    assert "fix the inputs, not the sides" in str(err.value)
+
+
+def test_nonfinite_output_from_finite_inputs_points_at_the_sides_dtypes() -> None:
+    fam = lab.family("sd3")
+    model = fam.build("tiny", 0)
+    with torch.no_grad():
+        model.proj_out.weight.mul_(1e38)  # overflows to inf in the output layer alone
+    side = lab.Side.rollout(fam)
+    with pytest.raises(NonFiniteOutputError, match="first module with non-finite") as err:
+        lab.pair(model, fam.make_inputs("tiny", 0), side, side)
+    assert "proj_out" in str(err.value)
+    assert "Check that side's dtypes" in str(err.value) and "already hold" not in str(err.value)
 
 
 def test_all_zero_output_is_degenerate() -> None:

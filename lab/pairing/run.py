@@ -337,7 +337,7 @@ def pair(
             m.training = True
     result = partial()
     if check_outputs:
-        _check_outputs(result, side_a, side_b)
+        _check_outputs(result, side_a, side_b, inputs)
     return result
 
 
@@ -553,7 +553,23 @@ def _cast_tree(value: Any, dtypes: Any) -> Any:
     return value
 
 
-def _check_outputs(result: Result, side_a: Side, side_b: Side) -> None:
+def _nonfinite_inputs(inputs: Inputs) -> str:
+    """' The inputs already hold ...' naming each floating kwarg with NaN/Inf, or ''."""
+    found = []
+    for key, value in inputs.kwargs.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            count = int((~torch.isfinite(value)).sum())
+            if count:
+                found.append(f"{key!r} ({inputs.roles.get(key, 'aux')}): {count}")
+    if not found:
+        return ""
+    return (
+        f" The inputs already hold NaN/Inf ({', '.join(found)}): the model only carried them "
+        "through; fix the inputs, not the sides."
+    )
+
+
+def _check_outputs(result: Result, side_a: Side, side_b: Side, inputs: Inputs) -> None:
     if not result.rows:
         reasons = "; ".join(f"{s.module}: {s.reason}" for s in result.skipped[:3])
         raise PairError(
@@ -571,9 +587,12 @@ def _check_outputs(result: Result, side_a: Side, side_b: Side) -> None:
             raise NonFiniteOutputError(
                 f"pair: side {name!r} produced {getattr(bad[0].metrics, attr)} NaN/Inf value(s) "
                 f"in its model output; the first module with non-finite output is "
-                f"{first.label()!r} ({first.module_class}). Check that side's dtypes (fp16 "
-                "overflows above 65504) and inputs. The Result is in err.result; pass "
-                "check_outputs=False to get it returned.",
+                f"{first.label()!r} ({first.module_class})."
+                + (
+                    _nonfinite_inputs(inputs)
+                    or " Check that side's dtypes (fp16 overflows above 65504) and inputs."
+                )
+                + " The Result is in err.result; pass check_outputs=False to get it returned.",
                 result,
             )
     main = roots[0].metrics
