@@ -163,6 +163,15 @@ BAD_VALUES = [
     (["pair", "--rollout-overrides", "[1, 2]"], "--rollout-overrides: .*expected a JSON obj"),
     (["pair", "--trainer-overrides", '{"autocast": "no"}'], "autocast"),
     (["pair", "--trainer-overrides", '{"forward_dtype": "bfloat16"}'], "Did you mean 'bf16'"),
+    # A misspelt field was a TypeError traceback from Side.__init__.
+    (
+        ["pair", "--trainer-overrides", '{"autocasts": false}'],
+        r"Side.trainer: unknown field\(s\) \['autocasts'\]. Did you mean 'autocast'",
+    ),
+    (
+        ["pair", "--rollout-overrides", '{"atention_backend": "math"}'],
+        r"Side.rollout: .*Did you mean 'attention_backend'",
+    ),
     (["drift", "--sde-window", "0,4"], "--sde-window: '0,4' is not valid JSON"),
     (["drift", "--steps", "1"], "steps must be an int >= 2"),
     (["scenarios", "--only", "no_such_scenario"], "no_such_scenario"),

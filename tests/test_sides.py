@@ -176,3 +176,14 @@ def test_from_dict_names_unknown_and_missing_fields() -> None:
     data.pop("name")
     with pytest.raises(ValueError, match=r"has no 'name' field"):
         lab.Side.from_dict(data)
+
+
+@pytest.mark.parametrize("preset", ["rollout", "trainer", "fp32_reference"])
+def test_preset_sides_refuse_an_unknown_field_naming_the_nearest(preset: str) -> None:
+    make = getattr(lab.Side, preset)
+    with pytest.raises(
+        ValueError,
+        match=rf"Side.{preset}: unknown field\(s\) \['autocst'\]. Did you mean 'autocast'",
+    ):
+        make(lab.family("flux"), autocst=False)
+    assert make(lab.family("flux"), autocast=False).autocast is False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 import warnings
 from collections.abc import Callable, Mapping
@@ -287,7 +288,7 @@ class Side:
                 else family.input_dtype_policy
             ),
         )
-        return cls(**{**fields, **overrides})
+        return cls(**{**fields, **cls._known_fields(overrides, "Side.rollout")})
 
     @classmethod
     def trainer(cls, family: Family, **overrides: Any) -> Side:
@@ -308,7 +309,7 @@ class Side:
             autocast=True,
             input_dtype_policy=dict(family.input_dtype_policy),
         )
-        return cls(**{**fields, **overrides})
+        return cls(**{**fields, **cls._known_fields(overrides, "Side.trainer")})
 
     @classmethod
     def fp32_reference(cls, family: Family, **overrides: Any) -> Side:
@@ -320,7 +321,7 @@ class Side:
             rollout_precision="fp32",
             input_dtype_policy={"latents": "fp32", "cond": "fp32", "timestep": "fp32"},
         )
-        return cls(**{**fields, **overrides})
+        return cls(**{**fields, **cls._known_fields(overrides, "Side.fp32_reference")})
 
     def replace(self, **changes: Any) -> Side:
         """A copy with some fields changed (validated again).
@@ -328,18 +329,26 @@ class Side:
         Raises:
             ValueError: For an unknown field name, listing the known ones.
         """
-        known = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(changes) - known)
-        if unknown:
-            raise ValueError(
-                f"Side.replace: unknown field(s) {unknown}. Known: {', '.join(sorted(known))}."
-            )
+        self._known_fields(changes, "Side.replace")
         if isinstance(changes.get("input_dtype_policy"), Mapping):
             changes["input_dtype_policy"] = {
                 **dict(self.input_dtype_policy),
                 **dict(changes["input_dtype_policy"]),
             }
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def _known_fields(cls, changes: dict[str, Any], where: str) -> dict[str, Any]:
+        """`changes` when every key is a field; else a ValueError naming the nearest fields."""
+        known = sorted(f.name for f in dataclasses.fields(cls))
+        unknown = sorted(set(changes) - set(known))
+        if unknown:
+            near = {u: difflib.get_close_matches(u, known, n=1) for u in unknown}
+            hint = "".join(f" Did you mean {m[0]!r} for {u!r}?" for u, m in near.items() if m)
+            raise ValueError(
+                f"{where}: unknown field(s) {unknown}.{hint} Known: {', '.join(known)}."
+            )
+        return changes
 
     def _set(self, attr: str, value: Any) -> None:
         # The dataclass is frozen; __post_init__ stores the validated, normalised values.
