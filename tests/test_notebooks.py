@@ -372,3 +372,39 @@ def test_papermill_command_line_makes_the_output_folder(
     assert seen[-1] == str(nested) and nested.parent.is_dir()
     execute_notebook(notebook, tmp_path / "api" / "{family}" / "o.ipynb", {"family": "wan2_2"})
     assert (tmp_path / "api" / "wan2_2").is_dir()
+
+
+def test_a_parameter_the_notebook_does_not_declare_is_refused_before_a_kernel_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """papermill only warns and runs the defaults: `-p famliy sd3` was a flux run."""
+    import papermill
+    import papermill.cli
+
+    ran: list[Any] = []
+    monkeypatch.setattr(papermill.cli, "execute_notebook", lambda **kw: ran.append(kw))
+    monkeypatch.setattr(papermill, "execute_notebook", lambda *a, **kw: ran.append(kw))
+    notebook = NOTEBOOKS / "01_quickstart.ipynb"
+    out = tmp_path / "out.ipynb"
+    assert papermill_main([str(notebook), str(out), "-p", "famliy", "sd3"]) == 2
+    err = capsys.readouterr().err
+    assert "['famliy'] are not parameters of 01_quickstart.ipynb" in err
+    assert "Did you mean 'family' for 'famliy'?" in err
+    assert papermill_main([str(notebook), str(out), "-r", "sigmaa", "0.5"]) == 2
+    assert papermill_main([str(notebook), str(out), "-y", "{seeed: 1}"]) == 2
+    params = tmp_path / "params.yaml"
+    params.write_text("presett: tiny\n")
+    assert papermill_main([str(notebook), str(out), "-f", str(params)]) == 2
+    assert "['presett']" in capsys.readouterr().err
+    assert ran == [], "nothing ran"
+    with pytest.raises(ValueError, match=r"execute_notebook: \['mdoe'\] .*'mode'"):
+        execute_notebook(notebook, out, {"mdoe": "local"})
+    assert ran == []
+    # Declared names run; a notebook without a parameters cell takes any, as papermill lets it.
+    assert (
+        papermill_main([str(notebook), str(out), "-p", "family", "sd3", "-r", "sigma", "0.5"]) == 0
+    )
+    bare = tmp_path / "bare.ipynb"
+    bare.write_text(json.dumps({"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    execute_notebook(bare, out, {"anything": 1})
+    assert len(ran) == 2

@@ -41,6 +41,32 @@ two-core machine running several kernels (a sweep's jobs beside a test run) has 
 a kernel that never starts still fails, with papermill's "Kernel didn't respond" error."""
 
 
+def check_parameters(notebook: str | Path, names: Sequence[str], where: str) -> None:
+    """Refuse parameter names the notebook's `parameters` cell does not declare.
+
+    papermill only warns ("Passed unknown parameter") and runs the defaults, so a misspelt
+    `-p famliy sd3` gave a flux run that looked like an sd3 one. A notebook with no
+    parameters cell declares nothing and takes anything, as papermill lets it.
+
+    Raises:
+        ValueError: Naming the unknown names, the nearest declared ones and all of them.
+    """
+    import difflib
+
+    import papermill as pm
+
+    declared = list(pm.inspect_notebook(str(notebook)))
+    unknown = sorted(set(names) - set(declared))
+    if not declared or not unknown:
+        return
+    near = {u: difflib.get_close_matches(u, declared, n=1) for u in unknown}
+    hint = "".join(f" Did you mean {m[0]!r} for {u!r}?" for u, m in near.items() if m)
+    raise ValueError(
+        f"{where}: {unknown} are not parameters of {Path(notebook).name}.{hint} Its "
+        f"parameters: {', '.join(declared)} (--help-notebook says what each does)."
+    )
+
+
 def execute_notebook(
     notebook: str | Path,
     output: str | Path,
@@ -61,10 +87,12 @@ def execute_notebook(
         **papermill_kwargs: Passed on to `papermill.execute_notebook` (e.g. `log_output`).
 
     Raises:
+        ValueError: A parameter the notebook does not declare (before anything runs).
         papermill.PapermillExecutionError: A cell raised; `output` holds the traceback.
     """
     import papermill as pm
 
+    check_parameters(notebook, list(parameters or {}), "execute_notebook")
     _make_parent(output, parameters)
     return pm.execute_notebook(
         str(notebook),
@@ -98,6 +126,26 @@ def _make_parent(output: str | Path, parameters: Mapping[str, Any] | None) -> No
     Path(text).parent.mkdir(parents=True, exist_ok=True)
 
 
+def _yaml_names(params: Mapping[str, Any]) -> list[str]:
+    """Parameter names papermill's command line gives by -r, -y and -f (YAML text, files)."""
+    import yaml
+
+    names = [key for key, _ in params.get("parameters_raw") or ()]
+    texts = list(params.get("parameters_yaml") or ())
+    for file in params.get("parameters_file") or ():
+        path = Path(file)
+        if path.is_file():
+            texts.append(path.read_text())
+    for text in texts:
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError:
+            continue  # papermill names the bad YAML itself
+        if isinstance(loaded, Mapping):
+            names += [str(k) for k in loaded]
+    return names
+
+
 def papermill_main(argv: Sequence[str] | None = None) -> int:
     """Run papermill's command line, its kernels started with `kernel_config()`; the exit code."""
     import click
@@ -123,12 +171,22 @@ def papermill_main(argv: Sequence[str] | None = None) -> int:
         # folder does not exist); a command line papermill cannot parse is left to it to name.
         params = papermill_cli.make_context("papermill", list(args)).params
         output = params.get("output_path")
+        notebook = params.get("notebook_path")
         # What `-p NAME VALUE` gives papermill (as text: enough to fill a path).
         given = dict(params.get("parameters") or ())
+        # The names given (-p, -r, -y, -f), refused before a kernel starts when the notebook
+        # does not declare them.
+        names = [*given, *_yaml_names(params)]
     except click.exceptions.Exit as done:  # --help, --version: printed, and done
         return int(done.exit_code)
     except click.ClickException:
-        output, given = None, {}
+        output, given, notebook, names = None, {}, None, []
+    if notebook and "://" not in str(notebook) and Path(notebook).is_file():
+        try:
+            check_parameters(notebook, names, "papermill")
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     if output:
         _make_parent(output, given)
     try:

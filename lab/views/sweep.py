@@ -401,19 +401,15 @@ def run_sweep(
 
     from lab.base.processes import Terminated, sigterm_raises
     from lab.base.progress import progress as progress_bar
+    from lab.views.notebooks import check_parameters
 
     path = resolve_notebook(notebook)
     if not grid or any(not list(v) for v in grid.values()):
         raise ValueError("run_sweep: the grid is empty; give each key at least one value.")
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"run_sweep: jobs must be an int >= 1, got {jobs!r}.")
+    check_parameters(path, [*grid, *(parameters or {})], "run_sweep")
     declared = pm.inspect_notebook(str(path))
-    unknown = sorted((set(grid) | set(parameters or {})) - set(declared))
-    if unknown:
-        raise ValueError(
-            f"run_sweep: {unknown} are not parameters of {path.name}. Its parameters: "
-            f"{', '.join(declared)}."
-        )
     out = _writable_folder(Path(out_dir).resolve())
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     tasks = []
