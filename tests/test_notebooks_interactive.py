@@ -16,13 +16,13 @@ TOY = REPO / "tests" / "data" / "sweep_toy.ipynb"
 
 
 def _execute(name: str, tmp_path: Path, **parameters) -> nbformat.NotebookNode:
+    import papermill as pm
+
     out = tmp_path / name
-    execute_notebook(
-        str(NOTEBOOKS / name),
-        str(out),
-        parameters={"interactive": False, **parameters},
-        cwd=str(tmp_path),
-    )
+    # Static figures where the notebook draws any (00 and 05 declare no `interactive`).
+    if "interactive" in pm.inspect_notebook(str(NOTEBOOKS / name)):
+        parameters = {"interactive": False, **parameters}
+    execute_notebook(str(NOTEBOOKS / name), str(out), parameters=parameters, cwd=str(tmp_path))
     return nbformat.read(out, as_version=4)
 
 
