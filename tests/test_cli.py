@@ -174,6 +174,15 @@ BAD_VALUES = [
     ),
     (["drift", "--sde-window", "0,4"], "--sde-window: '0,4' is not valid JSON"),
     (["drift", "--steps", "1"], "steps must be an int >= 2"),
+    # Checked before any work (each used to fail, or mean nothing, after the forwards).
+    (["pair", "--metric", "rel_mx"], r"--metric 'rel_mx' .*Did you mean 'rel_max'"),
+    (["pair", "--out-dir", "/proc/no/such"], r"--out-dir '/proc/no/such' cannot be written"),
+    (["pair", "--out-dir", "f.txt"], r"--out-dir 'f.txt' is a file, not a folder"),
+    (["pair", "--max-rel-max", "-1"], r"--max-rel-max must be a number >= 0, got -1"),
+    (["drift", "--clip-range", "-1"], r"--clip-range must be a number > 0"),
+    (["drift", "--max-clip-frac", "2"], r"--max-clip-frac must be a share in \[0, 1\]"),
+    (["pair", "--sharded", "0"], r"--sharded must be a rank count >= 1"),
+    (["sweep", "01_quickstart", "--grid", "family=flux", "--jobs", "0"], r"--jobs must be"),
     (["scenarios", "--only", "no_such_scenario"], "no_such_scenario"),
     (["compare", "runs/x"], "give two or more"),
     (["report", "no/such/run"], "no saved run 'no/such/run'"),
@@ -186,7 +195,10 @@ def test_bad_values_exit_2_naming_the_value_and_the_fix(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "f.txt").write_text("a file")
+    before = sorted(tmp_path.rglob("*"))
     code, _, err = _run(capsys, *argv)
+    assert sorted(tmp_path.rglob("*")) == before, "a refused command writes nothing"
     assert code == EXIT_USAGE
     assert err.startswith("error: ")
     import re

@@ -208,6 +208,18 @@ def test_bad_inputs_give_clear_errors() -> None:
         trajectory("flux", steps=4, cfg_scale=3.5)
     with pytest.raises(ValueError, match="capture_steps"):
         trajectory("sd3", steps=4, capture_steps=(4,))
+    # Each of these ran to the end before (a clip range of 0 or below counted every ratio
+    # clipped), or failed deep inside with another library's error.
+    for clip in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"clip_range must be a finite number > 0"):
+            trajectory("sd3", steps=4, clip_range=clip)
+    with pytest.raises(ValueError, match=r"shift must be a finite number > 0, got -1"):
+        trajectory("sd3", steps=4, shift=-1.0)
+    with pytest.raises(ValueError, match=r"cfg_scale must be a number, got '4.5'"):
+        trajectory("sd3", steps=4, cfg_scale="4.5")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"device 'cuda' asked for, but .* no CUDA GPU"):
+            trajectory("sd3", steps=4, device="cuda")
 
 
 def _failing_at(monkeypatch: pytest.MonkeyPatch, call: int) -> None:

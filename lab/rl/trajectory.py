@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from lab.base.atomic import atomic_write_text
+from lab.base.devices import resolve_device
 from lab.base.errors import PairError, TrajectoryError
 from lab.families import Family, Inputs
 from lab.families import family as get_family
@@ -471,6 +472,12 @@ def trajectory(
     where = f"trajectory({family_name!r})"
     if not isinstance(steps, int) or steps < 2:
         raise ValueError(f"{where}: steps must be an int >= 2, got {steps!r}.")
+    for name, value in (("noise_level", noise_level), ("cfg_scale", cfg_scale),
+                        ("clip_range", clip_range), ("shift", shift)):  # fmt: skip
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise ValueError(f"{where}: {name} must be a number, got {value!r}.")
+    if shift is not None and not (math.isfinite(shift) and shift > 0):
+        raise ValueError(f"{where}: shift must be a finite number > 0, got {shift!r}.")
     if sigmas is not None:
         grid = check_sigma_schedule(torch.as_tensor(sigmas), where=f"{where}: sigmas")
         if grid.numel() != steps + 1:
@@ -487,6 +494,12 @@ def trajectory(
         )
     if not float(noise_level) > 0.0:
         raise ValueError(f"{where}: noise_level must be > 0, got {noise_level!r}.")
+    if not (math.isfinite(clip_range) and clip_range > 0.0):
+        raise ValueError(
+            f"{where}: clip_range must be a finite number > 0 (Flow-GRPO's is 1e-4), got "
+            f"{clip_range!r}."
+        )
+    resolve_device(device)  # CUDA asked for with no GPU: the lab's message, before any work
     if sde_type not in SDE_TYPES:
         raise ValueError(f"{where}: unknown sde_type {sde_type!r}. Known: {', '.join(SDE_TYPES)}.")
     if not float(cfg_scale) >= 1.0:

@@ -14,7 +14,12 @@ and exits with
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import difflib
+import math
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -543,12 +548,65 @@ _COMMANDS = {
 }
 
 
+def _metrics() -> list[str]:
+    """The per-module metrics a figure or comparison can use: PairMetrics' numeric fields."""
+    from lab.pairing.metrics import PairMetrics
+
+    return [f.name for f in dataclasses.fields(PairMetrics) if f.type in ("float", "int")]
+
+
+def _writable(flag: str, folder: str) -> None:
+    """Refuse an output folder that cannot be made or written, before any work (makes nothing)."""
+    path = Path(folder).resolve()
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{flag} {folder!r} is a file, not a folder; choose a folder.")
+    made = [p for p in (path, *path.parents) if not p.exists()]
+    try:
+        # Tried for real (permissions alone do not say it: root, /proc), then undone.
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise UsageError(
+            f"{flag} {folder!r} cannot be written ({err.strerror or type(err).__name__}); "
+            "choose a folder you can write."
+        ) from None
+    finally:
+        for p in made:  # deepest first
+            with contextlib.suppress(OSError):
+                p.rmdir()
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Values argparse's types let through that would fail, or mean nothing, after the work."""
+    metric = getattr(args, "metric", None)
+    if metric is not None and metric not in (known := _metrics()):
+        close = difflib.get_close_matches(metric, known, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise UsageError(f"--metric {metric!r} is not a per-module metric.{hint} Known: {known}.")
+    for flag, attr in (("--out-dir", "out_dir"), ("--out", "out")):
+        if getattr(args, attr, None) and not (attr == "out" and args.command == "report"):
+            _writable(flag, getattr(args, attr))
+    ranges = (
+        ("--max-rel-max", "max_rel_max", lambda v: v >= 0, "a number >= 0"),
+        ("--max-clip-frac", "max_clip_frac", lambda v: 0 <= v <= 1, "a share in [0, 1]"),
+        ("--clip-range", "clip_range", lambda v: v > 0, "a number > 0 (Flow-GRPO's is 1e-4)"),
+        ("--sharded", "sharded", lambda v: v >= 1, "a rank count >= 1 (2 for two GPUs)"),
+        ("--jobs", "jobs", lambda v: v >= 1, "a run count >= 1"),
+    )
+    for flag, attr, ok, words in ranges:
+        value = getattr(args, attr, None)
+        if value is not None and not (math.isfinite(value) and ok(value)):
+            raise UsageError(f"{flag} must be {words}, got {value!r}.")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 1 a failure found, 2 bad arguments)."""
     args = _parser().parse_args(argv)
     from lab.base.errors import PairError
 
     try:
+        _check_arguments(args)
         return _COMMANDS[args.command](args)
     except PairError as err:  # NaN/Inf or all-zero outputs too: a finding, not an argument
         print(f"failed: {err}", file=sys.stderr)
