@@ -485,3 +485,10 @@ def test_weight_sync_reads_a_compact_master_at_its_logical_fp32() -> None:
     assert held_parameters(model), "bf16_shipped weights are exact at bf16: some are held"
     table = weight_sync(fp32, model).table()
     assert set(table["status"]) == {"equal"} and (table["dtype_b"] == "fp32").all()
+
+
+def test_weight_sync_of_nothing_is_not_a_pass() -> None:
+    result = weight_sync({}, {})
+    assert result.passed is False
+    assert "nothing compared: not a pass" in result.verdict
+    assert "In sync" not in result.verdict and "Give it the state dicts" in result.verdict

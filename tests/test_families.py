@@ -168,3 +168,10 @@ def _tensors(out):
     from lab.pairing.capture import flatten_output
 
     return [t for _, t in flatten_output(out) if isinstance(t, torch.Tensor)]
+
+
+def test_family_name_in_another_case_or_type_is_named_with_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"Unknown family 'FLUX'. Did you mean 'flux'\?"):
+        lab.family("FLUX")
+    with pytest.raises(ValueError, match=r"expected a family name \(str\), got 3 \(int\)"):
+        lab.family(3)  # type: ignore[arg-type]

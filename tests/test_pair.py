@@ -197,6 +197,11 @@ def test_nonfinite_output_is_an_error_with_partial_result(built: dict) -> None:
     numel = inputs.kwargs["hidden_states"].numel()
     assert f"The inputs already hold NaN/Inf ('hidden_states' (latents): {numel})" in str(err.value)
     assert "fix the inputs, not the sides" in str(err.value)
+    # Returned anyway, its summary says the output is non-finite rather than reading as parity.
+    kept = lab.pair(model, bad, side, side, check_outputs=False)
+    assert f"model output NaN/Inf: {numel} on rollout, {numel} on rollout of {numel}" in (
+        kept.describe()
+    )
 
 
 def test_nonfinite_output_from_finite_inputs_points_at_the_sides_dtypes() -> None:

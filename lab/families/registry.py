@@ -25,10 +25,17 @@ def family(name: str) -> Family:
     Raises:
         ValueError: For an unknown name, listing the known ones and how to add one.
     """
+    if not isinstance(name, str):
+        raise ValueError(
+            f"family: expected a family name (str), got {name!r} ({type(name).__name__}). "
+            f"Known: {', '.join(FAMILY_NAMES)}."
+        )
     if name not in FAMILY_NAMES:
         import difflib
 
-        close = difflib.get_close_matches(str(name), FAMILY_NAMES, 1)
+        close = [n for n in FAMILY_NAMES if n == name.lower()] or difflib.get_close_matches(
+            name.lower(), FAMILY_NAMES, 1
+        )
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(
             f"Unknown family {name!r}.{hint} Known: {', '.join(FAMILY_NAMES)}. To add one, create "

@@ -273,6 +273,14 @@ class Result:
                 f"its largest difference is {top.ulp_at_scale():.3g} ULP of its largest value "
                 f"(rel_max {top.metrics.rel_max:.1e})"
             )
+        root = next(iter(self.root_rows()), None)
+        if root is not None and (root.metrics.nonfinite_a or root.metrics.nonfinite_b):
+            # The differences below leave NaN/Inf out: without this line they read as parity.
+            lines.append(
+                f"  model output NaN/Inf: {root.metrics.nonfinite_a} on "
+                f"{self.side_a.get('name')}, {root.metrics.nonfinite_b} on "
+                f"{self.side_b.get('name')} of {root.metrics.numel} (left out of the differences)"
+            )
         if "model_output_rel_max" in s:
             lines.append(
                 "  model_output_mean_abs_diff={:.3e} max_abs_diff={:.3e} rel_max={:.3e}".format(

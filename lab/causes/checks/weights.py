@@ -161,7 +161,9 @@ def weight_sync(
         "keep_fp32_modules": list(keep_fp32_modules),
         "applicable": True,
     }
-    passed = not any(r["status"] in _FAILING for r in rows)
+    # No tensor on either side compares nothing: never a pass (an empty state dict, a wrong
+    # prefix or filter), whatever the rows' statuses say.
+    passed = bool(rows) and not any(r["status"] in _FAILING for r in rows)
     return CheckResult(where, rows, list(COLUMNS), _verdict(rows, meta, names), passed, meta)
 
 
@@ -284,7 +286,8 @@ def _verdict(rows: list[dict], meta: dict[str, Any], names: tuple[str, str]) -> 
         f"{meta['side_b']['count']} tensors, {meta['numel_b']} elements): "
     )
     parts = [
-        ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "nothing to compare",
+        ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+        or "no tensor on either side, nothing compared: not a pass",
     ]
     if meta["dtype_changes"]:
         parts.append(
@@ -306,7 +309,9 @@ def _verdict(rows: list[dict], meta: dict[str, Any], names: tuple[str, str]) -> 
         parts.append(f"worst {worst['name']!r} at {worst['max_ulp']:g} ULP")
     ok = not any(r["status"] in _FAILING for r in rows)
     tail = (
-        " In sync: every tensor arrives, equal or rounded as a sync casts it."
+        " Give it the state dicts (or dumps) to compare."
+        if not rows
+        else " In sync: every tensor arrives, equal or rounded as a sync casts it."
         if ok
         else f" Out of sync: the {b} does not run the {a}'s weights."
     )
