@@ -229,8 +229,8 @@ def test_drift_writes_the_trajectory_and_its_figures(
     for name in ("ratio_drift.png", "ratio_hist.png", "logprob_vs_velocity_gap.png"):
         assert (out / name).read_bytes()[:8] == PNG, name
     assert "cosmos3 (tiny): 3 steps" in text
-    # clip_frac >= 0 > -1: the threshold path reports and exits 1.
-    code, text, _ = _run(capsys, *argv, "--max-clip-frac", "-1")
+    # A clip range far inside the drift clips every ratio: over a 0 threshold, exit 1.
+    code, text, _ = _run(capsys, *argv, "--clip-range", "1e-15", "--max-clip-frac", "0")
     assert code == EXIT_FAILED and "FAILED: clip_frac" in text
 
 
@@ -356,7 +356,7 @@ def test_pair_sharded_runs_both_sides_under_fsdp2_and_names_what_it_cannot(
     code, _, err = _run(capsys, "pair", "--sharded", "2", "--mode", "local")
     assert code == EXIT_USAGE and "--mode local is not available sharded" in err
     code, _, err = _run(capsys, "pair", "--sharded", "0")
-    assert code == EXIT_USAGE and "nproc must be an int >= 1, got 0" in err
+    assert code == EXIT_USAGE and "--sharded must be a rank count >= 1" in err
     # A rank that fails as the rollout starts: exit 1, its error printed, nothing to save.
     monkeypatch.setenv("LAB_FSDP2_FAULT", "raise@1")
     code, _, err = _run(capsys, "pair", "--family", "sd3", "--sharded", "2",

@@ -187,3 +187,18 @@ def test_preset_sides_refuse_an_unknown_field_naming_the_nearest(preset: str) ->
     ):
         make(lab.family("flux"), autocst=False)
     assert make(lab.family("flux"), autocast=False).autocast is False
+
+
+def test_sides_are_refused_or_made_from_what_a_user_hands_over() -> None:
+    fam = lab.family("flux")
+    assert lab.Side.trainer("flux") == lab.Side.trainer(fam), "a family's name is enough"
+    with pytest.raises(ValueError, match=r"Side.trainer: expected a family .* got int 3"):
+        lab.Side.trainer(3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"pair_family: rollout must be a dict .* got str 'bf16'"):
+        lab.pair_family("flux", rollout="bf16")  # type: ignore[arg-type]
+    model, inputs = fam.build("tiny", seed=0), fam.make_inputs("tiny", seed=0)
+    with pytest.raises(ValueError, match=r"pair: side_a must be a lab.Side, got dict"):
+        lab.pair(model, inputs, {"autocast": False}, lab.Side.trainer(fam))  # type: ignore[arg-type]
+    # A Side handed to pair_family is used as it is.
+    exact = lab.pair_family("flux", trainer=lab.Side.trainer(fam, autocast=False))
+    assert exact.side_b["autocast"] is False

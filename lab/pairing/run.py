@@ -181,6 +181,13 @@ def pair(
             "pair: lockstep=True pairs propagated forwards; local mode re-runs each module "
             "under side B inside side A's forward. Use mode='propagated' or lockstep=None."
         )
+    for name, side in (("side_a", side_a), ("side_b", side_b)):
+        if not isinstance(side, Side):
+            raise ValueError(
+                f"pair: {name} must be a lab.Side, got {type(side).__name__} {side!r:.80}. Make "
+                "one with lab.Side.rollout(fam) / lab.Side.trainer(fam), and .replace(...) to "
+                "change fields (pair_family takes dicts of overrides)."
+            )
     device = model_device(model)
     for side in (side_a, side_b):
         check_side_device(side, device)
@@ -641,8 +648,8 @@ def pair_family(
     cfg: bool = False,
     sigma: float = 0.75,
     variant: str | None = None,
-    rollout: dict[str, Any] | None = None,
-    trainer: dict[str, Any] | None = None,
+    rollout: dict[str, Any] | Side | None = None,
+    trainer: dict[str, Any] | Side | None = None,
     checkpoint: str | None = None,
     capture_depth: int | None = None,
     stream: bool | None = None,
@@ -661,8 +668,9 @@ def pair_family(
         cfg: Use the family's CFG layout (the positive forward is paired).
         sigma: The step's flow-matching sigma.
         variant: A family variant (e.g. sd3 "large").
-        rollout: Field overrides for `Side.rollout(family)` (e.g. {"attention_backend": "math"}).
-        trainer: Field overrides for `Side.trainer(family)`.
+        rollout: Field overrides for `Side.rollout(family)` (e.g. {"attention_backend": "math"}),
+            or a Side used as it is.
+        trainer: Field overrides for `Side.trainer(family)`, or a Side.
         checkpoint: A local diffusers checkpoint directory to load instead of seeded weights.
         capture_depth: Capture only modules this many levels deep (1 = every block's output);
             None captures every module.
@@ -678,8 +686,8 @@ def pair_family(
 
     fam = get_family(family_name)
     resolve_device(device)
-    side_a = Side.rollout(fam, device=device, **(rollout or {}))
-    side_b = Side.trainer(fam, device=device, **(trainer or {}))
+    side_a = Side.from_overrides(rollout, fam, "rollout", device, where="pair_family")
+    side_b = Side.from_overrides(trainer, fam, "trainer", device, where="pair_family")
     if checkpoint:
         model = fam.load(checkpoint, device=device)
     else:

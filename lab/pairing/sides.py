@@ -113,6 +113,21 @@ def _mapping(value: Any, where: str, example: str) -> dict[str, Any]:
     return dict(value)
 
 
+def _family_of(family: Family | str, where: str) -> Family:
+    """A Family, from itself or its name; anything else refused naming what was given."""
+    from lab.families import Family
+    from lab.families import family as get_family
+
+    if isinstance(family, str):
+        return get_family(family)
+    if not isinstance(family, Family):
+        raise ValueError(
+            f"{where}: expected a family (lab.family('flux')) or its name, got "
+            f"{type(family).__name__} {family!r:.80}."
+        )
+    return family
+
+
 @dataclass(frozen=True, kw_only=True)
 class Side:
     """Everything that may differ between the rollout forward and the trainer forward.
@@ -263,12 +278,13 @@ class Side:
     # ---- presets ------------------------------------------------------------------------
 
     @classmethod
-    def rollout(cls, family: Family, **overrides: Any) -> Side:
+    def rollout(cls, family: Family | str, **overrides: Any) -> Side:
         """The engine-like side: weights resident at the rollout precision, no autocast.
 
         Loads like sglang-d: parameters and persistent buffers at `family.rollout_dtype`,
         except the modules the engine keeps in fp32; inputs cast as the engine's pipeline does.
         """
+        family = _family_of(family, "Side.rollout")
         dtype = overrides.get("forward_dtype", family.rollout_dtype)
         fields: dict[str, Any] = dict(
             name="rollout",
@@ -291,12 +307,13 @@ class Side:
         return cls(**{**fields, **cls._known_fields(overrides, "Side.rollout")})
 
     @classmethod
-    def trainer(cls, family: Family, **overrides: Any) -> Side:
+    def trainer(cls, family: Family | str, **overrides: Any) -> Side:
         """The FSDP2-like side: fp32 master, gathered at the forward dtype, autocast on.
 
         The family's FSDP plan rules pin chosen parameters; buffers stay at the master dtype
         (FSDP2 casts parameters only); the family's input_dtype_policy owns the boundary.
         """
+        family = _family_of(family, "Side.trainer")
         dtype = family.rollout_dtype
         fields: dict[str, Any] = dict(
             name="trainer",
@@ -312,8 +329,9 @@ class Side:
         return cls(**{**fields, **cls._known_fields(overrides, "Side.trainer")})
 
     @classmethod
-    def fp32_reference(cls, family: Family, **overrides: Any) -> Side:
+    def fp32_reference(cls, family: Family | str, **overrides: Any) -> Side:
         """Everything in fp32, no autocast: the yardstick both sides can be held against."""
+        family = _family_of(family, "Side.fp32_reference")
         fields: dict[str, Any] = dict(
             name="fp32_reference",
             master_dtype="fp32",
@@ -322,6 +340,35 @@ class Side:
             input_dtype_policy={"latents": "fp32", "cond": "fp32", "timestep": "fp32"},
         )
         return cls(**{**fields, **cls._known_fields(overrides, "Side.fp32_reference")})
+
+    @classmethod
+    def from_overrides(
+        cls,
+        value: Side | Mapping[str, Any] | None,
+        family: Family,
+        preset: str,
+        device: str,
+        *,
+        where: str,
+    ) -> Side:
+        """`value` itself when a Side; else `family`'s `preset` side with the dict's fields.
+
+        `preset` is "rollout" or "trainer"; the side runs on `device` unless the dict names
+        its own.
+
+        Raises:
+            ValueError: Anything else (a dtype name, a list), naming what was given.
+        """
+        if isinstance(value, Side):
+            return value
+        if value is not None and not isinstance(value, Mapping):
+            raise ValueError(
+                f"{where}: {preset} must be a dict of Side field overrides (e.g. "
+                f'{{"forward_dtype": "bf16", "autocast": False}}), a lab.Side or None, got '
+                f"{type(value).__name__} {value!r:.80}."
+            )
+        maker = cls.rollout if preset == "rollout" else cls.trainer
+        return maker(family, **{"device": device, **dict(value or {})})
 
     def replace(self, **changes: Any) -> Side:
         """A copy with some fields changed (validated again).

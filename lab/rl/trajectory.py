@@ -349,10 +349,7 @@ def _clean(value: Any) -> Any:
 def _resolve_side(
     value: Side | Mapping[str, Any] | None, fam: Family, preset_name: str, device: str
 ) -> Side:
-    if isinstance(value, Side):
-        return value
-    maker = Side.rollout if preset_name == "rollout" else Side.trainer
-    return maker(fam, **{"device": device, **dict(value or {})})
+    return Side.from_overrides(value, fam, preset_name, device, where="trajectory")
 
 
 def _guided_velocity(
