@@ -7,7 +7,7 @@ import torch
 
 import lab
 from lab.pairing.capture import ROOT
-from lab.precision.engine_ops import PATCH_GROUPS, SWITCHES, ops_applied
+from lab.precision.engine_ops import PATCH_GROUPS, SWITCHES, check_engine_ops, ops_applied
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +115,7 @@ def test_wan_patchify_as_linear_equals_conv3d_in_fp64() -> None:
     torch.manual_seed(0)
     conv = torch.nn.Conv3d(4, 6, kernel_size=(1, 2, 2), stride=(1, 2, 2)).double()
     x = torch.randn(2, 4, 3, 8, 8, dtype=torch.float64)
+    check_engine_ops((), {})  # loads the switch registry (run alone, nothing else has)
     linear = SWITCHES["wan_patchify"].forwards["linear"]["Conv3d"](conv)
     y = linear(x)
 
@@ -151,4 +152,15 @@ def test_unknown_group_and_switch_value_are_named() -> None:
     with pytest.raises(ValueError, match=r"unknown patch group\(s\) \['sglang'\].*Known: sgld"):
         lab.Side.rollout(fam, engine_ops=("sglang",))
     with pytest.raises(ValueError, match=r"unknown value 'gpu'. Allowed: 'as_built', 'cpu'"):
+        lab.Side.rollout(fam, op_switches={"rope_cache_device": "gpu"})
+    # Each message names the field that holds the bad value (a switch was under engine_ops).
+    with pytest.raises(ValueError, match=r"\.engine_ops: unknown patch group"):
+        lab.Side.rollout(fam, engine_ops=("sglang",))
+    with pytest.raises(
+        ValueError,
+        match=r"\.op_switches: unknown op switch 'rope_cache_devce'. Did you mean "
+        r"'rope_cache_device'\?",
+    ):
+        lab.Side.rollout(fam, op_switches={"rope_cache_devce": "cpu"})
+    with pytest.raises(ValueError, match=r"\.op_switches\['rope_cache_device'\]: unknown value"):
         lab.Side.rollout(fam, op_switches={"rope_cache_device": "gpu"})

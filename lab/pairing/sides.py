@@ -249,7 +249,7 @@ class Side:
                     f"{where}.op_switches[{switch!r}]",
                     lambda v, k=switch: f"op_switches={{{k!r}: {v}}}",
                 )
-        check_engine_ops(self.engine_ops, switches, where=f"{where}.engine_ops")
+        check_engine_ops(self.engine_ops, switches, where=where)
         self._set("op_switches", _frozen(switches))
         self._set("input_dtype_policy", _frozen(policy))
         self._set("param_dtype_rules", _frozen(self.param_dtype_rules))

@@ -11,6 +11,7 @@ restored on exit, so nothing leaks into the other side, a nested re-run, or the 
 from __future__ import annotations
 
 import contextlib
+import difflib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -47,9 +48,9 @@ __all__ = [
 
 
 def check_engine_ops(
-    groups: tuple[str, ...], switches: Mapping[str, Any], *, where: str = "engine_ops"
+    groups: tuple[str, ...], switches: Mapping[str, Any], *, where: str = "Side"
 ) -> None:
-    """Validate group names and switch names/values.
+    """Validate group names and switch names/values; errors name `where`.engine_ops or .op_switches.
 
     Raises:
         ValueError: An unknown group, switch or switch value, listing the known ones.
@@ -58,14 +59,22 @@ def check_engine_ops(
     unknown = [g for g in groups if g not in PATCH_GROUPS]
     if unknown:
         raise ValueError(
-            f"{where}: unknown patch group(s) {unknown}. Known: {', '.join(PATCH_GROUPS)}."
+            f"{where}.engine_ops: unknown patch group(s) {unknown}. Known: "
+            f"{', '.join(PATCH_GROUPS)}."
         )
     for name, value in switches.items():
         if name not in SWITCHES:
-            raise ValueError(f"{where}: unknown op switch {name!r}. Known: {', '.join(SWITCHES)}.")
+            close = difflib.get_close_matches(name, list(SWITCHES), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(
+                f"{where}.op_switches: unknown op switch {name!r}.{hint} Known: "
+                f"{', '.join(SWITCHES)}."
+            )
         if value not in SWITCHES[name].values:
             allowed = ", ".join(repr(v) for v in SWITCHES[name].values)
-            raise ValueError(f"{where}[{name!r}]: unknown value {value!r}. Allowed: {allowed}.")
+            raise ValueError(
+                f"{where}.op_switches[{name!r}]: unknown value {value!r}. Allowed: {allowed}."
+            )
 
 
 def forward_source(
