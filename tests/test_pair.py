@@ -586,3 +586,17 @@ def test_ulp_at_scale_of_an_all_zero_reference_is_inf() -> None:
         row, metrics=dataclasses.replace(row.metrics, max_abs_a=0.0, max_abs_diff=0.5)
     )
     assert zero_ref.ulp_at_scale() == math.inf
+
+
+def test_pair_family_refuses_a_bad_mode_or_depth_before_building(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fam = lab.family("flux")
+    built: list[str] = []
+    monkeypatch.setattr(type(fam), "build", lambda self, *a, **kw: built.append("x"))
+    with pytest.raises(ValueError, match=r"pair_family: unknown mode 'locl'"):
+        lab.pair_family("flux", mode="locl")
+    for depth in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=r"capture_depth must be None .* or an int >= 0"):
+            lab.pair_family("flux", capture_depth=depth)
+    assert built == [], "refused before any model was built"

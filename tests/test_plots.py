@@ -216,6 +216,10 @@ def test_ulp_histogram_per_module_traces(result: Result) -> None:
     mpl = plots.plot_ulp_histogram(result, mods, backend="matplotlib")
     assert len(mpl.axes[0].patches) == 2 * 9
     plt.close(mpl)
+    # One name is one module, not its letters; a miss lists real labels.
+    assert [t.name for t in plots.plot_ulp_histogram(result, mods[0]).data] == [mods[0]]
+    with pytest.raises(ValueError, match=r"module 'proj_ou' .* Nearest: \['proj_out'"):
+        plots.plot_ulp_histogram(result, "proj_ou")
 
 
 def test_overlay_shows_the_fix_as_a_drop(result: Result, fp16_result: Result) -> None:

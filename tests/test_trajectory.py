@@ -660,3 +660,15 @@ def test_ratio_drift_notebook_runs_for_every_family(family_name: str, tmp_path: 
     assert math.isfinite(data["overall"]["log_prob_mean_abs_diff"])
     for png in ("ratio_drift.png", "ratio_hist.png", "logprob_vs_velocity_gap.png"):
         assert (out_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_result_and_a_trajectory_each_name_the_reader_of_the_other(tmp_path: Path) -> None:
+    result = lab.pair_family("flux").to_json(tmp_path / "pair.json")
+    traj = trajectory("flux", steps=2, progress=False).to_json(tmp_path / "traj.json")
+    with pytest.raises(ValueError, match=r"it is a paired forward's Result; read it with lab"):
+        Trajectory.from_json(result)
+    with pytest.raises(ValueError, match=r"ratio-drift trajectory .* lab.Trajectory.from_json"):
+        lab.Result.from_json(traj)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"not valid JSON"):
+        Trajectory.from_json(tmp_path / "bad.json")

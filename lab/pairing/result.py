@@ -436,6 +436,11 @@ def _check_document(data: Any, where: str) -> None:
         raise ValueError(
             f"{where}: expected a JSON object (a Result document), got {type(data).__name__}."
         )
+    if data.get("schema") != SCHEMA and "per_step" in data:
+        raise ValueError(
+            f"{where}: this is a ratio-drift trajectory (it has per_step), not a paired "
+            "forward's Result; read it with lab.Trajectory.from_json."
+        )
     if data.get("schema") != SCHEMA:
         raise ValueError(
             f"{where}: schema {data.get('schema')!r} is not {SCHEMA!r}; "

@@ -688,6 +688,16 @@ def pair_family(
     resolve_device(device)
     side_a = Side.from_overrides(rollout, fam, "rollout", device, where="pair_family")
     side_b = Side.from_overrides(trainer, fam, "trainer", device, where="pair_family")
+    # What pair() would refuse only after the model is built (seconds at full size).
+    if mode not in MODES:
+        raise ValueError(f"pair_family: unknown mode {mode!r}. Known: {', '.join(MODES)}.")
+    if capture_depth is not None and (
+        isinstance(capture_depth, bool) or not isinstance(capture_depth, int) or capture_depth < 0
+    ):
+        raise ValueError(
+            f"pair_family: capture_depth must be None (every module) or an int >= 0 (0: the "
+            f"model's own children, 1: every block's output too), got {capture_depth!r}."
+        )
     if checkpoint:
         model = fam.load(checkpoint, device=device)
     else:

@@ -300,8 +300,23 @@ class Trajectory:
 
     @classmethod
     def from_json(cls, path: str | Path) -> Trajectory:
-        """Read what `to_json` wrote (without tensors)."""
-        data = json.loads(Path(path).read_text())
+        """Read what `to_json` wrote (without tensors).
+
+        Raises:
+            ValueError: Not JSON, or not a trajectory (a paired forward's Result, say).
+        """
+        where = f"Trajectory.from_json({str(path)!r})"
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where}: not valid JSON ({err.msg}, line {err.lineno}).") from None
+        if not isinstance(data, dict) or "per_step" not in data:
+            kind = (
+                "a paired forward's Result; read it with lab.Result.from_json"
+                if isinstance(data, dict) and "rows" in data
+                else "not a document Trajectory.to_json writes"
+            )
+            raise ValueError(f"{where}: this file has no per_step: it is {kind}.")
 
         def rows(kind: type, items: list[dict]) -> list:
             return [kind(**{k: math.nan if v is None else v for k, v in d.items()}) for d in items]

@@ -324,7 +324,7 @@ def plot_steps_by_layers(
     results: Sequence[Result] | Mapping[Any, Result],
     metric: str = "rel_max",
     *,
-    modules: Sequence[str] | None = None,
+    modules: Sequence[str] | str | None = None,
     title: str | None = None,
     backend: Backend = "plotly",
 ) -> Any:
@@ -500,12 +500,16 @@ def plot_ulp_histogram(
              hists.sum(axis=0))
         )  # fmt: skip
     else:
-        for entry in modules:
+        # One name is one module (a str would otherwise be read letter by letter).
+        for entry in [modules] if isinstance(modules, str) else modules:
             sel = ((table["module"] == entry) | (table["label"] == entry)).to_numpy()
             if not sel.any():
-                close = difflib.get_close_matches(entry, list(table["label"]), n=3)
+                labels = list(dict.fromkeys(table["label"]))
+                close = difflib.get_close_matches(entry, labels, n=3, cutoff=0.3)
+                near = f"Nearest: {close}" if close else f"Paired outputs: {labels[:12]}"
                 raise ValueError(
-                    f"{where}: module {entry!r} matches no paired output. Nearest: {close}."
+                    f"{where}: module {entry!r} matches no paired output. {near} (result.table() "
+                    "lists every label)."
                 )
             sub = table[sel]
             first = next(sub.itertuples(index=False))
