@@ -160,6 +160,16 @@ def test_make_inputs_bad_values() -> None:
         fam.make_inputs("tiny", dtype="float8")
     with pytest.raises(ValueError, match="sigma must lie in"):
         fam.make_inputs("tiny", sigma=1.5)
+    for text in ("0.5", "high"):  # a str was float()-ed, or failed with float()'s own words
+        with pytest.raises(
+            ValueError, match=rf"sigma must be a number in \[0, 1\], got str '{text}'"
+        ):
+            fam.make_inputs("tiny", sigma=text)
+    # A 0-d tensor or numpy number is a number: the same inputs as the float.
+    as_tensor = fam.make_inputs("tiny", sigma=torch.tensor(0.5))
+    as_float = fam.make_inputs("tiny", sigma=0.5)
+    assert all(torch.equal(as_tensor.kwargs[k], v) for k, v in as_float.kwargs.items()
+               if isinstance(v, torch.Tensor))  # fmt: skip
     with pytest.raises(ValueError, match=r"batch must be (an int )?>= 1"):
         fam.make_inputs("tiny", batch=0)
 

@@ -484,6 +484,11 @@ class Family:
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"make_inputs: batch must be an int >= 1, got {batch!r}.")
         check_seed(seed, where="make_inputs(seed)")
+        if isinstance(sigma, str | bytes | bool) or not _is_number(sigma):
+            raise ValueError(
+                f"make_inputs: sigma must be a number in [0, 1], got {type(sigma).__name__} "
+                f"{sigma!r}."
+            )
         if not 0.0 <= float(sigma) <= 1.0:
             raise ValueError(f"make_inputs: sigma must lie in [0, 1], got {sigma!r}.")
         torch_dtype = parse_dtype(dtype or self.rollout_dtype, where="make_inputs(dtype)")
@@ -646,3 +651,12 @@ def _family_hint(class_name: str) -> str:
         name = owners[0]
         return f"It is a {name!r} checkpoint: load it with lab.family({name!r}).load(...)."
     return "No lab family uses that class."
+
+
+def _is_number(value: object) -> bool:
+    """float(value) works (a Python, numpy or 0-d torch number)."""
+    try:
+        float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    return True
