@@ -233,8 +233,11 @@ def test_an_unwritable_out_is_refused_before_any_run(tmp_path: Path) -> None:
     blocker.write_text("not a folder")
     proc = _sweep_cli(str(TOY), "--grid", "x=1", "--out", str(blocker / "sweep"), cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert f"cannot write the sweep folder {str(blocker / 'sweep')!r}" in proc.stderr
+    assert f"--out {str(blocker / 'sweep')!r} cannot be written (Not a directory)" in proc.stderr
     assert "Traceback" not in proc.stderr
+    # The command line refuses it first; run_sweep itself says the same from Python.
+    with pytest.raises(ValueError, match=r"cannot write the sweep folder"):
+        run_sweep(TOY, {"x": [1]}, blocker / "sweep")
     with pytest.raises(ValueError, match=r"jobs must be an int >= 1, got 1\.5"):
         run_sweep(TOY, {"x": [1]}, tmp_path / "s", jobs=1.5)
 
