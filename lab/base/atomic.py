@@ -23,6 +23,7 @@ import contextlib
 import errno
 import os
 import secrets
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -136,3 +137,27 @@ def _fsync_directory(directory: Path) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def folder_write_problem(folder: str | Path, *, keep: bool) -> str | None:
+    """Why nothing can be written in `folder`, or None: tried for real, not read off modes.
+
+    Makes the folder and a temporary file in it (permissions alone do not say it: root, /proc).
+    keep=False removes the folders it made, so a refused command leaves nothing behind.
+    """
+    path = Path(folder).resolve()
+    if path.exists() and not path.is_dir():
+        return "a file, not a folder"
+    made = [p for p in (path, *path.parents) if not p.exists()]  # deepest first
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        return err.strerror or type(err).__name__
+    finally:
+        if not keep:
+            for p in made:
+                with contextlib.suppress(OSError):
+                    p.rmdir()
+    return None

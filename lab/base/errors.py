@@ -86,3 +86,11 @@ class CheckpointError(ValueError):
 
 class ModelInUseError(RuntimeError):
     """A second thread asked to pair or run a model another thread is pairing or running."""
+
+
+def nearest_words(unknown: list[str], known: list[str]) -> str:
+    """' Did you mean 'a' for 'b'?' for each unknown name with a close known one ('' if none)."""
+    import difflib
+
+    near = {u: difflib.get_close_matches(u, known, n=1) for u in unknown}
+    return "".join(f" Did you mean {m[0]!r} for {u!r}?" for u, m in near.items() if m)

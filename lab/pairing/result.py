@@ -10,12 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from lab.base.dtypes import DTYPES
 from lab.pairing.capture import ROOT
 from lab.pairing.metrics import ULP_BIN_LABELS, PairMetrics
 
 SCHEMA = "precision-lab/result/1"
-# Machine epsilon (one ULP at 1.0) of the dtypes a pair's outputs come in.
-_EPS: dict[str, float] = {"bf16": 2.0**-7, "fp16": 2.0**-10, "fp32": 2.0**-23, "fp64": 2.0**-52}
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,10 @@ class LayerDivergence:
             return 0.0
         if not (math.isfinite(m.max_abs_a) and m.max_abs_a > 0):
             return math.inf
-        eps = max(_EPS.get(self.dtype_a, 0.0), _EPS.get(self.dtype_b, 0.0)) or _EPS["fp32"]
+        # One ULP at 1.0 in the coarser dtype (a name the lab does not know counts as fp32).
+        eps = max(
+            torch.finfo(DTYPES.get(d, torch.float32)).eps for d in (self.dtype_a, self.dtype_b)
+        )
         return m.max_abs_diff / (eps * 2.0 ** math.floor(math.log2(m.max_abs_a)))
 
     def label(self) -> str:

@@ -109,6 +109,12 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def check_mode(mode: str, where: str) -> None:
+    """Refuse a pairing mode other than MODES, listing them."""
+    if mode not in MODES:
+        raise ValueError(f"{where}: unknown mode {mode!r}. Known: {', '.join(MODES)}.")
+
+
 @_holding_model("pair")
 def pair(
     model: torch.nn.Module,
@@ -169,8 +175,7 @@ def pair(
             pairs compared before the failure.
     """
     entered = time.perf_counter()
-    if mode not in MODES:
-        raise ValueError(f"pair: unknown mode {mode!r}. Known: {', '.join(MODES)}.")
+    check_mode(mode, "pair")
     if outputs is not None and mode != "propagated":
         raise ValueError(
             "pair: outputs= needs mode='propagated'; local mode runs side B module by module, "
@@ -689,8 +694,7 @@ def pair_family(
     side_a = Side.from_overrides(rollout, fam, "rollout", device, where="pair_family")
     side_b = Side.from_overrides(trainer, fam, "trainer", device, where="pair_family")
     # What pair() would refuse only after the model is built (seconds at full size).
-    if mode not in MODES:
-        raise ValueError(f"pair_family: unknown mode {mode!r}. Known: {', '.join(MODES)}.")
+    check_mode(mode, "pair_family")
     if capture_depth is not None and (
         isinstance(capture_depth, bool) or not isinstance(capture_depth, int) or capture_depth < 0
     ):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 import warnings
 from collections.abc import Callable, Mapping
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from lab.base.dtypes import DTYPES, dtype_name, parse_dtype
+from lab.base.errors import nearest_words
 from lab.precision.input_policy import PASSTHROUGH, check_input_dtype_policy
 
 if TYPE_CHECKING:
@@ -390,10 +390,9 @@ class Side:
         known = sorted(f.name for f in dataclasses.fields(cls))
         unknown = sorted(set(changes) - set(known))
         if unknown:
-            near = {u: difflib.get_close_matches(u, known, n=1) for u in unknown}
-            hint = "".join(f" Did you mean {m[0]!r} for {u!r}?" for u, m in near.items() if m)
             raise ValueError(
-                f"{where}: unknown field(s) {unknown}.{hint} Known: {', '.join(known)}."
+                f"{where}: unknown field(s) {unknown}.{nearest_words(unknown, known)} Known: "
+                f"{', '.join(known)}."
             )
         return changes
 

@@ -14,12 +14,10 @@ and exits with
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import difflib
 import math
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -557,24 +555,15 @@ def _metrics() -> list[str]:
 
 def _writable(flag: str, folder: str) -> None:
     """Refuse an output folder that cannot be made or written, before any work (makes nothing)."""
-    path = Path(folder).resolve()
-    if path.exists() and not path.is_dir():
+    from lab.base.atomic import folder_write_problem
+
+    if Path(folder).is_file():
         raise UsageError(f"{flag} {folder!r} is a file, not a folder; choose a folder.")
-    made = [p for p in (path, *path.parents) if not p.exists()]
-    try:
-        # Tried for real (permissions alone do not say it: root, /proc), then undone.
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
-            pass
-    except OSError as err:
+    problem = folder_write_problem(folder, keep=False)
+    if problem:
         raise UsageError(
-            f"{flag} {folder!r} cannot be written ({err.strerror or type(err).__name__}); "
-            "choose a folder you can write."
-        ) from None
-    finally:
-        for p in made:  # deepest first
-            with contextlib.suppress(OSError):
-                p.rmdir()
+            f"{flag} {folder!r} cannot be written ({problem}); choose a folder you can write."
+        )
 
 
 def _check_arguments(args: argparse.Namespace) -> None:

@@ -41,8 +41,8 @@ two-core machine running several kernels (a sweep's jobs beside a test run) has 
 a kernel that never starts still fails, with papermill's "Kernel didn't respond" error."""
 
 
-def check_parameters(notebook: str | Path, names: Sequence[str], where: str) -> None:
-    """Refuse parameter names the notebook's `parameters` cell does not declare.
+def check_parameters(notebook: str | Path, names: Sequence[str], where: str) -> list[str]:
+    """The parameters the notebook declares; names it does not declare are refused.
 
     papermill only warns ("Passed unknown parameter") and runs the defaults, so a misspelt
     `-p famliy sd3` gave a flux run that looked like an sd3 one. A notebook with no
@@ -51,19 +51,18 @@ def check_parameters(notebook: str | Path, names: Sequence[str], where: str) -> 
     Raises:
         ValueError: Naming the unknown names, the nearest declared ones and all of them.
     """
-    import difflib
-
     import papermill as pm
+
+    from lab.base.errors import nearest_words
 
     declared = list(pm.inspect_notebook(str(notebook)))
     unknown = sorted(set(names) - set(declared))
     if not declared or not unknown:
-        return
-    near = {u: difflib.get_close_matches(u, declared, n=1) for u in unknown}
-    hint = "".join(f" Did you mean {m[0]!r} for {u!r}?" for u, m in near.items() if m)
+        return declared
     raise ValueError(
-        f"{where}: {unknown} are not parameters of {Path(notebook).name}.{hint} Its "
-        f"parameters: {', '.join(declared)} (--help-notebook says what each does)."
+        f"{where}: {unknown} are not parameters of {Path(notebook).name}."
+        f"{nearest_words(unknown, declared)} Its parameters: {', '.join(declared)} "
+        "(--help-notebook says what each does)."
     )
 
 

@@ -25,7 +25,6 @@ import math
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -397,8 +396,6 @@ def run_sweep(
             out_dir that cannot be written.
         SweepInterrupted: Ctrl-C or SIGTERM (a KeyboardInterrupt; `.sweep` has what finished).
     """
-    import papermill as pm
-
     from lab.base.processes import Terminated, sigterm_raises
     from lab.base.progress import progress as progress_bar
     from lab.views.notebooks import check_parameters
@@ -408,8 +405,7 @@ def run_sweep(
         raise ValueError("run_sweep: the grid is empty; give each key at least one value.")
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"run_sweep: jobs must be an int >= 1, got {jobs!r}.")
-    check_parameters(path, [*grid, *(parameters or {})], "run_sweep")
-    declared = pm.inspect_notebook(str(path))
+    declared = check_parameters(path, [*grid, *(parameters or {})], "run_sweep")
     out = _writable_folder(Path(out_dir).resolve())
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     tasks = []
@@ -503,16 +499,14 @@ def run_sweep(
 
 def _writable_folder(out: Path) -> Path:
     """Create `out` and check a file can be written there, or say what is wrong."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
-            pass
-    except OSError as err:
-        reason = err.strerror or type(err).__name__
+    from lab.base.atomic import folder_write_problem
+
+    problem = folder_write_problem(out, keep=True)
+    if problem:
         raise ValueError(
-            f"run_sweep: cannot write the sweep folder {str(out)!r} ({reason}). Choose a folder "
+            f"run_sweep: cannot write the sweep folder {str(out)!r} ({problem}). Choose a folder "
             "you can write with --out (out_dir=)."
-        ) from err
+        )
     return out
 
 
