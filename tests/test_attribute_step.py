@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -93,6 +94,10 @@ def test_bad_steps_and_metrics_are_refused(sd3_traj) -> None:
         lab.attribute(model, inputs, a, b, step=3)
     with pytest.raises(ValueError, match="outside the schedule"):
         attribute_step(sd3_traj, 9)
+    for bad in ("1", 1.0, True):
+        with pytest.raises(ValueError, match=rf"step must be an int index .*got {bad!r}"):
+            attribute_step(sd3_traj, bad)  # type: ignore[arg-type]
+    assert StepScore.from_trajectory(sd3_traj, np.int64(1)).step == 1
     windowed = lab.trajectory("sd3", "tiny", steps=3, samples=1, sde_window=(0, 1), progress=False)
     with pytest.raises(ValueError, match=r"outside the SDE window \[0, 1\]"):
         StepScore.from_trajectory(windowed, 2)

@@ -408,3 +408,39 @@ def test_a_parameter_the_notebook_does_not_declare_is_refused_before_a_kernel_st
     bare.write_text(json.dumps({"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
     execute_notebook(bare, out, {"anything": 1})
     assert len(ran) == 2
+
+
+def test_a_value_the_declared_type_does_not_take_is_refused_and_true_false_are_booleans(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """`-p interactive false` was the text "false", which `if interactive:` took as True."""
+    import papermill
+    import papermill.cli
+
+    ran: list[Any] = []
+    monkeypatch.setattr(papermill.cli, "execute_notebook", lambda **kw: ran.append(kw))
+    monkeypatch.setattr(papermill, "execute_notebook", lambda *a, **kw: ran.append(kw))
+    notebook = NOTEBOOKS / "01_quickstart.ipynb"
+    out = tmp_path / "out.ipynb"
+    assert papermill_main([str(notebook), str(out), "-p", "interactive", "maybe"]) == 2
+    err = capsys.readouterr().err
+    assert "parameter 'interactive' is declared bool, got 'maybe' (str). Pass True or False" in err
+    assert papermill_main([str(notebook), str(out), "-p", "seed", "abc"]) == 2
+    err = capsys.readouterr().err
+    assert "'seed' is declared int, got 'abc' (str). Pass a whole number." in err
+    assert papermill_main([str(notebook), str(out), "-p", "sigma", "1e"]) == 2
+    assert ran == [], "nothing ran"
+    # Any case of true/false is papermill's True/False; an int is a float's number.
+    for text, want in (("false", False), ("TRUE", True), ("False", False)):
+        assert papermill_main([str(notebook), str(out), "-p", "interactive", text]) == 0
+        assert ran[-1]["parameters"]["interactive"] is want
+    assert papermill_main([str(notebook), str(out), "-p", "sigma", "1", "-p", "seed", "3"]) == 0
+    assert ran[-1]["parameters"]["sigma"] == 1 and ran[-1]["parameters"]["seed"] == 3
+    with pytest.raises(ValueError, match=r"'seed' is declared int, got 2\.5 \(float\)"):
+        execute_notebook(notebook, out, {"seed": 2.5})
+    with pytest.raises(ValueError, match=r"'interactive' is declared bool, got 1 \(int\)"):
+        execute_notebook(notebook, out, {"interactive": 1})
+    with pytest.raises(ValueError, match=r"'family' is declared str, got 3 \(int\)"):
+        execute_notebook(notebook, out, {"family": 3})
+    execute_notebook(notebook, out, {"sigma": 1, "trainer_overrides": '{"autocast": false}'})
+    assert ran[-1]["parameters"] == {"sigma": 1, "trainer_overrides": '{"autocast": false}'}

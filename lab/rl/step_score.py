@@ -134,6 +134,13 @@ class StepScore:
                 "keep_tensors=False, or was read back with Trajectory.from_json, which writes "
                 "none); run lab.trajectory(..., keep_tensors=True) (the default) in this session."
             )
+        if isinstance(step, bool) or not hasattr(step, "__index__"):
+            raise ValueError(
+                f"StepScore.from_trajectory: step must be an int index into the schedule "
+                f"(0..{len(traj.steps) - 1}; the SDE window is {meta.get('sde_window')}), got "
+                f"{step!r} ({type(step).__name__})."
+            )
+        step = step.__index__()
         if not 0 <= step < len(traj.steps):
             raise ValueError(
                 f"StepScore.from_trajectory: step {step!r} is outside the schedule "

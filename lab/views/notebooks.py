@@ -17,7 +17,7 @@ with the same kernel settings.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,29 +41,81 @@ two-core machine running several kernels (a sweep's jobs beside a test run) has 
 a kernel that never starts still fails, with papermill's "Kernel didn't respond" error."""
 
 
-def check_parameters(notebook: str | Path, names: Sequence[str], where: str) -> list[str]:
-    """The parameters the notebook declares; names it does not declare are refused.
+def check_parameters(
+    notebook: str | Path,
+    names: Sequence[str],
+    where: str,
+    values: Iterable[tuple[str, Any]] = (),
+) -> list[str]:
+    """The parameters the notebook declares; undeclared names and ill-typed values refused.
+
+    A value whose type the parameter's declared type does not take is refused too
+    (`check_parameter_types`): `values` holds (name, value) pairs, a name as often as it has
+    values (a sweep's grid).
 
     papermill only warns ("Passed unknown parameter") and runs the defaults, so a misspelt
     `-p famliy sd3` gave a flux run that looked like an sd3 one. A notebook with no
     parameters cell declares nothing and takes anything, as papermill lets it.
 
     Raises:
-        ValueError: Naming the unknown names, the nearest declared ones and all of them.
+        ValueError: Naming the unknown names, the nearest declared ones and all of them; or
+            the parameter whose value has the wrong type, the value and what it takes.
     """
     import papermill as pm
 
     from lab.base.errors import nearest_words
 
-    declared = list(pm.inspect_notebook(str(notebook)))
-    unknown = sorted(set(names) - set(declared))
-    if not declared or not unknown:
-        return declared
-    raise ValueError(
-        f"{where}: {unknown} are not parameters of {Path(notebook).name}."
-        f"{nearest_words(unknown, declared)} Its parameters: {', '.join(declared)} "
-        "(--help-notebook says what each does)."
-    )
+    info = pm.inspect_notebook(str(notebook))
+    declared = list(info)
+    values = list(values)
+    unknown = sorted(set([*names, *(name for name, _ in values)]) - set(declared))
+    if declared and unknown:
+        raise ValueError(
+            f"{where}: {unknown} are not parameters of {Path(notebook).name}."
+            f"{nearest_words(unknown, declared)} Its parameters: {', '.join(declared)} "
+            "(--help-notebook says what each does)."
+        )
+    check_parameter_types(info, values, where, Path(notebook).name)
+    return declared
+
+
+# What a declared type takes (papermill reads `name: bool = True` as "bool").
+_TAKES: dict[str, tuple[tuple[type, ...], str]] = {
+    "bool": ((bool,), "True or False"),
+    "int": ((int,), "a whole number"),
+    "float": ((int, float), "a number"),
+    "str": ((str,), "text"),
+    "dict": ((dict, str), "a dict or its JSON text"),
+    "list": ((list, tuple, str), "a list or its JSON text"),
+}
+
+
+def check_parameter_types(
+    info: Mapping[str, Mapping[str, Any]],
+    values: Iterable[tuple[str, Any]],
+    where: str,
+    notebook: str,
+) -> None:
+    """Refuse a value whose type the parameter's declared type does not take.
+
+    A notebook cell reading `if interactive:` took `-p interactive false` (papermill's text
+    "false") as True; `seed: int` took "abc" and failed in the kernel, minutes in. None is
+    taken anywhere (a parameter whose default is None), and so is any value of a parameter
+    declared without one of the types in `_TAKES`.
+
+    Raises:
+        ValueError: Naming the parameter, its declared type, the value and what it takes.
+    """
+    for name, value in values:
+        declared = str((info.get(name) or {}).get("inferred_type_name") or "")
+        if value is None or declared not in _TAKES:
+            continue
+        types, takes = _TAKES[declared]
+        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+            raise ValueError(
+                f"{where}: {notebook}'s parameter {name!r} is declared {declared}, got "
+                f"{value!r} ({type(value).__name__}). Pass {takes}."
+            )
 
 
 def execute_notebook(
@@ -86,12 +138,13 @@ def execute_notebook(
         **papermill_kwargs: Passed on to `papermill.execute_notebook` (e.g. `log_output`).
 
     Raises:
-        ValueError: A parameter the notebook does not declare (before anything runs).
+        ValueError: A parameter the notebook does not declare, or a value its declared type
+            does not take (before anything runs).
         papermill.PapermillExecutionError: A cell raised; `output` holds the traceback.
     """
     import papermill as pm
 
-    check_parameters(notebook, list(parameters or {}), "execute_notebook")
+    check_parameters(notebook, [], "execute_notebook", dict(parameters or {}).items())
     _make_parent(output, parameters)
     return pm.execute_notebook(
         str(notebook),
@@ -145,6 +198,31 @@ def _yaml_names(params: Mapping[str, Any]) -> list[str]:
     return names
 
 
+def _bool_spellings(args: list[str], notebook: str | Path) -> tuple[list[str], dict[str, Any]]:
+    """`-p NAME true/false` in any case, as papermill's booleans; and every -p value typed.
+
+    For a parameter the notebook declares bool, the text is rewritten to papermill's one
+    spelling (`True`, `False`); the values come back as papermill will inject them (its own
+    `_resolve_type`), for `check_parameter_types`.
+    """
+    import papermill as pm
+    from papermill.cli import _resolve_type
+
+    info = pm.inspect_notebook(str(notebook))
+    out, values, i = list(args), {}, 0
+    while i < len(out):
+        if out[i] in ("-p", "--parameters") and i + 2 < len(out):
+            name, text = out[i + 1], out[i + 2]
+            declared = (info.get(name) or {}).get("inferred_type_name")
+            if declared == "bool" and text.lower() in ("true", "false"):
+                text = out[i + 2] = text.capitalize()
+            values[name] = _resolve_type(text)
+            i += 3
+        else:
+            i += 1
+    return out, values
+
+
 def papermill_main(argv: Sequence[str] | None = None) -> int:
     """Run papermill's command line, its kernels started with `kernel_config()`; the exit code."""
     import click
@@ -182,7 +260,8 @@ def papermill_main(argv: Sequence[str] | None = None) -> int:
         output, given, notebook, names = None, {}, None, []
     if notebook and "://" not in str(notebook) and Path(notebook).is_file():
         try:
-            check_parameters(notebook, names, "papermill")
+            args, values = _bool_spellings(args, notebook)
+            check_parameters(notebook, names, "papermill", values.items())
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2

@@ -401,11 +401,13 @@ def run_sweep(
     from lab.views.notebooks import check_parameters
 
     path = resolve_notebook(notebook)
+    # Names and types first: `-p famly=flux` with no grid is a misspelling before an empty grid.
+    values = [(k, v) for k, vs in grid.items() for v in vs] + list((parameters or {}).items())
+    declared = check_parameters(path, list(grid), "run_sweep", values)
     if not grid or any(not list(v) for v in grid.values()):
         raise ValueError("run_sweep: the grid is empty; give each key at least one value.")
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"run_sweep: jobs must be an int >= 1, got {jobs!r}.")
-    declared = check_parameters(path, [*grid, *(parameters or {})], "run_sweep")
     out = _writable_folder(Path(out_dir).resolve())
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     tasks = []
