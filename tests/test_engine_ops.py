@@ -7,7 +7,13 @@ import torch
 
 import lab
 from lab.pairing.capture import ROOT
-from lab.precision.engine_ops import PATCH_GROUPS, SWITCHES, check_engine_ops, ops_applied
+from lab.precision.engine_ops import (
+    PATCH_GROUPS,
+    SWITCHES,
+    check_engine_ops,
+    check_groups_apply,
+    ops_applied,
+)
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +170,31 @@ def test_unknown_group_and_switch_value_are_named() -> None:
         lab.Side.rollout(fam, op_switches={"rope_cache_devce": "cpu"})
     with pytest.raises(ValueError, match=r"\.op_switches\['rope_cache_device'\]: unknown value"):
         lab.Side.rollout(fam, op_switches={"rope_cache_device": "gpu"})
+
+
+def test_a_group_that_patches_nothing_in_the_model_is_refused(built: dict) -> None:
+    """ "qwen_image" on a Wan model ran the stock forwards and read as the engine's semantics."""
+    for name in ("wan2_2", "cosmos3"):
+        fam, model, inputs = _model_inputs(built, name)
+        rollout = lab.Side.rollout(fam, engine_ops=("qwen_image",))
+        trainer = lab.Side.trainer(fam)
+        match = (
+            r"Side\('rollout'\)\.engine_ops: patch group 'qwen_image' patches "
+            r"AdaLayerNormContinuous, QwenImageTransformerBlock, and this model \("
+            + type(model).__name__
+            + r"\) has none of them: it would change nothing\. Groups that patch this model: "
+            r"sgld, wan\."
+        )
+        with pytest.raises(ValueError, match=match):
+            lab.pair(model, inputs, rollout, trainer)
+        with pytest.raises(ValueError, match=match):
+            lab.forward_side(model, inputs, rollout)
+        with pytest.raises(ValueError, match=match):
+            lab.attribute(model, inputs, rollout, trainer)
+    # Later groups still win where both patch (the family's own default runs).
+    fam, model, inputs = _model_inputs(built, "wan2_2")
+    assert lab.pair(model, inputs, lab.Side.rollout(fam), lab.Side.trainer(fam)).rows
+    # A model no group patches: engine_ops is refused as a whole, op_switches are not checked.
+    with pytest.raises(ValueError, match=r"\(Linear\) has none .*No patch group patches this"):
+        check_groups_apply(("sgld",), torch.nn.Linear(2, 2), "Side('x')")
+    check_groups_apply((), torch.nn.Linear(2, 2), "Side('x')")

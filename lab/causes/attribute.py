@@ -847,7 +847,7 @@ def attribute(
     units = attribution_units(model, level, names)
     device = model_device(model)
     for side in (side_a, side_b):
-        check_side_device(side, device)
+        check_side_device(side, device, model)
     check_fp32_master(model, "attribute")
     check_inputs(model, inputs, "attribute")
     source, target = (side_b, side_a) if reverse else (side_a, side_b)

@@ -800,7 +800,7 @@ def _live_capture(model: torch.nn.Module, inputs: Any, side: Any) -> dict[str, t
     from lab.pairing.weights import WeightView
 
     device = model_device(model)
-    check_side_device(side, device)
+    check_side_device(side, device, model)
     cast = side_inputs(inputs, side, device)
     captured: dict[str, torch.Tensor] = {}
 

@@ -914,7 +914,7 @@ def pair_capture(
 
     with model_in_use(model, "pair_capture"):
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        check_side_device(reference, device)
+        check_side_device(reference, device, model)
         check_fp32_master(model, "pair_capture")
         check_inputs(model, inputs, "pair_capture")
         return _pair_capture(model, inputs, reference, capture, device, meta)

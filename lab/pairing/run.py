@@ -74,7 +74,7 @@ def forward_side(
         ValueError: The side cannot run where the model lives (see `check_side_device`).
     """
     device = model_device(model)
-    check_side_device(side, device)
+    check_side_device(side, device, model)
     check_inputs(model, inputs, "forward_side")
     if view is not None and (view.side != side or view.model is not model):
         raise ValueError(
@@ -195,7 +195,7 @@ def pair(
             )
     device = model_device(model)
     for side in (side_a, side_b):
-        check_side_device(side, device)
+        check_side_device(side, device, model)
     check_inputs(model, inputs, "pair")
     # The metric switches are read inside the forwards: refuse a bad one before they start.
     metrics_kernel()

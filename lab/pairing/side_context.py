@@ -87,12 +87,17 @@ def side_inputs(inputs: Inputs, side: Side, device: torch.device) -> Inputs:
     return transform_inputs(cast, side.op_switches)
 
 
-def check_side_device(side: Side, device: torch.device) -> None:
-    """Refuse a side whose device or attention kernel cannot run where the model lives.
+def check_side_device(
+    side: Side, device: torch.device, model: torch.nn.Module | None = None
+) -> None:
+    """Refuse a side that cannot run where the model lives, or that asks for nothing there.
+
+    The side's device or attention kernel; given `model`, its engine patch groups, each of
+    which must patch some module of it.
 
     Raises:
-        ValueError: CUDA asked for without a GPU, a side on another device than the model, or
-            a CUDA-only attention kernel on CPU.
+        ValueError: CUDA asked for without a GPU, a side on another device than the model, a
+            CUDA-only attention kernel on CPU, or a patch group that would change nothing.
     """
     if device.type == "meta":
         raise ValueError(
@@ -111,3 +116,7 @@ def check_side_device(side: Side, device: torch.device) -> None:
             f"Side({side.name!r}).attention_backend={side.attention_backend!r} has no CPU kernel; "
             "on CPU use 'default', 'math' or 'flash'."
         )
+    if model is not None:
+        from lab.precision.engine_ops import check_groups_apply
+
+        check_groups_apply(side.engine_ops, model, f"Side({side.name!r})")

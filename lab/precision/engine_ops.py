@@ -38,6 +38,7 @@ __all__ = [
     "PatchGroup",
     "Switch",
     "check_engine_ops",
+    "check_groups_apply",
     "forward_source",
     "ops_applied",
     "ops_dispatched",
@@ -74,6 +75,35 @@ def check_engine_ops(
             allowed = ", ".join(repr(v) for v in SWITCHES[name].values)
             raise ValueError(
                 f"{where}.op_switches[{name!r}]: unknown value {value!r}. Allowed: {allowed}."
+            )
+
+
+def check_groups_apply(groups: tuple[str, ...], model: torch.nn.Module, where: str) -> None:
+    """Refuse a patch group that patches no module of `model` (it would change nothing).
+
+    A side asking for "wan" on a Flux model ran the stock forwards and read as the engine's
+    semantics; the groups that do patch this model's classes are named instead.
+
+    Raises:
+        ValueError: Naming the group, the classes it patches and the groups that fit.
+    """
+    if not groups:
+        return
+    _load_definitions()
+    classes = {type(m).__name__ for m in model.modules()}
+    for g in groups:
+        if g in PATCH_GROUPS and not classes & set(PATCH_GROUPS[g].forwards):
+            fits = [k for k, grp in PATCH_GROUPS.items() if classes & set(grp.forwards)]
+            raise ValueError(
+                f"{where}.engine_ops: patch group {g!r} patches "
+                f"{', '.join(sorted(PATCH_GROUPS[g].forwards))}, and this model "
+                f"({type(model).__name__}) has none of them: it would change nothing. "
+                + (
+                    f"Groups that patch this model: {', '.join(fits)}."
+                    if fits
+                    else "No patch group patches this model; drop engine_ops (op_switches "
+                    "still apply)."
+                )
             )
 
 

@@ -158,7 +158,7 @@ def master_gradients(
     from lab.pairing.weights import WeightView
 
     device = model_device(model)
-    check_side_device(side, device)
+    check_side_device(side, device, model)
     reduce = (
         parse_dtype(reduce_dtype, where="master_gradients(reduce_dtype)")
         if reduce_dtype
