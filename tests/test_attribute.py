@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -348,6 +349,30 @@ def test_mismatched_sides_and_fractions_are_refused(flux) -> None:
         attr.smallest_set(1.5)
     with pytest.raises(ValueError, match=r"'norm_ou' is not a unit .* Nearest: 'norm_out'"):
         attr.removed_by(["norm_ou"])
+
+
+def test_nan_inputs_and_a_non_finite_side_are_refused_not_shared(flux, perturb) -> None:
+    """A NaN in the latents gave 'takes 0.0% of the final divergence nan'."""
+    fam, model, inputs = flux
+    bad = dataclasses.replace(inputs, kwargs=dict(inputs.kwargs))
+    latents = bad.kwargs["hidden_states"] = inputs.kwargs["hidden_states"].clone()
+    latents.view(-1)[:3] = float("nan")
+    with pytest.raises(
+        ValueError,
+        match=r"attribute: shares of a NaN/Inf divergence mean nothing\. The inputs already "
+        r"hold NaN/Inf \('hidden_states' \(latents\): 3\)",
+    ):
+        attribute(model, bad, lab.Side.rollout(fam), lab.Side.trainer(fam))
+    assert torch.isfinite(inputs.kwargs["hidden_states"]).all(), "the fixture's inputs untouched"
+    # Finite inputs, one side's output blown up (an fp16 overflow's shape): named, not shared.
+    perturb["norm_out"] = float("inf")
+    ref, blown = _sides(fam)
+    with pytest.raises(
+        ValueError, match=r"side 'perturbed' produced \d+ NaN/Inf value\(s\) in its model output"
+    ):
+        attribute(model, inputs, ref, blown)
+    with pytest.raises(ValueError, match=r"side 'perturbed' produced"):
+        attribute(model, inputs, ref, blown, reverse=True)
 
 
 # ---- scenarios ------------------------------------------------------------------------------

@@ -47,7 +47,13 @@ from lab.base.errors import AttributionError
 from lab.families import Inputs
 from lab.pairing.capture import ROOT, flatten_output
 from lab.pairing.guards import check_fp32_master, check_inputs, model_in_use
-from lab.pairing.run import _cast_tree, _clone_tree, _dtype_tree, model_device
+from lab.pairing.run import (
+    _cast_tree,
+    _clone_tree,
+    _dtype_tree,
+    _nonfinite_inputs,
+    model_device,
+)
 from lab.pairing.side_context import check_side_device, side_context, side_inputs
 from lab.pairing.sides import Side
 from lab.pairing.weights import WeightView
@@ -268,6 +274,15 @@ class _Grafter:
             self._divergence(out_b), self._watched["inputs"], self._watched["outputs"]
         )
         self.baseline = self.first.divergence
+        for side, leaves in ((source, self.leaves_a), (target, self.leaves_b)):
+            bad = sum(int((~torch.isfinite(t)).sum()) for _, t in leaves if t.is_floating_point())
+            if bad:
+                raise ValueError(
+                    f"attribute: side {side.name!r} produced {bad} NaN/Inf value(s) in its model "
+                    "output from finite inputs, so shares of the divergence mean nothing. Check "
+                    "that side's dtypes (fp16 overflows above 65504); lab.pair(...) names the "
+                    "first module whose output is non-finite."
+                )
         self.unit_calls_per_forward = sum(self.a_calls.values())
         self.ungraftable = {
             name: f"called {self.a_calls.get(name, 0)} time(s) by {source.name!r} and "
@@ -850,6 +865,8 @@ def attribute(
         check_side_device(side, device, model)
     check_fp32_master(model, "attribute")
     check_inputs(model, inputs, "attribute")
+    if held := _nonfinite_inputs(inputs):
+        raise ValueError(f"attribute: shares of a NaN/Inf divergence mean nothing.{held}")
     source, target = (side_b, side_a) if reverse else (side_a, side_b)
     with _held(model, "attribute"):
         grafter = _Grafter(
