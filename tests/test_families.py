@@ -185,3 +185,38 @@ def test_family_name_in_another_case_or_type_is_named_with_the_fix() -> None:
         lab.family("FLUX")
     with pytest.raises(ValueError, match=r"expected a family name \(str\), got 3 \(int\)"):
         lab.family(3)  # type: ignore[arg-type]
+
+
+def test_a_build_larger_than_the_gpus_free_memory_is_refused_before_it_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """MiniMax H3 full on an 80 GB H100 ran out of memory inside diffusers' constructor."""
+    import lab.base.devices
+
+    minimax = lab.family("minimax_h3")
+    need = minimax.fp32_build_bytes("full")
+    assert 123.3 < need / 1024**3 < 123.5  # the fp32 master the README records
+    assert lab.family("wan2_2").fp32_build_bytes("full") / 1024**3 == pytest.approx(53.23, abs=0.01)
+    # The build's own path on a machine that reports an H100's memory (no GPU is touched:
+    # the refusal comes before the class is constructed).
+    gib = 1024**3
+    monkeypatch.setattr(lab.base.devices, "resolve_device", lambda d: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (int(77.7 * gib), 79 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 2 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: gib)
+    with pytest.raises(
+        ValueError,
+        match=r"family 'minimax_h3' \(full\): building it needs 123\.4 GiB for its fp32 weights "
+        r"on cuda:0, which has 78\.7 GiB free of 79\.0 GiB\. .*'reduced'.*"
+        r"lab\.fsdp\.pair_sharded\('minimax_h3', 'full', nproc=2\) on 2 such GPUs",
+    ):
+        minimax.build("full", device="cuda")
+    # Too large for 8 such GPUs: said so; sd3 large on the same GPU passes the check.
+    from lab.families._family import check_build_fits
+
+    with pytest.raises(ValueError, match="no 8 such GPUs hold it sharded either"):
+        check_build_fits("x", "full", "big", 700 * gib, 70 * gib, 80 * gib, "cuda:0")
+    check_build_fits(
+        "sd3", "full", "large", lab.family("sd3").fp32_build_bytes("full", "large"), 78 * gib,
+        79 * gib, "cuda:0",
+    )  # fmt: skip

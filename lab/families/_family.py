@@ -236,7 +236,8 @@ class Family:
                 "full" preset only. Recorded as `model.lab_master` (lab/families/master.py).
 
         Raises:
-            ValueError: Unknown preset, variant, expert, init or master.
+            ValueError: Unknown preset, variant, expert, init or master; or, on a GPU, fp32
+                weights larger than its free memory (`check_build_fits`, before construction).
         """
         check_master_mode(master, where=f"family {self.name!r}: build(master)")
         model, seed = self._construct(
@@ -307,6 +308,14 @@ class Family:
             raise ValueError(f"family {self.name!r}: unknown expert {expert!r}. Known: {known}.")
         seed = seed + (self.experts.index(expert) * 1_000_003 if expert else 0)
         cls = self.model_cls()
+        if dev.type == "cuda" and keeper is None:
+            free, total = torch.cuda.mem_get_info(dev)
+            # What torch's cache holds unallocated is free to the build too (it is released
+            # and retried before an allocation fails).
+            free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+            check_build_fits(
+                self.name, preset, variant, self.fp32_build_bytes(preset, variant), free, total, dev
+            )
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             torch.manual_seed(seed)
             with dev, keeper.watching() if keeper is not None else contextlib.nullcontext():
@@ -320,6 +329,15 @@ class Family:
         if self.prepare_model is not None:
             self.prepare_model(model)  # hooks only: the reshaping after it changes no hook
         return model, seed
+
+    def fp32_build_bytes(self, preset: str = "tiny", variant: str | None = None) -> int:
+        """Bytes of the fp32 parameters and buffers `build` constructs (before a compact master).
+
+        Counted on the meta device: no memory, no random draws.
+        """
+        with torch.device("meta"):
+            model = self.model_cls()(**self.config(preset, variant))
+        return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
     def load(
         self,
@@ -660,3 +678,43 @@ def _is_number(value: object) -> bool:
     except (TypeError, ValueError):
         return False
     return True
+
+
+GIB = 1024**3
+
+
+def check_build_fits(
+    name: str,
+    preset: str,
+    variant: str | None,
+    need: int,
+    free: int,
+    total: int,
+    device: torch.device | str,
+) -> None:
+    """Refuse a build whose fp32 weights do not fit the GPU's free memory, before it starts.
+
+    The class constructs every parameter in fp32 on the device (a full preset's master is
+    compacted only afterwards), so MiniMax H3 full (123.4 GiB) on an 80 GB H100 ran out of memory
+    inside diffusers' constructor, in torch's words. Said instead: what it needs, what is free,
+    and the ways that fit (a larger GPU, a smaller preset, or ranks that build only their rows).
+
+    Raises:
+        ValueError: Naming the family, preset, the GiB needed and free, and the fixes.
+    """
+    if need <= free:
+        return
+    ranks = next((n for n in range(2, 9) if need / n <= 0.8 * total), None)
+    sharded = (
+        f"pair it sharded so each GPU builds only its rows: lab.fsdp.pair_sharded({name!r}, "
+        f"{preset!r}, nproc={ranks}) on {ranks} such GPUs"
+        if ranks
+        else "no 8 such GPUs hold it sharded either"
+    )
+    label = f"{preset}" + (f", variant {variant!r}" if variant else "")
+    raise ValueError(
+        f"family {name!r} ({label}): building it needs {need / GIB:.1f} GiB for its fp32 "
+        f"weights on {device}, which has {free / GIB:.1f} GiB free of {total / GIB:.1f} GiB. "
+        f"Use a GPU with more free memory, a smaller preset ('reduced': real width, 2 blocks), "
+        f"or {sharded}."
+    )
