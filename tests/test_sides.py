@@ -202,3 +202,25 @@ def test_sides_are_refused_or_made_from_what_a_user_hands_over() -> None:
     # A Side handed to pair_family is used as it is.
     exact = lab.pair_family("flux", trainer=lab.Side.trainer(fam, autocast=False))
     assert exact.side_b["autocast"] is False
+
+
+def test_a_policy_override_is_merged_the_same_way_by_the_presets_and_replace() -> None:
+    """`Side.trainer(wan, input_dtype_policy={"latents": "fp32"})` dropped the fp32 timestep."""
+    wan = lab.family("wan2_2")
+    assert wan.input_dtype_policy["timestep"] == "fp32"
+    made = lab.Side.trainer(wan, input_dtype_policy={"latents": "fp32"})
+    replaced = lab.Side.trainer(wan).replace(input_dtype_policy={"latents": "fp32"})
+    assert dict(made.input_dtype_policy) == dict(replaced.input_dtype_policy)
+    assert dict(made.input_dtype_policy) == {"latents": "fp32", "cond": None, "timestep": "fp32"}
+    # The same through pair_family's dict of overrides; a key set to None is passed through.
+    rollout = lab.Side.rollout(wan, input_dtype_policy={"timestep": None})
+    assert rollout.input_dtype_policy["timestep"] is None
+    assert (
+        rollout.input_dtype_policy["latents"] == lab.Side.rollout(wan).input_dtype_policy["latents"]
+    )
+    ref = lab.Side.fp32_reference(wan, input_dtype_policy={"cond": "bf16"})
+    assert dict(ref.input_dtype_policy) == {"latents": "fp32", "cond": "bf16", "timestep": "fp32"}
+    side = lab.Side.from_overrides(
+        {"input_dtype_policy": {"latents": "fp32"}}, wan, "trainer", "cpu", where="t"
+    )
+    assert side == made

@@ -304,7 +304,7 @@ class Side:
                 else family.input_dtype_policy
             ),
         )
-        return cls(**{**fields, **cls._known_fields(overrides, "Side.rollout")})
+        return cls(**_with_overrides(fields, cls._known_fields(overrides, "Side.rollout")))
 
     @classmethod
     def trainer(cls, family: Family | str, **overrides: Any) -> Side:
@@ -326,7 +326,7 @@ class Side:
             autocast=True,
             input_dtype_policy=dict(family.input_dtype_policy),
         )
-        return cls(**{**fields, **cls._known_fields(overrides, "Side.trainer")})
+        return cls(**_with_overrides(fields, cls._known_fields(overrides, "Side.trainer")))
 
     @classmethod
     def fp32_reference(cls, family: Family | str, **overrides: Any) -> Side:
@@ -339,7 +339,7 @@ class Side:
             rollout_precision="fp32",
             input_dtype_policy={"latents": "fp32", "cond": "fp32", "timestep": "fp32"},
         )
-        return cls(**{**fields, **cls._known_fields(overrides, "Side.fp32_reference")})
+        return cls(**_with_overrides(fields, cls._known_fields(overrides, "Side.fp32_reference")))
 
     @classmethod
     def from_overrides(
@@ -372,6 +372,10 @@ class Side:
 
     def replace(self, **changes: Any) -> Side:
         """A copy with some fields changed (validated again).
+
+        An `input_dtype_policy` dict is merged into the side's (the keys it names change; the
+        others keep their values), as the presets (`rollout`, `trainer`, `fp32_reference`) merge
+        one into the family's; pass every key to set the whole policy.
 
         Raises:
             ValueError: For an unknown field name, listing the known ones.
@@ -480,3 +484,17 @@ class Side:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", PrecisionWarning)
             return cls(**dict(data))
+
+
+def _with_overrides(fields: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """A preset's fields with `overrides` on top, an `input_dtype_policy` dict merged.
+
+    Merged into the preset's policy as `Side.replace` merges it: `{"latents": "fp32"}` on
+    Wan2.2's trainer kept only that key and dropped the family's fp32 timestep, while
+    `.replace` kept it.
+    """
+    out = {**fields, **overrides}
+    policy = overrides.get("input_dtype_policy")
+    if isinstance(policy, Mapping) and isinstance(fields.get("input_dtype_policy"), Mapping):
+        out["input_dtype_policy"] = {**fields["input_dtype_policy"], **policy}
+    return out
