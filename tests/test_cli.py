@@ -259,6 +259,37 @@ def test_a_drift_that_fails_part_way_saves_the_steps_before(
     assert "saved the 2 step(s) completed before the failure" in text
 
 
+def test_a_drift_whose_side_cannot_run_names_the_module_and_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """It was a raw torch traceback from inside diffusers (pair said where and why)."""
+    rules = '{"autocast": false, "param_dtype_rules": {"*norm*": "fp32"}}'
+    out = tmp_path / "drift"
+    code, _, err = _run(
+        capsys, "drift", "--family", "sd3", "--steps", "3", "--out-dir", str(out),
+        "--trainer-overrides", rules,
+    )  # fmt: skip
+    assert code == EXIT_FAILED
+    assert (
+        "drift failed: forward_side: side 'trainer' failed in module "
+        "'transformer_blocks.0.norm1.linear' (Linear): RuntimeError: mat1 and mat2" in err
+    )
+    assert "(rule '*norm*: fp32') while that side runs fp16 without autocast" in err
+    assert "Turn autocast on for side 'trainer'" in err and "Traceback" not in err
+    assert not out.exists(), "no step completed: nothing to save"
+    # From Python: a PairError carrying where it failed.
+    from lab.base.errors import PairError
+
+    fam = lab.family("sd3")
+    trainer = lab.Side.trainer(fam, autocast=False, param_dtype_rules={"*norm*": "fp32"})
+    with pytest.raises(PairError) as caught:
+        lab.trajectory("sd3", steps=2, trainer=trainer, progress=False)
+    assert caught.value.side == "trainer" and caught.value.result is None
+    assert caught.value.module == "transformer_blocks.0.norm1.linear"
+    assert caught.value.fix is not None and caught.value.fix.startswith("Fix: ")
+    assert isinstance(caught.value.__cause__, RuntimeError)
+
+
 def test_report_and_compare_read_saved_runs(tmp_path: Path, capsys: pytest.CaptureFixture,
                                             monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     monkeypatch.chdir(tmp_path)

@@ -72,6 +72,9 @@ def forward_side(
 
     Raises:
         ValueError: The side cannot run where the model lives (see `check_side_device`).
+        PairError: The forward raised (a dtype clash from a rule, out of memory): names the
+            side, the innermost module that was running and, where known, the fix
+            (`err.module`, `err.fix`; `err.result` is None: nothing is compared here).
     """
     device = model_device(model)
     check_side_device(side, device, model)
@@ -83,8 +86,37 @@ def forward_side(
         )
     view = view if view is not None else WeightView.shared(model, side)
     cast = side_inputs(inputs, side, device)
-    with torch.no_grad(), view.applied(), side_context(side, device, model):
-        return model(**cast.kwargs)
+    try:
+        with torch.no_grad(), view.applied(), side_context(side, device, model):
+            return model(**cast.kwargs)
+    except Exception as err:
+        raise _side_failure("forward_side", err, model, inputs, side, view) from err
+
+
+def _side_failure(
+    where: str, err: Exception, model: torch.nn.Module, inputs: Inputs, side: Side, view: Any
+) -> PairError:
+    """What failed in one side's plain forward, where, and the fix (as `pair` says it)."""
+    found = failing_module(err, model)
+    module, module_class = found if found is not None else (None, None)
+    fix = dtype_mismatch_fix(err, side, module, view.plan.param_dtypes) if module else None
+    hint = (
+        " Out of GPU memory: use a smaller preset or fewer samples a forward."
+        if isinstance(err, torch.cuda.OutOfMemoryError)
+        else ""
+    )
+    return PairError(
+        f"{where}: side {side.name!r} failed"
+        + (f" in module {module!r} ({module_class})" if module else "")
+        + f": {type(err).__name__}: {err}.{hint}"
+        + (f" {fix}" if fix else "")
+        + inputs_mismatch_hint(model, inputs),
+        None,
+        side=side.name,
+        module=module,
+        module_class=module_class,
+        fix=fix,
+    )
 
 
 # ---- pairing ------------------------------------------------------------------------------
