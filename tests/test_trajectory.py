@@ -202,8 +202,17 @@ def test_bad_inputs_give_clear_errors() -> None:
         trajectory("sd3", steps=3, sigmas=[1.0, 0.5, 0.6, 0.0])
     with pytest.raises(ValueError, match=r"sde_window \(2, 9\) is outside the schedule"):
         trajectory("sd3", steps=4, sde_window=(2, 9))
-    with pytest.raises(ValueError, match="noise_level must be > 0"):
-        trajectory("sd3", steps=4, noise_level=0.0)
+    for level in (0.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="noise_level must be a finite number > 0"):
+            trajectory("sd3", steps=4, noise_level=level)
+    with pytest.raises(
+        ValueError, match=r"cfg_scale must be a finite number >= 1 \(1 = no guidance\), got inf"
+    ):
+        trajectory("sd3", steps=4, cfg_scale=float("inf"))
+    # A window of fractions was truncated ((0.5, 2.9) ran as [0, 2]); "02" read as (0, 2).
+    for window in ((0.5, 2.9), "02", "[0, 2]", 2, (2, None), (True, 3)):
+        with pytest.raises(ValueError, match=r"sde_window must be two whole step indices"):
+            trajectory("sd3", steps=4, sde_window=window)
     with pytest.raises(ValueError, match="guidance-distilled"):
         trajectory("flux", steps=4, cfg_scale=3.5)
     with pytest.raises(ValueError, match="capture_steps"):
@@ -220,6 +229,23 @@ def test_bad_inputs_give_clear_errors() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match=r"device 'cuda' asked for, but .* no CUDA GPU"):
             trajectory("sd3", steps=4, device="cuda")
+
+
+def test_a_step_that_goes_non_finite_is_refused_keeping_the_steps_before() -> None:
+    """noise_level=10 blew sd3's latents up at step 2; it read as a trajectory of NaN ratios."""
+    with pytest.raises(lab.errors.TrajectoryError) as caught:
+        trajectory("sd3", steps=3, noise_level=10.0, progress=False)
+    err = caught.value
+    assert err.step == 2 and err.trajectory.meta["completed_steps"] == 2
+    assert "step 2 holds NaN/Inf: rollout velocity 2048, trainer velocity 2048" in str(err)
+    assert "noise_level 10 and cfg_scale 1 scale the step" in str(err) and ".." not in str(err)
+    kept = err.trajectory.per_step()
+    assert len(kept) == 2 and kept["log_prob_mean_abs_diff"].notna().all()
+    # numpy ints are whole step indices too.
+    import numpy as np
+
+    ok = trajectory("sd3", steps=3, sde_window=(np.int64(0), 2), samples=1, progress=False)
+    assert ok.meta["sde_window"] == [0, 2]
 
 
 def _failing_at(monkeypatch: pytest.MonkeyPatch, call: int) -> None:

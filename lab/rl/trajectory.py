@@ -498,14 +498,26 @@ def trajectory(
             )
     else:
         grid = sigma_schedule(fam, steps, preset=preset, variant=variant, shift=shift)
-    window = (0, steps) if sde_window is None else tuple(int(w) for w in sde_window)
+    if sde_window is not None and (
+        isinstance(sde_window, (str, bytes))
+        or not hasattr(sde_window, "__len__")
+        or not all(not isinstance(w, bool) and hasattr(w, "__index__") for w in sde_window)
+    ):
+        raise ValueError(
+            f"{where}: sde_window must be two whole step indices [start, end), e.g. (0, 3), "
+            f"got {sde_window!r}."
+        )
+    window = (0, steps) if sde_window is None else tuple(w.__index__() for w in sde_window)
     if len(window) != 2 or not 0 <= window[0] < window[1] <= steps:
         raise ValueError(
             f"{where}: sde_window {sde_window!r} is outside the schedule; it must be [start, "
             f"end) with 0 <= start < end <= steps = {steps}."
         )
-    if not float(noise_level) > 0.0:
-        raise ValueError(f"{where}: noise_level must be > 0, got {noise_level!r}.")
+    if not (math.isfinite(noise_level) and noise_level > 0.0):
+        raise ValueError(
+            f"{where}: noise_level must be a finite number > 0 (Flow-GRPO's is 0.7), got "
+            f"{noise_level!r}."
+        )
     if not (math.isfinite(clip_range) and clip_range > 0.0):
         raise ValueError(
             f"{where}: clip_range must be a finite number > 0 (Flow-GRPO's is 1e-4), got "
@@ -514,8 +526,10 @@ def trajectory(
     resolve_device(device)  # CUDA asked for with no GPU: the lab's message, before any work
     if sde_type not in SDE_TYPES:
         raise ValueError(f"{where}: unknown sde_type {sde_type!r}. Known: {', '.join(SDE_TYPES)}.")
-    if not float(cfg_scale) >= 1.0:
-        raise ValueError(f"{where}: cfg_scale must be >= 1 (1 = no guidance), got {cfg_scale!r}.")
+    if not (math.isfinite(cfg_scale) and cfg_scale >= 1.0):
+        raise ValueError(
+            f"{where}: cfg_scale must be a finite number >= 1 (1 = no guidance), got {cfg_scale!r}."
+        )
     if cfg_scale > 1.0 and fam.cfg_layout == "none":
         raise ValueError(
             f"{where}: cfg_scale={cfg_scale!r}, but {fam.title} is guidance-distilled "
@@ -699,6 +713,11 @@ def trajectory(
                 else:
                     x_prev, lp_old, lp_new = euler_step(v_old, x, sigma, sigma_prev), None, None
                     std_f = math.nan
+                _check_finite_step(
+                    where, i, {"rollout velocity": v_old, "trainer velocity": v_new,
+                               "x_prev": x_prev, "log_prob_old": lp_old,
+                               "log_prob_new": lp_new}, x, noise_level, cfg_scale,
+                )  # fmt: skip
                 per_prompt.append((x, x_prev, v_old, v_new, lp_old, lp_new))
                 states[p] = x_prev
             x_t, x_prev, v_old, v_new = (
@@ -752,7 +771,7 @@ def trajectory(
         done.meta["failed"] = {"step": step, "error": f"{type(err).__name__}: {err}"}
         raise TrajectoryError(
             f"{where}: step {step} of {steps} (sigma {sigma_list[step]:g}) failed: "
-            f"{type(err).__name__}: {err}. The {step} step(s) before it are in "
+            f"{type(err).__name__}: {str(err).rstrip('.')}. The {step} step(s) before it are in "
             "err.trajectory (its meta['failed'] says where)"
             + (
                 ", the failed pair's compared modules in err.result."
@@ -764,6 +783,44 @@ def trajectory(
             cause=err,
         ) from err
     return _assemble()
+
+
+def _check_finite_step(
+    where: str,
+    step: int,
+    tensors: Mapping[str, torch.Tensor | None],
+    x_t: torch.Tensor,
+    noise_level: float,
+    cfg_scale: float,
+) -> None:
+    """Refuse a step whose velocities, next latents or log-probs hold NaN/Inf.
+
+    A NaN there read as a valid trajectory ("|d log_prob| mean nan", clip_frac 0, exit 0).
+
+    Raises:
+        ValueError: Naming the step, what went non-finite, whether x_t already was, and the
+            settings that blow the latents up.
+    """
+    bad = {
+        name: int((~torch.isfinite(t)).sum())
+        for name, t in tensors.items()
+        if t is not None and not bool(torch.isfinite(t).all())
+    }
+    if not bad:
+        return
+    held = int((~torch.isfinite(x_t)).sum())
+    raise ValueError(
+        f"{where}: step {step} holds NaN/Inf: "
+        + ", ".join(f"{name} {count}" for name, count in bad.items())
+        + (
+            f" (x_t already held {held}: an earlier step's SDE noise blew the latents up)"
+            if held
+            else ""
+        )
+        + f". Ratios of non-finite log-probs mean nothing. noise_level {noise_level:g} and "
+        f"cfg_scale {cfg_scale:g} scale the step (Flow-GRPO's are 0.7 and 4.5); with the "
+        "defaults, check the sides' dtypes (fp16 overflows above 65504)."
+    )
 
 
 def _step_drift(
