@@ -287,3 +287,29 @@ def test_json_keeps_the_why_and_reads_files_written_before_it(tmp_path: Path) ->
     bad.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match=r"rows\[0\]\.why: expected a string"):
         lab.Result.from_json(bad)
+
+
+def test_why_takes_a_row_label_or_module_path_and_names_a_miss(tmp_path: Path) -> None:
+    """`result.why("transformer_blocks.0.norm1")` returned None, which read as "no cause"."""
+    result = _default("wan2_2")
+    row = result.first_divergence()
+    text = result.why(row)
+    assert text and "bf16" in text
+    assert result.why(row.label()) == text
+    assert result.why(row.module) == text
+    # A row of the same run read back from JSON: matched by its label, not by identity.
+    back = lab.Result.from_json(result.to_json(tmp_path / "r.json"))
+    assert back.why(row) == text and result.why(back.first_divergence()) == text
+    # A module with several outputs: its first differing one.
+    counts: dict[str, int] = {}
+    for r in result.rows:
+        counts[r.module] = counts.get(r.module, 0) + 1
+    module = next(m for m, n in counts.items() if n > 1)
+    outputs = [r for r in result.rows if r.module == module]
+    first = next((r for r in outputs if r.diverges), outputs[0])
+    assert result.why(module) == result.why(first)
+    with pytest.raises(ValueError, match=r"'blocks\.0\.norm' is no row .*Did you mean"):
+        result.why("blocks.0.norm")
+    with pytest.raises(ValueError, match=r"expected a row, a label or a module path, got int"):
+        result.why(3)  # type: ignore[arg-type]
+    assert result.why(None) is None

@@ -147,12 +147,49 @@ class Result:
                 self._whys = explain(self.rows, side_a, side_b, self.flow)
         return self._whys
 
-    def why(self, row: LayerDivergence | None) -> str | None:
-        """The why text of one of this Result's rows (None for no row or an unknown why)."""
+    def why(self, row: LayerDivergence | str | None) -> str | None:
+        """The why text of one of this Result's rows (None for no row or an unknown why).
+
+        `row`: a row (of this Result, or one with the same label from another, e.g. the same
+        run read back from JSON), a label (`module[:output][#call]`) or a module path (its
+        first output that differs, else its first output).
+
+        Raises:
+            ValueError: A label or module this Result has no row for, naming the nearest.
+        """
         if row is None:
             return None
-        found = next((w for r, w in zip(self.rows, self.whys(), strict=True) if r is row), None)
+        whys = self.whys()
+        if isinstance(row, LayerDivergence):
+            index = next((i for i, r in enumerate(self.rows) if r is row), None)
+            if index is None:
+                row = row.label()
+        if isinstance(row, str):
+            index = self._row_index(row)
+        elif not isinstance(row, LayerDivergence):
+            raise ValueError(
+                f"Result.why: expected a row, a label or a module path, got "
+                f"{type(row).__name__} {row!r:.80}."
+            )
+        found = whys[index]
         return found.text if found is not None else None
+
+    def _row_index(self, name: str) -> int:
+        """The row of label `name`, else module `name`'s first differing output (or first)."""
+        from lab.base.errors import nearest_words
+
+        for i, r in enumerate(self.rows):
+            if r.label() == name:
+                return i
+        outputs = [i for i, r in enumerate(self.rows) if r.module == name]
+        if outputs:
+            return next((i for i in outputs if self.rows[i].diverges), outputs[0])
+        labels = [r.label() for r in self.rows]
+        raise ValueError(
+            f"Result.why: {name!r} is no row of this Result ({len(labels)} rows)."
+            f"{nearest_words([name], labels)} Use a module path from "
+            "result.table()['module'] or a row's label (`row.label()`: module[:output][#call])."
+        )
 
     def _why_rows(self) -> list[dict[str, Any]]:
         return [
