@@ -600,3 +600,23 @@ def test_pair_family_refuses_a_bad_mode_or_depth_before_building(
         with pytest.raises(ValueError, match=r"capture_depth must be None .* or an int >= 0"):
             lab.pair_family("flux", capture_depth=depth)
     assert built == [], "refused before any model was built"
+
+
+def test_a_switch_that_is_not_a_bool_is_refused() -> None:
+    """`cfg="no"` was truthy: it ran CFG and recorded meta['cfg'] = 'no'."""
+    fam = lab.family("sd3")
+    model, inputs = fam.build("tiny", 0), fam.make_inputs("tiny", 0)
+    a, b = lab.Side.rollout(fam), lab.Side.trainer(fam)
+    with pytest.raises(
+        ValueError, match=r"pair_family: cfg must be True or False, got 'no' \(str\)"
+    ):
+        lab.pair_family("sd3", "tiny", cfg="no")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"pair: stream must be True or False, got 'no'"):
+        lab.pair(model, inputs, a, b, stream="no")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"lockstep must be True, False or None, got 1 \(int\)"):
+        lab.pair(model, inputs, a, b, lockstep=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"attribute: reverse must be True or False, got 'no'"):
+        lab.attribute(model, inputs, a, b, reverse="no")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"keep_tensors must be True or False, got 'no'"):
+        lab.trajectory("sd3", steps=2, keep_tensors="no")  # type: ignore[arg-type]
+    assert lab.pair(model, inputs, a, b, stream=False, lockstep=None).rows

@@ -94,3 +94,20 @@ def nearest_words(unknown: list[str], known: list[str]) -> str:
 
     near = {u: difflib.get_close_matches(u, known, n=1) for u in unknown}
     return "".join(f" Did you mean {m[0]!r} for {u!r}?" for u, m in near.items() if m)
+
+
+def check_flags(where: str, optional: tuple[str, ...] = (), **flags: object) -> None:
+    """Refuse a switch that is not True or False (None too where named in `optional`).
+
+    `cfg="no"` was truthy and ran CFG, recorded as meta['cfg'] = 'no'.
+
+    Raises:
+        ValueError: Naming the argument, the value and what it takes.
+    """
+    for name, value in flags.items():
+        if isinstance(value, bool) or (value is None and name in optional):
+            continue
+        takes = "True, False or None" if name in optional else "True or False"
+        raise ValueError(
+            f"{where}: {name} must be {takes}, got {value!r} ({type(value).__name__})."
+        )

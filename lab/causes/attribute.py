@@ -43,7 +43,7 @@ import torch
 
 from lab.base.atomic import atomic_write_text
 from lab.base.dtypes import dtype_name
-from lab.base.errors import AttributionError
+from lab.base.errors import AttributionError, check_flags
 from lab.families import Inputs
 from lab.pairing.capture import ROOT, flatten_output
 from lab.pairing.guards import check_fp32_master, check_inputs, model_in_use
@@ -835,6 +835,7 @@ def attribute(
             was grafted raises the error itself.
     """
     _check_level(level)
+    check_flags("attribute", reverse=reverse)
     if metric is None:
         metric = "log_ratio" if step is not None else "rel_l2"
     if metric not in METRICS:

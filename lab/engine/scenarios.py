@@ -132,7 +132,10 @@ def _ltx_positions(fam: Family, device: str) -> tuple[Side, Side, Side, Side]:
     native = {"positions_dtype": "latent"}
     rollout = Side.rollout(fam, device=device, op_switches=native)
     bug = Side.trainer(
-        fam, device=device, op_switches=native, input_dtype_policy={"latents": None}
+        fam,
+        device=device,
+        op_switches=native,
+        input_dtype_policy={"latents": None, "cond": None, "timestep": None},
     ).replace(name="trainer_fp32_latent")
     fixed = Side.trainer(fam, device=device, op_switches=native)
     return rollout, bug, rollout, fixed
@@ -175,10 +178,16 @@ def _ltx_sigma(fam: Family, device: str) -> tuple[Side, Side, Side, Side]:
     native = {"positions_dtype": "latent"}
     rollout = Side.rollout(fam, device=device, op_switches=native)
     bug = Side.trainer(
-        fam, device=device, op_switches=native, input_dtype_policy={"timestep": "default"}
+        fam,
+        device=device,
+        op_switches=native,
+        input_dtype_policy={"latents": None, "cond": None, "timestep": "default"},
     ).replace(name="trainer_bf16_sigma")
     fixed = Side.trainer(
-        fam, device=device, op_switches=native, input_dtype_policy={"timestep": "fp32"}
+        fam,
+        device=device,
+        op_switches=native,
+        input_dtype_policy={"latents": None, "cond": None, "timestep": "fp32"},
     )
     return rollout, bug, rollout, fixed
 

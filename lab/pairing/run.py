@@ -12,7 +12,12 @@ from typing import Any, Literal
 import torch
 
 from lab.base.devices import resolve_device
-from lab.base.errors import DegenerateOutputError, NonFiniteOutputError, PairError
+from lab.base.errors import (
+    DegenerateOutputError,
+    NonFiniteOutputError,
+    PairError,
+    check_flags,
+)
 from lab.families import Inputs
 from lab.families.master import master_summary
 from lab.pairing.capture import ROOT, ModuleHooks, OutputReports, flatten_output, output_leaves
@@ -208,6 +213,8 @@ def pair(
     """
     entered = time.perf_counter()
     check_mode(mode, "pair")
+    check_flags("pair", ("lockstep",), check_outputs=check_outputs, stream=stream,
+                lockstep=lockstep)  # fmt: skip
     if outputs is not None and mode != "propagated":
         raise ValueError(
             "pair: outputs= needs mode='propagated'; local mode runs side B module by module, "
@@ -727,6 +734,8 @@ def pair_family(
     side_b = Side.from_overrides(trainer, fam, "trainer", device, where="pair_family")
     # What pair() would refuse only after the model is built (seconds at full size).
     check_mode(mode, "pair_family")
+    check_flags("pair_family", ("stream", "lockstep"), cfg=cfg, stream=stream,
+                lockstep=lockstep)  # fmt: skip
     if capture_depth is not None and (
         isinstance(capture_depth, bool) or not isinstance(capture_depth, int) or capture_depth < 0
     ):

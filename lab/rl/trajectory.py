@@ -25,7 +25,7 @@ import torch
 
 from lab.base.atomic import atomic_write_text
 from lab.base.devices import resolve_device
-from lab.base.errors import PairError, TrajectoryError
+from lab.base.errors import PairError, TrajectoryError, check_flags
 from lab.families import Family, Inputs
 from lab.families import family as get_family
 from lab.families.master import master_summary
@@ -513,6 +513,7 @@ def trajectory(
             f"{where}: sde_window {sde_window!r} is outside the schedule; it must be [start, "
             f"end) with 0 <= start < end <= steps = {steps}."
         )
+    check_flags(where, ("stream",), keep_tensors=keep_tensors, stream=stream)
     if not (math.isfinite(noise_level) and noise_level > 0.0):
         raise ValueError(
             f"{where}: noise_level must be a finite number > 0 (Flow-GRPO's is 0.7), got "
