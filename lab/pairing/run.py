@@ -94,6 +94,8 @@ def forward_side(
     try:
         with torch.no_grad(), view.applied(), side_context(side, device, model):
             return model(**cast.kwargs)
+    except OSError:
+        raise  # a hook's I/O (a dump's full disk): no side setting to name, its own words
     except Exception as err:
         raise _side_failure("forward_side", err, model, inputs, side, view) from err
 
