@@ -374,16 +374,22 @@ def test_papermill_command_line_makes_the_output_folder(
     assert (tmp_path / "api" / "wan2_2").is_dir()
 
 
-def test_a_parameter_the_notebook_does_not_declare_is_refused_before_a_kernel_starts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
-) -> None:
-    """papermill only warns and runs the defaults: `-p famliy sd3` was a flux run."""
+@pytest.fixture
+def ran(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """papermill's executions recorded (their keyword arguments) instead of run."""
     import papermill
     import papermill.cli
 
-    ran: list[Any] = []
-    monkeypatch.setattr(papermill.cli, "execute_notebook", lambda **kw: ran.append(kw))
-    monkeypatch.setattr(papermill, "execute_notebook", lambda *a, **kw: ran.append(kw))
+    calls: list[Any] = []
+    monkeypatch.setattr(papermill.cli, "execute_notebook", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(papermill, "execute_notebook", lambda *a, **kw: calls.append(kw))
+    return calls
+
+
+def test_a_parameter_the_notebook_does_not_declare_is_refused_before_a_kernel_starts(
+    tmp_path: Path, ran: list[Any], capsys: pytest.CaptureFixture
+) -> None:
+    """papermill only warns and runs the defaults: `-p famliy sd3` was a flux run."""
     notebook = NOTEBOOKS / "01_quickstart.ipynb"
     out = tmp_path / "out.ipynb"
     assert papermill_main([str(notebook), str(out), "-p", "famliy", "sd3"]) == 2
@@ -411,15 +417,9 @@ def test_a_parameter_the_notebook_does_not_declare_is_refused_before_a_kernel_st
 
 
 def test_a_value_the_declared_type_does_not_take_is_refused_and_true_false_are_booleans(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+    tmp_path: Path, ran: list[Any], capsys: pytest.CaptureFixture
 ) -> None:
     """`-p interactive false` was the text "false", which `if interactive:` took as True."""
-    import papermill
-    import papermill.cli
-
-    ran: list[Any] = []
-    monkeypatch.setattr(papermill.cli, "execute_notebook", lambda **kw: ran.append(kw))
-    monkeypatch.setattr(papermill, "execute_notebook", lambda *a, **kw: ran.append(kw))
     notebook = NOTEBOOKS / "01_quickstart.ipynb"
     out = tmp_path / "out.ipynb"
     assert papermill_main([str(notebook), str(out), "-p", "interactive", "maybe"]) == 2

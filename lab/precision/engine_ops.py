@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -78,6 +79,13 @@ def check_engine_ops(
             )
 
 
+_CLASS_NAMES: weakref.WeakKeyDictionary[torch.nn.Module, frozenset[str]] = (
+    weakref.WeakKeyDictionary()
+)
+"""A model's module class names, walked once per model (`check_groups_apply` runs on every
+plain forward: a full-size model has 1000-3600 modules)."""
+
+
 def check_groups_apply(groups: tuple[str, ...], model: torch.nn.Module, where: str) -> None:
     """Refuse a patch group that patches no module of `model` (it would change nothing).
 
@@ -90,7 +98,9 @@ def check_groups_apply(groups: tuple[str, ...], model: torch.nn.Module, where: s
     if not groups:
         return
     _load_definitions()
-    classes = {type(m).__name__ for m in model.modules()}
+    classes = _CLASS_NAMES.get(model)
+    if classes is None:
+        classes = _CLASS_NAMES[model] = frozenset(type(m).__name__ for m in model.modules())
     for g in groups:
         if g in PATCH_GROUPS and not classes & set(PATCH_GROUPS[g].forwards):
             fits = [k for k, grp in PATCH_GROUPS.items() if classes & set(grp.forwards)]

@@ -802,14 +802,13 @@ def _check_finite_step(
         ValueError: Naming the step, what went non-finite, whether x_t already was, and the
             settings that blow the latents up.
     """
-    bad = {
-        name: int((~torch.isfinite(t)).sum())
-        for name, t in tensors.items()
-        if t is not None and not bool(torch.isfinite(t).all())
-    }
+    present = {name: t for name, t in tensors.items() if t is not None}
+    # One host sync for all of them (the step's tensors may live on the GPU).
+    counts = torch.stack([(~torch.isfinite(t)).sum() for t in (*present.values(), x_t)]).tolist()
+    bad = {name: c for name, c in zip(present, counts, strict=False) if c}
     if not bad:
         return
-    held = int((~torch.isfinite(x_t)).sum())
+    held = counts[-1]
     raise ValueError(
         f"{where}: step {step} holds NaN/Inf: "
         + ", ".join(f"{name} {count}" for name, count in bad.items())
