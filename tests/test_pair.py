@@ -127,7 +127,7 @@ def test_names_filter_limits_capture(built: dict) -> None:
 
 def test_unknown_mode_and_bad_side_fields() -> None:
     fam = lab.family("sd3")
-    with pytest.raises(ValueError, match="unknown mode 'fast'"):
+    with pytest.raises(ValueError, match="mode must be one of 'propagated', 'local', got 'fast'"):
         lab.pair(
             torch.nn.Linear(2, 2),
             fam.make_inputs("tiny"),
@@ -594,10 +594,14 @@ def test_pair_family_refuses_a_bad_mode_or_depth_before_building(
     fam = lab.family("flux")
     built: list[str] = []
     monkeypatch.setattr(type(fam), "build", lambda self, *a, **kw: built.append("x"))
-    with pytest.raises(ValueError, match=r"pair_family: unknown mode 'locl'"):
+    with pytest.raises(
+        ValueError, match=r"pair_family: mode must be one of .* got 'locl'.*Did you mean 'local'"
+    ):
         lab.pair_family("flux", mode="locl")
-    for depth in (-1, 1.5, True):
-        with pytest.raises(ValueError, match=r"capture_depth must be None .* or an int >= 0"):
+    with pytest.raises(ValueError, match=r"capture_depth must be None .* or an int >= 0"):
+        lab.pair_family("flux", capture_depth=-1)
+    for depth in (1.5, True):
+        with pytest.raises(ValueError, match=r"capture_depth must be an int or None, got"):
             lab.pair_family("flux", capture_depth=depth)
     assert built == [], "refused before any model was built"
 

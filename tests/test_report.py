@@ -214,7 +214,7 @@ def test_skipped_pairs_and_a_duck_typed_trajectory(result: Result, tmp_path: Pat
 def test_write_html_rejects_what_is_not_a_result(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no Result given"):
         report.write_html([], tmp_path / "r.html")
-    with pytest.raises(ValueError, match=r"\['x'\] are not Results"):
+    with pytest.raises(ValueError, match=r"result_or_results\['x'\] must be a Result, got"):
         report.write_html({"x": {"rows": []}}, tmp_path / "r.html")
 
 

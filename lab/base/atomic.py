@@ -27,10 +27,13 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from lab.base.arguments import checked_arguments
+
 _CHUNK = 1 << 20
 """Bytes per os.write call (a short write is retried from where it stopped)."""
 
 
+@checked_arguments
 def atomic_write_bytes(path: str | Path, data: bytes | bytearray | memoryview) -> Path:
     """Write `data` to `path` atomically (parent folders created).
 
@@ -58,6 +61,7 @@ def atomic_write_bytes(path: str | Path, data: bytes | bytearray | memoryview) -
     return path
 
 
+@checked_arguments
 def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> Path:
     """Write `text` to `path` atomically in `encoding` (parent folders created).
 
@@ -67,6 +71,7 @@ def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> P
     return atomic_write_bytes(path, text.encode(encoding))
 
 
+@checked_arguments
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path to write; on success it is fsynced and renamed onto `path`.
@@ -139,6 +144,7 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+@checked_arguments
 def folder_write_problem(folder: str | Path, *, keep: bool) -> str | None:
     """Why nothing can be written in `folder`, or None: tried for real, not read off modes.
 

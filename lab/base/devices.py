@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
+
+from lab.base.arguments import Parsed
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -32,3 +36,24 @@ def resolve_device(device: str | torch.device) -> torch.device:
     elif dev.type not in ("cpu", "meta"):
         raise ValueError(f"device {str(device)!r} is not supported; use 'cpu' or 'cuda'.")
     return dev
+
+
+def check_device_name(name: str, where: str = "device") -> None:
+    """Refuse a name that is not a device the lab runs on ("cpu", "cuda", "cuda:N", "meta").
+
+    Only the spelling: whether a GPU is there is `resolve_device`'s question, asked by the
+    code that uses the device (listing what would run on "cuda" needs none).
+
+    Raises:
+        ValueError: Naming `where`, the name and the names that work.
+    """
+    try:
+        kind = torch.device(name).type
+    except (RuntimeError, TypeError):
+        kind = None
+    if kind not in ("cpu", "cuda", "meta"):
+        raise ValueError(f"{where}: {name!r} is not a device name; use 'cpu', 'cuda' or 'cuda:N'.")
+
+
+DeviceName = Annotated[str, Parsed(check_device_name, "a device name ('cpu', 'cuda', 'cuda:N')")]
+"""A device as a parameter's hint: its spelling checked by `check_device_name` at the call."""

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import difflib
+from typing import Annotated
 
 import torch
+
+from lab.base.arguments import Parsed
 
 DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -61,3 +64,14 @@ def parse_dtype(dtype_name: str | torch.dtype, *, where: str = "dtype") -> torch
 def dtype_name(dtype: torch.dtype) -> str:
     """Short name of a torch.dtype: "bf16", "fp16", "fp32", or str(dtype) for any other."""
     return _NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def check_dtype_name(value: str | torch.dtype, where: str = "dtype") -> None:
+    """Refuse what `parse_dtype` refuses (the message names `where` and the nearest name)."""
+    parse_dtype(value, where=where)
+
+
+DtypeName = Annotated[
+    str | torch.dtype, Parsed(check_dtype_name, "a dtype name ('bf16', 'fp16', 'fp32')")
+]
+"""A dtype as a parameter's hint: a name in DTYPES or its torch.dtype, checked by parse_dtype."""

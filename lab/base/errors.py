@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from lab.base.arguments import ArgumentError as ArgumentError  # lab.errors.ArgumentError
+from lab.base.arguments import checked_arguments
+
 if TYPE_CHECKING:
     from lab.causes.attribute import Attribution
     from lab.pairing.result import Result
@@ -88,26 +91,10 @@ class ModelInUseError(RuntimeError):
     """A second thread asked to pair or run a model another thread is pairing or running."""
 
 
+@checked_arguments
 def nearest_words(unknown: list[str], known: list[str]) -> str:
     """' Did you mean 'a' for 'b'?' for each unknown name with a close known one ('' if none)."""
     import difflib
 
     near = {u: difflib.get_close_matches(u, known, n=1) for u in unknown}
     return "".join(f" Did you mean {m[0]!r} for {u!r}?" for u, m in near.items() if m)
-
-
-def check_flags(where: str, optional: tuple[str, ...] = (), **flags: object) -> None:
-    """Refuse a switch that is not True or False (None too where named in `optional`).
-
-    `cfg="no"` was truthy and ran CFG, recorded as meta['cfg'] = 'no'.
-
-    Raises:
-        ValueError: Naming the argument, the value and what it takes.
-    """
-    for name, value in flags.items():
-        if isinstance(value, bool) or (value is None and name in optional):
-            continue
-        takes = "True, False or None" if name in optional else "True or False"
-        raise ValueError(
-            f"{where}: {name} must be {takes}, got {value!r} ({type(value).__name__})."
-        )

@@ -41,9 +41,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from lab.base.arguments import checked_arguments
 from lab.base.atomic import atomic_write_text
 from lab.base.dtypes import dtype_name
-from lab.base.errors import AttributionError, check_flags
+from lab.base.errors import AttributionError
 from lab.families import Inputs
 from lab.pairing.capture import ROOT, flatten_output
 from lab.pairing.guards import check_fp32_master, check_inputs, model_in_use
@@ -522,6 +523,7 @@ class Attribution:
     read back with `from_json` answers only the fractions computed before it was saved.
     """
 
+    @checked_arguments
     def __init__(
         self,
         rows: list[dict[str, Any]],
@@ -642,6 +644,7 @@ class Attribution:
 
     # -- the smallest set
 
+    @checked_arguments
     def smallest_set(self, fraction: float = 0.9) -> GraftSet:
         """The fewest units whose grafts together remove `fraction` of R0, verified.
 
@@ -715,6 +718,7 @@ class Attribution:
         self.meta["block_evaluations"] = grafter.block_evaluations
         return found
 
+    @checked_arguments
     def removed_by(self, modules: Sequence[str]) -> float:
         """The fraction of R0 that grafting exactly `modules` removes, by one side-B forward.
 
@@ -755,11 +759,13 @@ class Attribution:
             "smallest_sets": {k: dataclasses.asdict(s) for k, s in self._sets.items()},
         }
 
+    @checked_arguments
     def to_json(self, path: str | Path) -> Path:
         """Write `to_dict()` atomically to `path` (parent folders created)."""
         return atomic_write_text(path, json.dumps(self.to_dict(), indent=1))
 
     @classmethod
+    @checked_arguments
     def from_json(cls, path: str | Path) -> Attribution:
         """Read an Attribution written by `to_json` (without the model: see `smallest_set`)."""
         doc = json.loads(Path(path).read_text())
@@ -781,6 +787,7 @@ class Attribution:
 # ---- attribute -----------------------------------------------------------------------------
 
 
+@checked_arguments
 def attribute(
     model: torch.nn.Module,
     inputs: Inputs,
@@ -835,7 +842,6 @@ def attribute(
             was grafted raises the error itself.
     """
     _check_level(level)
-    check_flags("attribute", reverse=reverse)
     if metric is None:
         metric = "log_ratio" if step is not None else "rel_l2"
     if metric not in METRICS:
@@ -932,6 +938,7 @@ def attribute(
     return Attribution(rows, meta, grafter=grafter)
 
 
+@checked_arguments
 def attribute_step(
     traj: Trajectory,
     step: int,

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from lab.base.arguments import checked_arguments
+from lab.base.devices import DeviceName
 from lab.base.dtypes import dtype_name, parse_dtype
 from lab.families.master import held_parameters
 from lab.pairing.result import Result
@@ -36,6 +38,8 @@ from lab.precision.param_rules import RuleMatch, explain_rules
 
 if TYPE_CHECKING:
     import pandas as pd
+
+    from lab.families import FamilyName
 
 Verdict = Literal["lowered", "raised", "unchanged"]
 RUN_NAMES: tuple[str, str] = ("without rules", "with rules")
@@ -46,6 +50,7 @@ _NOT_NUMERICS: frozenset[str] = frozenset(
 )
 
 
+@checked_arguments
 @dataclass(frozen=True, eq=False)
 class RuleEffect:
     """The trainer side without and with `rules`, against the same rollout, plus the evidence."""
@@ -87,6 +92,7 @@ class RuleEffect:
             return "lowered"
         return "raised" if after > before else "unchanged"
 
+    @checked_arguments
     def dtype_gaps(self, which: Literal["without", "with"] = "without") -> pd.DataFrame:
         """Parameters the trainer holds in another dtype than the rollout (rows of `params`)."""
         column = "trainer_without" if which == "without" else "trainer_with"
@@ -115,6 +121,7 @@ class RuleEffect:
             )
         return pd.DataFrame(rows).set_index("run")
 
+    @checked_arguments
     def causes(self, which: Literal["without", "with"] = "without") -> dict[str, int]:
         """Rows whose divergence has each cause of their own (`lab.pairing.why` codes), most first.
 
@@ -247,6 +254,7 @@ class RuleEffect:
             lines.append(f"First divergence with the rules: {first.label()}: {why}")
         return "\n".join(lines)
 
+    @checked_arguments
     def save(self, out_dir: str | Path) -> Path:
         """Write results.json (with rules), without_rules.json and rule_effect.json to out_dir.
 
@@ -285,13 +293,14 @@ class RuleEffect:
         }
 
 
+@checked_arguments
 def rule_effect(
-    family_name: str,
+    family_name: FamilyName,
     preset: str = "tiny",
     rules: Mapping[str, str] | None = None,
     *,
     seed: int = 0,
-    device: str = "cpu",
+    device: DeviceName = "cpu",
     mode: str = "propagated",
     sigma: float = 0.75,
     variant: str | None = None,

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from lab.base.arguments import checked_arguments
 from lab.base.dtypes import dtype_name
 from lab.families.master import held_parameters
 from lab.pairing.capture import ROOT, flatten_output
@@ -120,6 +121,7 @@ def _checksum(t: torch.Tensor) -> str:
     return hashlib.blake2b(text, digest_size=8).hexdigest()
 
 
+@checked_arguments
 def weight_fingerprints(model: torch.nn.Module) -> tuple[dict[str, Any] | None, str | None]:
     """Fingerprint every parameter of `model` (see `tensor_fingerprint`).
 
@@ -178,6 +180,7 @@ def input_fingerprints(
     return out
 
 
+@checked_arguments
 def fingerprints_differ(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
     """How two fingerprints (tensor or value) differ, or None when they agree or can't be compared.
 
@@ -221,6 +224,7 @@ class DumpHandle:
     leaves the manifest of the forwards before it intact.
     """
 
+    @checked_arguments
     def __init__(
         self,
         model: torch.nn.Module,
@@ -253,6 +257,7 @@ class DumpHandle:
         self._handles.append(model.register_forward_hook(self._flush))
         self.write_manifest()
 
+    @checked_arguments
     def set(self, *, step: int | None = None, cfg_branch: str | None = None) -> None:
         """Label the next forwards with this denoising step and CFG branch."""
         if step is not None:
@@ -373,6 +378,7 @@ def _prepare_directory(directory: Path, overwrite: bool) -> None:
     directory.mkdir(parents=True, exist_ok=True)
 
 
+@checked_arguments
 def attach(
     module: torch.nn.Module,
     directory: str | Path,
@@ -414,6 +420,7 @@ def attach(
 # ---- reading ------------------------------------------------------------------------------------
 
 
+@checked_arguments
 @dataclass
 class Dump:
     """A validated dump directory: manifest entries and a tensor loader."""
@@ -428,10 +435,12 @@ class Dump:
         """Every named_modules() path of the dumped model."""
         return list(self.manifest["module_names"])
 
+    @checked_arguments
     def forward_record(self, forward: int) -> dict[str, Any] | None:
         """The manifest's record of one forward (its input fingerprints); None in schema 1."""
         return next((f for f in self.manifest.get("forwards", []) if f["forward"] == forward), None)
 
+    @checked_arguments
     def entries(self, step: int | None = None, cfg_branch: str | None = None) -> list[dict]:
         """Entries of the first forward matching `step` / `cfg_branch` (None = any).
 
@@ -453,6 +462,7 @@ class Dump:
         first = chosen[0]["forward"]
         return [e for e in chosen if e["forward"] == first]
 
+    @checked_arguments
     def tensors(self, entries: list[dict]) -> dict[str, torch.Tensor]:
         """Load the tensors of `entries`, keyed by entry key, complex ones restored.
 
@@ -475,6 +485,7 @@ _ENTRY_KINDS: dict[str, type | tuple[type, ...]] = {
 }  # fmt: skip
 
 
+@checked_arguments
 def load_dump(directory: str | Path) -> Dump:
     """Read and check a dump: every manifest entry must exist in its file with its dtype/shape.
 
@@ -833,6 +844,7 @@ def _schema_note(dump: Dump, what: str) -> list[str]:
     return []
 
 
+@checked_arguments
 def pair_dump(
     directory: str | Path,
     model: torch.nn.Module,
@@ -925,6 +937,7 @@ def _refuse_shapes(
     return mismatch + _refuse_or_flag(prov, "the two sides", "each other", allow_mismatch, where)
 
 
+@checked_arguments
 def pair_dumps(
     directory_a: str | Path,
     directory_b: str | Path,

@@ -40,9 +40,11 @@ from typing import Any
 
 import torch
 
-from lab.base.dtypes import dtype_name
+from lab.base.arguments import checked_arguments
+from lab.base.devices import DeviceName
+from lab.base.dtypes import DtypeName, dtype_name
 from lab.base.errors import PairError
-from lab.families import Family, Inputs
+from lab.families import Family, FamilyName, Inputs
 from lab.families.shards import ShardBuild, load_shards
 from lab.pairing.capture import ROOT, ModuleHooks, depth_filter, flatten_output
 from lab.pairing.collect import pair_leaves
@@ -88,6 +90,7 @@ _RANK_THREADS = "1"
 # ---- sharding -------------------------------------------------------------------------------
 
 
+@checked_arguments
 @dataclass(frozen=True)
 class Fsdp2Plan:
     """What `apply_fsdp2` did to a model."""
@@ -128,6 +131,7 @@ def _check_fsdp2_side(side: Side) -> None:
         )
 
 
+@checked_arguments
 def apply_fsdp2(model: torch.nn.Module, family: Family, side: Side, mesh: Any) -> Fsdp2Plan:
     """Shard `model` as the trainer does: one fully_shard per no-split block, then the root.
 
@@ -197,6 +201,7 @@ def apply_fsdp2(model: torch.nn.Module, family: Family, side: Side, mesh: Any) -
     )
 
 
+@checked_arguments
 def express_engine_load(model: torch.nn.Module, side: Side) -> tuple[Side, dict[str, torch.dtype]]:
     """Express an engine-like side in FSDP2's terms: keep-fp32 modules as rules, buffer casts.
 
@@ -248,11 +253,12 @@ def express_engine_load(model: torch.nn.Module, side: Side) -> tuple[Side, dict[
 # ---- launching ranks ------------------------------------------------------------------------
 
 
+@checked_arguments
 @dataclass(frozen=True, kw_only=True)
 class Fsdp2Job:
     """One forward for the ranks to run: which model, which inputs, which side."""
 
-    family_name: str
+    family_name: FamilyName
     side: Side
     preset: str = "tiny"
     seed: int = 0
@@ -307,16 +313,21 @@ class Fsdp2Job:
         }
 
     @classmethod
+    @checked_arguments
     def from_dict(cls, data: dict[str, Any]) -> Fsdp2Job:
         """Inverse of `to_dict`."""
         loss = LogProbLoss.from_dict(data["loss"]) if data.get("loss") else None
         return cls(**{**data, "side": Side.from_dict(data["side"]), "loss": loss})
 
-    def build(self, device: torch.device | str, rank: int = 0) -> tuple[torch.nn.Module, Inputs]:
+    @checked_arguments
+    def build(
+        self, device: DeviceName | torch.device, rank: int = 0
+    ) -> tuple[torch.nn.Module, Inputs]:
         """The whole seeded model and the inputs, as the in-process pair builds them."""
         return self.model(device), self.inputs(device, rank)
 
-    def model(self, device: torch.device | str) -> torch.nn.Module:
+    @checked_arguments
+    def model(self, device: DeviceName | torch.device) -> torch.nn.Module:
         """The whole seeded model (`Family.build`)."""
         from lab.families import family as get_family
 
@@ -332,7 +343,8 @@ class Fsdp2Job:
         with torch.device("meta"):
             return fam.model_cls()(**fam.config(self.preset, self.variant))
 
-    def build_shard(self, device: torch.device | str, rank: int, world: int) -> ShardBuild:
+    @checked_arguments
+    def build_shard(self, device: DeviceName | torch.device, rank: int, world: int) -> ShardBuild:
         """Rank `rank`'s rows of the same seeded model (what a rank shards).
 
         The whole model is never held (`Family.build_shard`).
@@ -350,7 +362,8 @@ class Fsdp2Job:
             expert=fam.expert_for_sigma(self.sigma),
         )
 
-    def inputs(self, device: torch.device | str, rank: int = 0) -> Inputs:
+    @checked_arguments
+    def inputs(self, device: DeviceName | torch.device, rank: int = 0) -> Inputs:
         """The job's inputs; with data_parallel, rank r's use seed + r."""
         from lab.families import family as get_family
 
@@ -365,6 +378,7 @@ class Fsdp2Job:
         )
 
 
+@checked_arguments
 @dataclass
 class Fsdp2Capture:
     """Rank 0's module outputs of one job, in forward completion order."""
@@ -449,11 +463,12 @@ def check_rank_build_fits(job: Fsdp2Job, device: str, nproc: int) -> None:
     )
 
 
+@checked_arguments
 def run_fsdp2_forwards(
     jobs: Sequence[Fsdp2Job],
     *,
     nproc: int = 1,
-    device: str = "cpu",
+    device: DeviceName = "cpu",
     timeout_s: float = 600.0,
     workdir: str | Path | None = None,
 ) -> list[Fsdp2Capture]:
@@ -890,6 +905,7 @@ def _loopback_interface() -> str | None:
 # ---- pairing in the parent ------------------------------------------------------------------
 
 
+@checked_arguments
 def pair_capture(
     model: torch.nn.Module,
     inputs: Inputs,
@@ -985,13 +1001,14 @@ def _capture_into(leaves: list[tuple[str, int, str, Any]]) -> Callable[..., None
     return on_output
 
 
+@checked_arguments
 def pair_fsdp2(
-    family_name: str,
+    family_name: FamilyName,
     preset: str = "tiny",
     *,
     seed: int = 0,
     nproc: int = 1,
-    device: str = "cpu",
+    device: DeviceName = "cpu",
     reference: Side | None = None,
     trainer: Side | None = None,
     batch: int = 1,
@@ -1071,13 +1088,14 @@ def pair_fsdp2(
 # ---- gradients under FSDP2's reduce ---------------------------------------------------------
 
 
+@checked_arguments
 def compare_reduce_dtypes(
-    family_name: str,
+    family_name: FamilyName,
     preset: str = "tiny",
     *,
     nproc: int = 2,
-    device: str = "cpu",
-    reduce_dtypes: Sequence[str] = ("fp32", "bf16"),
+    device: DeviceName = "cpu",
+    reduce_dtypes: Sequence[DtypeName] = ("fp32", "bf16"),
     seed: int = 0,
     sigma: float = 0.75,
     batch: int = 1,
@@ -1188,12 +1206,13 @@ def _rank_threads(device: str) -> Iterator[None]:
 # ---- both sides sharded ----------------------------------------------------------------------
 
 
+@checked_arguments
 def pair_sharded(
-    family_name: str,
+    family_name: FamilyName,
     preset: str = "tiny",
     *,
     nproc: int = 2,
-    device: str = "cuda",
+    device: DeviceName = "cuda",
     capture_depth: int | None = 1,
     seed: int = 0,
     sigma: float = 0.75,
@@ -1330,11 +1349,12 @@ def _launch_failure(
     )
 
 
+@checked_arguments
 def sharded_jobs(
-    family_name: str,
+    family_name: FamilyName,
     preset: str = "tiny",
     *,
-    device: str = "cuda",
+    device: DeviceName = "cuda",
     capture_depth: int | None = 1,
     seed: int = 0,
     sigma: float = 0.75,
@@ -1364,6 +1384,7 @@ def sharded_jobs(
     ]
 
 
+@checked_arguments
 def pair_sharded_captures(capture_a: Fsdp2Capture, capture_b: Fsdp2Capture) -> Result:
     """Pair two sharded captures (the jobs of `sharded_jobs`) on their ranks' device type."""
     from lab.families import family as get_family

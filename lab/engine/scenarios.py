@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
+from lab.base.arguments import checked_arguments
 from lab.base.atomic import atomic_write_text
+from lab.base.devices import DeviceName
 from lab.families import Family, Inputs
 from lab.families import family as get_family
 from lab.pairing.result import LayerDivergence, Result
@@ -31,6 +33,7 @@ InputsFn = Callable[[Family, str, str], Inputs]
 """(family, preset, device) -> the inputs both pairs run on."""
 
 
+@checked_arguments
 @dataclass(frozen=True)
 class Scenario:
     """One known mismatch: its family, the two pairs of sides, and where it first shows."""
@@ -59,6 +62,7 @@ class Scenario:
     """The attribution level at which the sites are units (2 when they sit inside blocks)."""
 
 
+@checked_arguments
 @dataclass
 class ScenarioRun:
     """What running one scenario found (bug and fixed are propagated-mode Results)."""
@@ -97,6 +101,7 @@ class ScenarioRun:
         }
 
 
+@checked_arguments
 def find_culprit(bug: Result, fixed: Result) -> LayerDivergence | None:
     """The first row that diverges in `bug` and by a larger rel_max than in `fixed`.
 
@@ -412,7 +417,8 @@ _SCENARIOS: tuple[Scenario, ...] = (
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in _SCENARIOS}
 
 
-def names(device: str | None = None) -> list[str]:
+@checked_arguments
+def names(device: DeviceName | None = None) -> list[str]:
     """Scenario names; with `device`, only those that can run there ("cpu" drops GPU ones)."""
     if device is None:
         return list(SCENARIOS)
@@ -420,6 +426,7 @@ def names(device: str | None = None) -> list[str]:
     return [n for n, s in SCENARIOS.items() if gpu or not s.needs_gpu]
 
 
+@checked_arguments
 def get(name: str) -> Scenario:
     """The scenario called `name`.
 
@@ -437,7 +444,8 @@ def get(name: str) -> Scenario:
     return SCENARIOS[name]
 
 
-def run(name: str, preset: str = "tiny", device: str = "cpu", seed: int = 0) -> ScenarioRun:
+@checked_arguments
+def run(name: str, preset: str = "tiny", device: DeviceName = "cpu", seed: int = 0) -> ScenarioRun:
     """Pair the scenario's buggy and fixed sides, and find the culprit.
 
     Args:
@@ -490,13 +498,15 @@ def run(name: str, preset: str = "tiny", device: str = "cpu", seed: int = 0) -> 
     )
 
 
+@checked_arguments
 def run_all(
-    preset: str = "tiny", device: str = "cpu", only: list[str] | None = None
+    preset: str = "tiny", device: DeviceName = "cpu", only: list[str] | None = None
 ) -> list[ScenarioRun]:
     """Run every scenario that can run on `device` (or just those in `only`)."""
     return [run(n, preset, device) for n in (only or names(device))]
 
 
+@checked_arguments
 def save_runs(runs: list[ScenarioRun], out_dir: str) -> Path:
     """Write each run's bug / fixed Results and a scenarios.json summary; returns the latter."""
     import json
@@ -511,6 +521,7 @@ def save_runs(runs: list[ScenarioRun], out_dir: str) -> Path:
     )
 
 
+@checked_arguments
 def scenarios_table(runs: list[ScenarioRun]) -> Any:
     """Expected vs found culprit and bug vs fixed output rel_max, one row per run (DataFrame)."""
     import pandas as pd

@@ -15,12 +15,14 @@ from typing import Any
 
 import torch
 
+from lab.base.arguments import checked_arguments
 from lab.families import Inputs
 from lab.pairing.result import Result
 from lab.pairing.run import pair
 from lab.pairing.sides import Side
 
 
+@checked_arguments
 @dataclass(frozen=True)
 class Change:
     """One change to the candidate side: an fp32 rule, an op switch value, or a patch group."""
@@ -35,6 +37,7 @@ class Change:
         return f"{self.target}={self.value}"
 
 
+@checked_arguments
 @dataclass(frozen=True)
 class Trial:
     """One paired forward the search ran: the changes on, the metric, whether it met the target."""
@@ -44,6 +47,7 @@ class Trial:
     meets: bool
 
 
+@checked_arguments
 @dataclass
 class SearchResult:
     """The smallest change set found, every trial, and the before/after metric."""
@@ -64,6 +68,7 @@ class SearchResult:
                               "meets": t.meets} for t in self.trials])  # fmt: skip
 
 
+@checked_arguments
 def module_rules(model: torch.nn.Module, depth: int = 1) -> list[Change]:
     """One fp32 rule per parameter-owning module at `depth` (`blocks.0` is depth 1).
 
@@ -102,6 +107,7 @@ METRICS: dict[str, Callable[[Result], float]] = {
 }
 
 
+@checked_arguments
 def find_smallest_changes(
     model: torch.nn.Module,
     inputs: Inputs,

@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 from lab.families._family import PRESETS, Family, Inputs, SamplerSettings
-from lab.families.registry import FAMILY_NAMES, families, family
+from lab.families.registry import FAMILY_NAMES, FamilyName, families, family
 
-__all__ = ["FAMILY_NAMES", "PRESETS", "Family", "Inputs", "SamplerSettings", "families", "family"]
+__all__ = [
+    "FAMILY_NAMES",
+    "PRESETS",
+    "Family",
+    "FamilyName",
+    "Inputs",
+    "SamplerSettings",
+    "families",
+    "family",
+]

@@ -12,10 +12,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from lab.base.arguments import checked_arguments
+from lab.base.devices import DeviceName
 from lab.families._trained_init import DEFAULT_INIT, apply_init, check_init
 from lab.families.master import check_master_mode, compact_master
 
 if TYPE_CHECKING:
+    from lab.base.dtypes import DtypeName
     from lab.families.shards import ShardBuild
 
 Role = Literal["latents", "cond", "timestep", "aux"]
@@ -24,6 +27,7 @@ PRESETS: tuple[str, ...] = ("tiny", "reduced", "full")
 TimestepPresentation = Literal["t", "t/1000", "sigma", "1-sigma"]
 
 
+@checked_arguments
 @dataclass(frozen=True)
 class Inputs:
     """Keyword arguments for one DiT forward, each tagged by its role at the model boundary.
@@ -53,6 +57,7 @@ class Inputs:
         if bad:
             raise ValueError(f"Inputs: unknown roles {bad}; allowed: {ROLES}.")
 
+    @checked_arguments
     def keys_with_role(self, role: Role) -> list[str]:
         """Names of the kwargs that carry `role`, in kwargs order."""
         return [k for k in self.kwargs if self.roles[k] == role]
@@ -66,7 +71,8 @@ class Inputs:
             )
         return replace(self, kwargs={**self.kwargs, **kwargs})
 
-    def to(self, device: torch.device | str) -> Inputs:
+    @checked_arguments
+    def to(self, device: DeviceName | torch.device) -> Inputs:
         """Copy with every tensor moved to `device` (dtypes untouched)."""
         moved = {k: _map_tensors(v, lambda t: t.to(device)) for k, v in self.kwargs.items()}
         neg = self.negative.to(device) if self.negative is not None else None
@@ -117,6 +123,7 @@ given, used instead of drawing new ones (model layout, as returned by the previo
 """
 
 
+@checked_arguments
 @dataclass(frozen=True, kw_only=True)
 class Family:
     """A diffusers DiT family: its class, presets, pipeline inputs and precision defaults."""
@@ -174,6 +181,7 @@ class Family:
 
     # ---- configuration -------------------------------------------------------------------
 
+    @checked_arguments
     def config(self, preset: str = "tiny", variant: str | None = None) -> dict[str, Any]:
         """Config kwargs of `preset` (with a variant's overrides).
 
@@ -199,6 +207,7 @@ class Family:
         """The diffusers class (imports diffusers on first use)."""
         return getattr(importlib.import_module("diffusers"), self.model_class)
 
+    @checked_arguments
     def expert_for_sigma(self, sigma: float) -> str | None:
         """The expert that denoises at `sigma` (None for single-model families)."""
         if not self.experts:
@@ -207,6 +216,7 @@ class Family:
 
     # ---- models -------------------------------------------------------------------------
 
+    @checked_arguments
     def build(
         self,
         preset: str = "tiny",
@@ -214,7 +224,7 @@ class Family:
         *,
         variant: str | None = None,
         expert: str | None = None,
-        device: str | torch.device = "cpu",
+        device: DeviceName | torch.device = "cpu",
         init: str = DEFAULT_INIT,
         master: str = "auto",
     ) -> torch.nn.Module:
@@ -248,6 +258,7 @@ class Family:
             compact_master(model)
         return model
 
+    @checked_arguments
     def build_shard(
         self,
         preset: str = "tiny",
@@ -257,7 +268,7 @@ class Family:
         world: int,
         variant: str | None = None,
         expert: str | None = None,
-        device: str | torch.device = "cpu",
+        device: DeviceName | torch.device = "cpu",
         init: str = DEFAULT_INIT,
     ) -> ShardBuild:
         """Build only rank `rank`'s rows (FSDP2's dim-0 chunk of `world`) of `build`'s model.
@@ -286,7 +297,7 @@ class Family:
         *,
         variant: str | None,
         expert: str | None,
-        device: str | torch.device,
+        device: DeviceName | torch.device,
         init: str,
         keeper: Any = None,
     ) -> tuple[torch.nn.Module, int]:
@@ -330,6 +341,7 @@ class Family:
             self.prepare_model(model)  # hooks only: the reshaping after it changes no hook
         return model, seed
 
+    @checked_arguments
     def fp32_build_bytes(self, preset: str = "tiny", variant: str | None = None) -> int:
         """Bytes of the fp32 parameters and buffers `build` constructs (before a compact master).
 
@@ -339,13 +351,14 @@ class Family:
             model = self.model_cls()(**self.config(preset, variant))
         return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
+    @checked_arguments
     def load(
         self,
         path: str | Path,
         *,
         variant: str | None = None,
         subfolder: str | None = None,
-        device: str | torch.device = "cpu",
+        device: DeviceName | torch.device = "cpu",
         master: str = "auto",
     ) -> torch.nn.Module:
         """Load a local diffusers checkpoint in fp32 from exactly the files from_pretrained reads.
@@ -459,6 +472,7 @@ class Family:
 
     # ---- inputs -------------------------------------------------------------------------
 
+    @checked_arguments
     def make_inputs(
         self,
         preset: str = "tiny",
@@ -467,10 +481,10 @@ class Family:
         cfg: bool = False,
         *,
         variant: str | None = None,
-        dtype: str | None = None,
+        dtype: DtypeName | None = None,
         sigma: float = 0.75,
         latents: Any = None,
-        device: str | torch.device = "cpu",
+        device: DeviceName | torch.device = "cpu",
         config: Mapping[str, Any] | None = None,
     ) -> Inputs:
         """The tensors the family's rollout pipeline hands its DiT, tagged by role.
@@ -524,6 +538,7 @@ class Family:
         inputs = replace(inputs, sigma=float(sigma), origin=(self.name, preset, variant))
         return inputs.to(resolve_device(device))
 
+    @checked_arguments
     def timestep_value(self, sigma: float) -> float:
         """The scalar the pipeline presents for `sigma`, before any dtype cast."""
         return {"t": sigma * 1000.0, "t/1000": sigma, "sigma": sigma, "1-sigma": 1.0 - sigma}[
@@ -690,7 +705,7 @@ def check_build_fits(
     need: int,
     free: int,
     total: int,
-    device: torch.device | str,
+    device: DeviceName | torch.device,
 ) -> None:
     """Refuse a build whose fp32 weights do not fit the GPU's free memory, before it starts.
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
+
+from lab.base.arguments import Parsed, checked_arguments
 
 if TYPE_CHECKING:
     from lab.families._family import Family
@@ -19,17 +21,12 @@ FAMILY_NAMES: tuple[str, ...] = (
 )
 
 
-def family(name: str) -> Family:
-    """Import lab/families/<name>.py and return its FAMILY.
+def check_family_name(name: str, where: str = "family") -> None:
+    """Refuse a name that is not in FAMILY_NAMES.
 
     Raises:
-        ValueError: For an unknown name, listing the known ones and how to add one.
+        ValueError: Naming `where`, the nearest known name, every known one and how to add one.
     """
-    if not isinstance(name, str):
-        raise ValueError(
-            f"family: expected a family name (str), got {name!r} ({type(name).__name__}). "
-            f"Known: {', '.join(FAMILY_NAMES)}."
-        )
     if name not in FAMILY_NAMES:
         import difflib
 
@@ -38,9 +35,22 @@ def family(name: str) -> Family:
         )
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(
-            f"Unknown family {name!r}.{hint} Known: {', '.join(FAMILY_NAMES)}. To add one, create "
-            f"lab/families/{name}.py defining FAMILY and add {name!r} to FAMILY_NAMES."
+            f"{where}: Unknown family {name!r}.{hint} Known: {', '.join(FAMILY_NAMES)}. To add "
+            f"one, create lab/families/{name}.py defining FAMILY and add {name!r} to FAMILY_NAMES."
         )
+
+
+FamilyName = Annotated[str, Parsed(check_family_name, "a family name (lab.families())")]
+"""A family's name as a parameter's hint: checked by `check_family_name` at the call."""
+
+
+@checked_arguments
+def family(name: FamilyName) -> Family:
+    """Import lab/families/<name>.py and return its FAMILY.
+
+    Raises:
+        ValueError: For an unknown name, listing the known ones and how to add one.
+    """
     return importlib.import_module(f"lab.families.{name}").FAMILY
 
 

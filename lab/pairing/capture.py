@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from lab.base.arguments import checked_arguments
+
 ROOT = "<root>"
 """Name used for the model itself (its named_modules() path is the empty string)."""
 
@@ -59,6 +61,7 @@ def output_leaves(output: Any) -> Iterable[tuple[str, Any]]:
     return flatten_output(output)
 
 
+@checked_arguments
 def depth_filter(max_depth: int) -> Callable[[str], bool]:
     """A names_filter keeping the model and modules at most `max_depth` levels below it.
 
@@ -75,6 +78,7 @@ OnInput = Callable[[str, int, torch.nn.Module, tuple, dict], None]
 _MISSING = object()
 
 
+@checked_arguments
 @contextlib.contextmanager
 def instance_forwards(
     modules: Iterable[tuple[torch.nn.Module, str]],
@@ -112,6 +116,7 @@ class OutputReports:
     `attached()` inside the side's engine-op context, once per forward.
     """
 
+    @checked_arguments
     def __init__(self, modules: Iterable[tuple[torch.nn.Module, str]], on_output: OnOutput):
         """Report `modules` ((module, label) each) to `on_output(label, call, module, ...)`."""
         self.modules = list(modules)
@@ -145,6 +150,7 @@ class ModuleHooks:
     `on_input`, only forward hooks are installed (they still see the call's kwargs).
     """
 
+    @checked_arguments
     def __init__(
         self,
         model: torch.nn.Module,

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from lab.base.arguments import checked_arguments
 from lab.base.dtypes import DTYPES
 from lab.pairing.capture import ROOT
 from lab.pairing.metrics import ULP_BIN_LABELS, PairMetrics
@@ -99,6 +100,7 @@ class Skipped:
     reason: str
 
 
+@checked_arguments
 @dataclass
 class Result:
     """Everything one paired forward found; the first side is the reference."""
@@ -147,6 +149,7 @@ class Result:
                 self._whys = explain(self.rows, side_a, side_b, self.flow)
         return self._whys
 
+    @checked_arguments
     def why(self, row: LayerDivergence | str | None) -> str | None:
         """The why text of one of this Result's rows (None for no row or an unknown why).
 
@@ -350,6 +353,7 @@ class Result:
             "skipped": [dataclasses.asdict(s) for s in self.skipped],
         }
 
+    @checked_arguments
     def to_json(self, path: str | Path) -> Path:
         """Write `to_dict()` to `path` atomically (parents created). Returns the path.
 
@@ -362,6 +366,7 @@ class Result:
         return atomic_write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=True))
 
     @classmethod
+    @checked_arguments
     def from_dict(cls, data: dict[str, Any], *, where: str = "Result.from_dict") -> Result:
         """Rebuild a Result from `to_dict()` output (rows with or without extra keys).
 
@@ -404,6 +409,7 @@ class Result:
         return result
 
     @classmethod
+    @checked_arguments
     def from_json(cls, path: str | Path) -> Result:
         """Read a file written by `to_json`.
 
@@ -605,6 +611,7 @@ def _clean(value: Any) -> Any:
     return value
 
 
+@checked_arguments
 def results_table(results: Sequence[Result]) -> Any:
     """One summary row per Result (for sweeps and overlays), as a pandas DataFrame."""
     import pandas as pd

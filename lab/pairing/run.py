@@ -11,14 +11,14 @@ from typing import Any, Literal
 
 import torch
 
-from lab.base.devices import resolve_device
+from lab.base.arguments import checked_arguments
+from lab.base.devices import DeviceName, resolve_device
 from lab.base.errors import (
     DegenerateOutputError,
     NonFiniteOutputError,
     PairError,
-    check_flags,
 )
-from lab.families import Inputs
+from lab.families import FamilyName, Inputs
 from lab.families.master import master_summary
 from lab.pairing.capture import ROOT, ModuleHooks, OutputReports, flatten_output, output_leaves
 from lab.pairing.collect import (
@@ -62,6 +62,7 @@ _SDPA_BACKENDS = {
 }
 
 
+@checked_arguments
 @_holding_model("forward_side")
 def forward_side(
     model: torch.nn.Module,
@@ -154,6 +155,7 @@ def check_mode(mode: str, where: str) -> None:
         raise ValueError(f"{where}: unknown mode {mode!r}. Known: {', '.join(MODES)}.")
 
 
+@checked_arguments
 @_holding_model("pair")
 def pair(
     model: torch.nn.Module,
@@ -215,8 +217,6 @@ def pair(
     """
     entered = time.perf_counter()
     check_mode(mode, "pair")
-    check_flags("pair", ("lockstep",), check_outputs=check_outputs, stream=stream,
-                lockstep=lockstep)  # fmt: skip
     if outputs is not None and mode != "propagated":
         raise ValueError(
             "pair: outputs= needs mode='propagated'; local mode runs side B module by module, "
@@ -683,12 +683,13 @@ def _software() -> dict[str, str]:
     return out
 
 
+@checked_arguments
 def pair_family(
-    family_name: str,
+    family_name: FamilyName,
     preset: str = "tiny",
     *,
     seed: int = 0,
-    device: str = "cpu",
+    device: DeviceName = "cpu",
     mode: Mode = "propagated",
     batch: int = 1,
     cfg: bool = False,
@@ -736,8 +737,6 @@ def pair_family(
     side_b = Side.from_overrides(trainer, fam, "trainer", device, where="pair_family")
     # What pair() would refuse only after the model is built (seconds at full size).
     check_mode(mode, "pair_family")
-    check_flags("pair_family", ("stream", "lockstep"), cfg=cfg, stream=stream,
-                lockstep=lockstep)  # fmt: skip
     if capture_depth is not None and (
         isinstance(capture_depth, bool) or not isinstance(capture_depth, int) or capture_depth < 0
     ):

@@ -5,19 +5,20 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from lab.base.arguments import check_argument, checked_arguments
 from lab.base.dtypes import DTYPES, dtype_name, parse_dtype
 from lab.base.errors import nearest_words
 from lab.precision.input_policy import PASSTHROUGH, check_input_dtype_policy
 
 if TYPE_CHECKING:
-    from lab.families import Family
+    from lab.families import Family, FamilyName
 
 ATTENTION_BACKENDS: tuple[str, ...] = ("default", "flash", "efficient", "cudnn", "math")
 """"default" = whatever diffusers/torch dispatch picks; the others pin one SDPA kernel."""
@@ -30,8 +31,6 @@ class PrecisionWarning(UserWarning):
 
 
 _TORCH_DTYPES = frozenset(DTYPES.values())
-_FALSE_WORDS = frozenset({"false", "no", "off", "0", "n", "f", "none", ""})
-_TRUE_WORDS = frozenset({"true", "yes", "on", "1", "y", "t"})
 
 
 def _frozen(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
@@ -53,32 +52,6 @@ def _dtype_name(value: Any, where: str) -> str:
     mean the same dtype compare equal; anything else goes through the one parser's errors.
     """
     return dtype_name(parse_dtype(value, where=where))
-
-
-def _check_bool(value: Any, where: str, spell: Callable[[bool], str]) -> None:
-    """Refuse anything but True/False: the string "no" is truthy and would mean True.
-
-    `spell(v)` writes the fix for value v, e.g. "autocast=False".
-    """
-    if isinstance(value, bool):
-        return
-    if isinstance(value, str):
-        word = value.strip().lower()
-        fix = (
-            f"Use {spell(False)}."
-            if word in _FALSE_WORDS
-            else f"Use {spell(True)}."
-            if word in _TRUE_WORDS
-            else f"Use {spell(True)} or {spell(False)}."
-        )
-        raise ValueError(
-            f"{where}: expected True or False, got {value!r} (a string). {fix} In a sweep grid "
-            "or JSON write true/false without quotes."
-        )
-    raise ValueError(
-        f"{where}: expected True or False, got {value!r} ({_kind(value)}). "
-        f"Use {spell(True)} or {spell(False)}."
-    )
 
 
 def _names(value: Any, where: str, attr: str, example: str) -> tuple[str, ...]:
@@ -163,8 +136,11 @@ class Side:
     """Autocast dtype; None = forward_dtype."""
     autocast_policy: str | None = None
     """"cuda" (CUDA's op lists; emulated on CPU) or "cpu"; None = "cuda" on every device."""
-    input_dtype_policy: Mapping[str, str | None] = field(default_factory=lambda: dict(PASSTHROUGH))
-    """Keys "latents", "cond", "timestep"; values "default", a dtype name, or None."""
+    input_dtype_policy: Mapping[str, str | None] | None = field(
+        default_factory=lambda: dict(PASSTHROUGH)
+    )
+    """Keys "latents", "cond", "timestep"; values "default", a dtype name, or None (None for
+    the whole policy: every input passes through)."""
     attention_backend: Literal["default", "flash", "efficient", "cudnn", "math"] = "default"
     engine_ops: tuple[str, ...] = ()
     """Engine rounding-point patch groups ("sgld", "qwen_image", "wan"), later ones win."""
@@ -186,7 +162,7 @@ class Side:
             if getattr(self, attr) is not None:
                 self._set(attr, _dtype_name(getattr(self, attr), f"{where}.{attr}"))
         for attr in ("autocast", "cast_buffers"):
-            _check_bool(getattr(self, attr), f"{where}.{attr}", lambda v, a=attr: f"{a}={v}")
+            check_argument(getattr(self, attr), bool, where=where, name=attr)
         for attr, example in (
             ("keep_fp32_modules", "('norm2',)"),
             ("fsdp_wrap_classes", "('WanTransformerBlock',)"),
@@ -244,11 +220,7 @@ class Side:
         for switch, value in switches.items():
             known = SWITCHES.get(switch)
             if known is not None and all(isinstance(v, bool) for v in known.values):
-                _check_bool(
-                    value,
-                    f"{where}.op_switches[{switch!r}]",
-                    lambda v, k=switch: f"op_switches={{{k!r}: {v}}}",
-                )
+                check_argument(value, bool, where=where, name=f"op_switches[{switch!r}]")
         check_engine_ops(self.engine_ops, switches, where=where)
         self._set("op_switches", _frozen(switches))
         self._set("input_dtype_policy", _frozen(policy))
@@ -278,7 +250,8 @@ class Side:
     # ---- presets ------------------------------------------------------------------------
 
     @classmethod
-    def rollout(cls, family: Family | str, **overrides: Any) -> Side:
+    @checked_arguments
+    def rollout(cls, family: Family | FamilyName, **overrides: Any) -> Side:
         """The engine-like side: weights resident at the rollout precision, no autocast.
 
         Loads like sglang-d: parameters and persistent buffers at `family.rollout_dtype`,
@@ -307,7 +280,8 @@ class Side:
         return cls(**_with_overrides(fields, cls._known_fields(overrides, "Side.rollout")))
 
     @classmethod
-    def trainer(cls, family: Family | str, **overrides: Any) -> Side:
+    @checked_arguments
+    def trainer(cls, family: Family | FamilyName, **overrides: Any) -> Side:
         """The FSDP2-like side: fp32 master, gathered at the forward dtype, autocast on.
 
         The family's FSDP plan rules pin chosen parameters; buffers stay at the master dtype
@@ -329,7 +303,8 @@ class Side:
         return cls(**_with_overrides(fields, cls._known_fields(overrides, "Side.trainer")))
 
     @classmethod
-    def fp32_reference(cls, family: Family | str, **overrides: Any) -> Side:
+    @checked_arguments
+    def fp32_reference(cls, family: Family | FamilyName, **overrides: Any) -> Side:
         """Everything in fp32, no autocast: the yardstick both sides can be held against."""
         family = _family_of(family, "Side.fp32_reference")
         fields: dict[str, Any] = dict(
@@ -342,6 +317,7 @@ class Side:
         return cls(**_with_overrides(fields, cls._known_fields(overrides, "Side.fp32_reference")))
 
     @classmethod
+    @checked_arguments
     def from_overrides(
         cls,
         value: Side | Mapping[str, Any] | None,
@@ -465,6 +441,7 @@ class Side:
         return out
 
     @classmethod
+    @checked_arguments
     def from_dict(cls, data: Mapping[str, Any]) -> Side:
         """Inverse of `to_dict` (warnings silenced: the side was already reported once).
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from lab.base.arguments import checked_arguments
 from lab.base.dtypes import dtype_name
 from lab.families.master import held_parameters
 from lab.pairing.capture import ROOT
@@ -41,6 +42,7 @@ warnings.filterwarnings(
 )
 
 
+@checked_arguments
 @dataclass(frozen=True)
 class WeightPlan:
     """Per-parameter and per-buffer dtypes one side runs with."""
@@ -76,6 +78,7 @@ def _component(name: str, components: tuple[str, ...]) -> str | None:
     return next((c for c in components if c in parts), None)
 
 
+@checked_arguments
 def plan_weights(model: torch.nn.Module, side: Side) -> WeightPlan:
     """Decide the dtype of every parameter and buffer for `side`.
 
@@ -184,6 +187,7 @@ class WeightView:
     the master plus one block (what FSDP2's per-block all-gather holds).
     """
 
+    @checked_arguments
     def __init__(
         self,
         model: torch.nn.Module,
@@ -240,6 +244,7 @@ class WeightView:
         """Ids of the blocks whose weights are cast by hooks (outermost of stream_classes)."""
 
     @classmethod
+    @checked_arguments
     def shared(
         cls, model: torch.nn.Module, side: Side, *, stream_classes: tuple[str, ...] = ()
     ) -> WeightView:
@@ -253,6 +258,7 @@ class WeightView:
         return cls(model, side, stream_classes=stream_classes)
 
     @classmethod
+    @checked_arguments
     def both(
         cls,
         model: torch.nn.Module,
@@ -459,6 +465,7 @@ class WeightView:
             self._undo(undo)
 
 
+@checked_arguments
 def outermost(model: torch.nn.Module, classes: tuple[str, ...]) -> set[int]:
     """Ids of the modules of `classes` not nested inside another such module (the blocks)."""
     if not classes:
@@ -645,6 +652,7 @@ class PairedWeights:
     in. The two forwards must never run at the same time.
     """
 
+    @checked_arguments
     def __init__(self, views: dict[str, WeightView], blocks: set[int], *, stream: bool) -> None:
         """`views`: side key -> that side's WeightView (same model); `blocks`: ids of blocks.
 

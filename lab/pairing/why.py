@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lab.base.arguments import checked_arguments
 from lab.base.dtypes import dtype_name
 from lab.pairing.capture import ROOT
 from lab.pairing.dtype_flow import MODEL_INPUT, DtypeFlow, InputEntry
@@ -59,6 +60,7 @@ CAUSES: dict[str, str] = {
 """Cause codes, in the order a `Why` lists them, with what each means."""
 
 
+@checked_arguments
 @dataclass(frozen=True)
 class Why:
     """The cause(s) of one row's divergence: codes for programs, parts for people.
@@ -81,6 +83,7 @@ class Why:
         return "; ".join(self.parts)
 
     @classmethod
+    @checked_arguments
     def from_text(cls, text: str, codes: Sequence[str]) -> Why:
         """Rebuild a Why from its text and codes (a saved row's `why` and `why_codes`)."""
         parts = tuple(text.split("; ")) if text else ()
@@ -133,6 +136,7 @@ _LIST_NAMES = {
 }
 
 
+@checked_arguments
 def explain(
     rows: Sequence[LayerDivergence], side_a: Side, side_b: Side, flow: DtypeFlow
 ) -> list[Why]:

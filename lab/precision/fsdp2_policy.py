@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from lab.base.arguments import checked_arguments
 from lab.base.dtypes import dtype_name, parse_dtype
 
 
+@checked_arguments
 @dataclass(frozen=True)
 class ParamDtypeMixedPrecisionPolicy(MixedPrecisionPolicy):
     """A MixedPrecisionPolicy whose gather dtype can differ per parameter.

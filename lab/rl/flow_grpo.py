@@ -14,14 +14,17 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from lab.base.arguments import checked_arguments
+
 if TYPE_CHECKING:
-    from lab.families import Family, SamplerSettings
+    from lab.families import Family, FamilyName, SamplerSettings
 
 SdeType = Literal["sde", "cps"]
 SDE_TYPES: tuple[str, ...] = ("sde", "cps")
 
 
-def sampler_settings(family: Family | str) -> SamplerSettings:
+@checked_arguments
+def sampler_settings(family: Family | FamilyName) -> SamplerSettings:
     """The family's `SamplerSettings` (`Family.sampler`)."""
     from lab.families import family as get_family
 
@@ -31,6 +34,7 @@ def sampler_settings(family: Family | str) -> SamplerSettings:
 # ---- sigma schedules ----------------------------------------------------------------------
 
 
+@checked_arguments
 def calculate_shift(
     image_seq_len: int, base_seq_len: float, max_seq_len: float, base_shift: float, max_shift: float
 ) -> float:
@@ -39,6 +43,7 @@ def calculate_shift(
     return image_seq_len * m + (base_shift - m * base_seq_len)
 
 
+@checked_arguments
 def check_sigma_schedule(sigmas: torch.Tensor, *, where: str = "sigma schedule") -> torch.Tensor:
     """Check a flow-matching grid: 1-D, >= 3 entries, in [0, 1], strictly decreasing, ends at 0.
 
@@ -69,8 +74,9 @@ def check_sigma_schedule(sigmas: torch.Tensor, *, where: str = "sigma schedule")
     return s
 
 
+@checked_arguments
 def sigma_schedule(
-    family: Family | str,
+    family: Family | FamilyName,
     steps: int,
     *,
     preset: str = "tiny",
@@ -153,6 +159,7 @@ def _per_sample(value: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor
     return t.reshape(-1, *([1] * (like.ndim - 1)))
 
 
+@checked_arguments
 def sde_step_with_logprob(
     model_output: torch.Tensor,
     sample: torch.Tensor,
@@ -252,6 +259,7 @@ def sde_step_with_logprob(
     return prev_sample, log_prob, mean, torch.as_tensor(std_dev_t, dtype=torch.float32)
 
 
+@checked_arguments
 def euler_step(
     model_output: torch.Tensor,
     sample: torch.Tensor,
@@ -264,6 +272,7 @@ def euler_step(
     return x + model_output.to(torch.float32) * dt
 
 
+@checked_arguments
 def mean_velocity_factor(
     sigma: float, sigma_prev: float, std_dev_t: float, sde_type: SdeType = "sde"
 ) -> float:
@@ -279,6 +288,7 @@ def mean_velocity_factor(
     )
 
 
+@checked_arguments
 def transition_scale(
     sigma: float, sigma_prev: float, std_dev_t: float, sde_type: SdeType = "sde"
 ) -> float:
@@ -292,6 +302,7 @@ def transition_scale(
     return std_dev_t
 
 
+@checked_arguments
 @dataclass(frozen=True)
 class LogRatioTerms:
     """log_prob_new - log_prob_old of one step split exactly into its two terms, per sample.
@@ -340,6 +351,7 @@ def _step_mean_float64(
     return x0 * (1 - sigma_prev) + x1 * math.sqrt(max(sigma_prev**2 - std**2, 0.0))
 
 
+@checked_arguments
 def log_ratio_terms(
     v_old: torch.Tensor,
     v_new: torch.Tensor,
@@ -412,8 +424,9 @@ def log_ratio_terms(
 # ---- CFG ----------------------------------------------------------------------------------
 
 
+@checked_arguments
 def combine_cfg(
-    family: Family | str, pos: torch.Tensor, neg: torch.Tensor | None, scale: float
+    family: Family | FamilyName, pos: torch.Tensor, neg: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
     """The guided velocity: neg + scale (pos - neg) when scale > 1, else pos (fp32).
 

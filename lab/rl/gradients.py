@@ -23,9 +23,11 @@ from typing import Any
 
 import torch
 
+from lab.base.arguments import checked_arguments
 from lab.base.atomic import atomic_write_text
-from lab.base.dtypes import dtype_name, parse_dtype
-from lab.families import Inputs
+from lab.base.devices import DeviceName
+from lab.base.dtypes import DtypeName, dtype_name, parse_dtype
+from lab.families import FamilyName, Inputs
 from lab.pairing.metrics import PairMetrics, compare
 from lab.pairing.sides import Side
 from lab.rl.flow_grpo import SDE_TYPES, sampler_settings, sde_step_with_logprob
@@ -40,6 +42,7 @@ SCHEMA = "precision-lab/gradients/1"
 # ---- the loss -----------------------------------------------------------------------------
 
 
+@checked_arguments
 @dataclass(frozen=True, kw_only=True)
 class LogProbLoss:
     """Minus the batch-mean Flow-GRPO log-prob of one SDE step at a fixed prev_sample.
@@ -50,7 +53,7 @@ class LogProbLoss:
     is inputs.sigma -> sigma_prev. CFG is not part of this loss (use cfg=False inputs).
     """
 
-    family_name: str
+    family_name: FamilyName
     sigma_prev: float = 0.65
     """sigmas[i + 1]; must be below the inputs' sigma."""
     sigma_max: float = 0.95
@@ -98,6 +101,7 @@ class LogProbLoss:
         return dataclasses.asdict(self)
 
     @classmethod
+    @checked_arguments
     def from_dict(cls, data: Mapping[str, Any]) -> LogProbLoss:
         """Inverse of `to_dict`."""
         return cls(**dict(data))
@@ -106,6 +110,7 @@ class LogProbLoss:
 # ---- one side's gradients -----------------------------------------------------------------
 
 
+@checked_arguments
 @dataclass
 class SideGradients:
     """One side's gradients w.r.t. the master parameters, stored as FSDP2 stores them."""
@@ -121,13 +126,14 @@ class SideGradients:
     """How it was made: "in-process" or "fsdp2", world size, reduce dtype, seconds."""
 
 
+@checked_arguments
 def master_gradients(
     model: torch.nn.Module,
     inputs: Inputs,
     side: Side,
     loss: Loss,
     *,
-    reduce_dtype: str | None = None,
+    reduce_dtype: DtypeName | None = None,
 ) -> SideGradients:
     """Backward one side's forward and return its gradients as FSDP2 at one rank stores them.
 
@@ -279,7 +285,10 @@ def _check_scalar(value: Any, side_name: str) -> None:
         )
 
 
-def mean_gradients(parts: Sequence[SideGradients], reduce_dtype: str = "fp32") -> SideGradients:
+@checked_arguments
+def mean_gradients(
+    parts: Sequence[SideGradients], reduce_dtype: DtypeName = "fp32"
+) -> SideGradients:
     """The rank-mean of per-rank gradients, as FSDP2's AVG reduce-scatter computes it.
 
     Each part's gradient is cast to the reduce dtype, summed in rank order in that dtype,
@@ -314,6 +323,7 @@ def mean_gradients(parts: Sequence[SideGradients], reduce_dtype: str = "fp32") -
 # ---- pairing ------------------------------------------------------------------------------
 
 
+@checked_arguments
 @dataclass(frozen=True)
 class GradientDivergence:
     """One parameter's gradient on both sides and their metrics (reference first)."""
@@ -343,6 +353,7 @@ class GradientDivergence:
         }
 
 
+@checked_arguments
 @dataclass
 class GradientResult:
     """Per-parameter gradient divergence of two sides; side A is the reference."""
@@ -410,6 +421,7 @@ class GradientResult:
             }
         )
 
+    @checked_arguments
     def to_json(self, path: str | Path) -> Path:
         """Write `to_dict()` to `path` (parents created). Returns the path."""
         return atomic_write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=True))
@@ -429,6 +441,7 @@ def _clean(value: Any) -> Any:
     return value
 
 
+@checked_arguments
 def gradient_summaries(results: Mapping[str, GradientResult]) -> Any:
     """One row of `GradientResult.summary()` per labelled result (a pandas DataFrame)."""
     import pandas as pd
@@ -436,12 +449,14 @@ def gradient_summaries(results: Mapping[str, GradientResult]) -> Any:
     return pd.DataFrame([{"run": label, **r.summary()} for label, r in results.items()])
 
 
+@checked_arguments
 def save_gradient_results(results: Mapping[str, GradientResult], path: str | Path) -> Path:
     """Write {label: GradientResult.to_dict()} as one JSON file (parents created)."""
     doc = {label: r.to_dict() for label, r in results.items()}
     return atomic_write_text(path, json.dumps(doc, indent=1, allow_nan=True))
 
 
+@checked_arguments
 def pair_gradients(
     reference: SideGradients, candidate: SideGradients, *, meta: dict[str, Any] | None = None
 ) -> GradientResult:
@@ -496,12 +511,13 @@ def pair_gradients(
     return GradientResult(reference.side, candidate.side, rows, skipped, result_meta)
 
 
+@checked_arguments
 def gradient_pair(
-    family_name: str,
+    family_name: FamilyName,
     preset: str = "tiny",
     *,
     seed: int = 0,
-    device: str = "cpu",
+    device: DeviceName = "cpu",
     sigma: float = 0.75,
     batch: int = 1,
     rollout: Side | Mapping[str, Any] | None = None,

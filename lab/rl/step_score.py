@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lab.base.arguments import checked_arguments
 from lab.families import family as get_family
 from lab.rl.flow_grpo import SdeType, combine_cfg, log_ratio_terms, sampler_settings
 from lab.rl.latents import flatten_samples, output_leaves
@@ -64,6 +65,7 @@ def guided_velocity(
     return flatten_samples(guided) * sampler_settings(fam).velocity_sign
 
 
+@checked_arguments
 @dataclass(frozen=True)
 class StepScore:
     """One in-window SDE step of one forward's samples: x_t, the rollout's x_prev, the sigmas.
@@ -97,6 +99,7 @@ class StepScore:
             self.family_name, output, negative_output, self.cfg_scale, self.shapes, self.batch
         )
 
+    @checked_arguments
     def log_ratio(self, v_old: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
         """log_prob_new - log_prob_old per sample (B,) float64, exact (linear + quadratic)."""
         device = v_old.device
@@ -120,6 +123,7 @@ class StepScore:
         }
 
     @classmethod
+    @checked_arguments
     def from_trajectory(cls, traj: Trajectory, step: int) -> StepScore:
         """Step `step` of the first forward of `traj`'s first prompt (its first samples).
 

@@ -23,10 +23,11 @@ from typing import Any
 
 import torch
 
+from lab.base.arguments import checked_arguments
 from lab.base.atomic import atomic_write_text
-from lab.base.devices import resolve_device
-from lab.base.errors import PairError, TrajectoryError, check_flags
-from lab.families import Family, Inputs
+from lab.base.devices import DeviceName, resolve_device
+from lab.base.errors import PairError, TrajectoryError
+from lab.families import Family, FamilyName, Inputs
 from lab.families import family as get_family
 from lab.families.master import master_summary
 from lab.pairing.guards import gc_paused
@@ -152,6 +153,7 @@ STEP_LOG_METRICS: tuple[str, ...] = (
 )  # fmt: skip
 
 
+@checked_arguments
 @dataclass
 class Trajectory:
     """What `trajectory()` returns: per-step and per-sample drift, the tensors, captures."""
@@ -219,6 +221,7 @@ class Trajectory:
         )
         return out
 
+    @checked_arguments
     def metrics_by_step(self, prefix: str = "precision") -> dict[str, float]:
         """The in-window per-step metrics as one flat dict, keyed for a trainer's logger.
 
@@ -233,6 +236,7 @@ class Trajectory:
             for name in STEP_LOG_METRICS
         }
 
+    @checked_arguments
     def noise_floor(self, clip_range: float | None = None) -> NoiseFloor:
         """Where `clip_range` sits against this trajectory's numeric noise floor, per step.
 
@@ -294,11 +298,13 @@ class Trajectory:
             )
         )
 
+    @checked_arguments
     def to_json(self, path: str | Path) -> Path:
         """Write `to_dict()` to `path` (parent folders created)."""
         return atomic_write_text(path, json.dumps(self.to_dict(), indent=1))
 
     @classmethod
+    @checked_arguments
     def from_json(cls, path: str | Path) -> Trajectory:
         """Read what `to_json` wrote (without tensors).
 
@@ -401,9 +407,10 @@ def _guided_velocity(
 # 2237 rows, each with its metrics and flow entries) survives into the old generations: as the
 # captures pile up, full collections walk them and the model's and libraries' objects again
 # and again. Off for the call, what the trajectory keeps is walked once, after it returns.
+@checked_arguments
 @gc_paused()
 def trajectory(
-    family_name: str,
+    family_name: FamilyName,
     preset: str = "tiny",
     *,
     steps: int = 10,
@@ -413,7 +420,7 @@ def trajectory(
     samples: int = 2,
     prompts: int = 1,
     seed: int = 0,
-    device: str = "cpu",
+    device: DeviceName = "cpu",
     variant: str | None = None,
     rollout: Side | Mapping[str, Any] | None = None,
     trainer: Side | Mapping[str, Any] | None = None,
@@ -513,7 +520,6 @@ def trajectory(
             f"{where}: sde_window {sde_window!r} is outside the schedule; it must be [start, "
             f"end) with 0 <= start < end <= steps = {steps}."
         )
-    check_flags(where, ("stream",), keep_tensors=keep_tensors, stream=stream)
     if not (math.isfinite(noise_level) and noise_level > 0.0):
         raise ValueError(
             f"{where}: noise_level must be a finite number > 0 (Flow-GRPO's is 0.7), got "

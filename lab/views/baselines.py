@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from lab.base.arguments import checked_arguments
 from lab.pairing.capture import ROOT
 from lab.pairing.result import Result
 
@@ -66,6 +67,7 @@ def _baseline_path(name: str, directory: str | Path | None) -> Path:
     return Path(directory or BASELINE_DIR) / f"{name.removesuffix('.json')}.json"
 
 
+@checked_arguments
 def list_baselines(directory: str | Path | None = None) -> list[str]:
     """Names of the saved baselines (file stems), sorted.
 
@@ -78,6 +80,7 @@ def list_baselines(directory: str | Path | None = None) -> list[str]:
     return sorted(p.stem for p in folder.glob("*.json") if not p.name.startswith("."))
 
 
+@checked_arguments
 def save_baseline(
     result: Result,
     name: str,
@@ -102,6 +105,7 @@ def save_baseline(
     return result.to_json(free_baseline_path(name, directory=directory, overwrite=overwrite))
 
 
+@checked_arguments
 def free_baseline_path(
     name: str, *, directory: str | Path | None = None, overwrite: bool = False
 ) -> Path:
@@ -119,6 +123,7 @@ def free_baseline_path(
     return path
 
 
+@checked_arguments
 def load_baseline(name_or_path: str | Path, *, directory: str | Path | None = None) -> Result:
     """Read a baseline by name (from data/baselines/) or by path to a result.json.
 
@@ -141,6 +146,7 @@ def load_baseline(name_or_path: str | Path, *, directory: str | Path | None = No
     return Result.from_json(path)
 
 
+@checked_arguments
 @dataclass(frozen=True, eq=False)
 class BaselineComparison:
     """One run compared module output by module output against a known-good run."""
@@ -161,6 +167,7 @@ class BaselineComparison:
     `versions.<name>` for a differing torch, diffusers or CPU kernel set (`versions.cpu`, ATen's
     capability: AVX512 and AVX2 kernels round reductions differently)."""
 
+    @checked_arguments
     def rows(self, status: Status) -> pd.DataFrame:
         """The table's rows of one status; worse/improved sorted by how far they moved.
 
@@ -230,6 +237,7 @@ class BaselineComparison:
         return "\n".join(lines)
 
 
+@checked_arguments
 def compare_to_baseline(
     result: Result,
     baseline: Result | str | Path,

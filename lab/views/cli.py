@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lab.base.arguments import option_type
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 _EXIT_CODES = (
     "exit codes: 0 ok; 1 the run found a failure (see the subcommand); 2 bad arguments "
@@ -59,7 +61,9 @@ def _model_options(parser: argparse.ArgumentParser, out_dir: str) -> None:
         "--preset", default="tiny", choices=PRESETS, help="model size (default tiny: CPU, ms)"
     )
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    parser.add_argument("--seed", type=int, default=0, help="weight and input seed (default 0)")
+    parser.add_argument(
+        "--seed", type=option_type(int), default=0, help="weight and input seed (default 0)"
+    )
     parser.add_argument(
         "--rollout-overrides",
         default="{}",
@@ -97,11 +101,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     _model_options(pair, "runs/pair")
     pair.add_argument("--mode", default="propagated", choices=MODES, help="default propagated")
-    pair.add_argument("--sigma", type=float, default=0.75, help="flow-matching sigma (0.75)")
+    pair.add_argument(
+        "--sigma", type=option_type(float), default=0.75, help="flow-matching sigma (0.75)"
+    )
     pair.add_argument("--metric", default="rel_max", help="metric of the figure (rel_max)")
     pair.add_argument(
         "--max-rel-max",
-        type=float,
+        type=option_type(float),
         default=None,
         metavar="X",
         help="exit 1 when model_output_rel_max > X",
@@ -123,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
     pair.add_argument("--report", action="store_true", help="also write OUT_DIR/report.html")
     pair.add_argument(
         "--sharded",
-        type=int,
+        type=option_type(int),
         default=None,
         metavar="NPROC",
         help="run both sides under FSDP2 across NPROC ranks (gloo on cpu, one GPU each on "
@@ -142,9 +148,13 @@ def _parser() -> argparse.ArgumentParser:
         "of ratios outside the clip range exceeds --max-clip-frac.",
     )
     _model_options(drift, "runs/ratio_drift")
-    drift.add_argument("--steps", type=int, default=10, help="denoising steps (10)")
-    drift.add_argument("--cfg-scale", type=float, default=1.0, help="guidance scale (1.0: none)")
-    drift.add_argument("--noise-level", type=float, default=0.7, help="eta of the SDE (0.7)")
+    drift.add_argument("--steps", type=option_type(int), default=10, help="denoising steps (10)")
+    drift.add_argument(
+        "--cfg-scale", type=option_type(float), default=1.0, help="guidance scale (1.0: none)"
+    )
+    drift.add_argument(
+        "--noise-level", type=option_type(float), default=0.7, help="eta of the SDE (0.7)"
+    )
     drift.add_argument("--sde-type", default="sde", choices=("sde", "cps"), help="default sde")
     drift.add_argument(
         "--sde-window",
@@ -152,12 +162,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="JSON",
         help="[start, end) steps with SDE noise, e.g. '[0, 4]'; [] every step",
     )
-    drift.add_argument("--samples", type=int, default=2, help="samples per prompt (2)")
-    drift.add_argument("--prompts", type=int, default=1, help="prompts (1)")
-    drift.add_argument("--clip-range", type=float, default=1e-4, help="PPO clip range (1e-4)")
+    drift.add_argument("--samples", type=option_type(int), default=2, help="samples per prompt (2)")
+    drift.add_argument("--prompts", type=option_type(int), default=1, help="prompts (1)")
+    drift.add_argument(
+        "--clip-range", type=option_type(float), default=1e-4, help="PPO clip range (1e-4)"
+    )
     drift.add_argument(
         "--max-clip-frac",
-        type=float,
+        type=option_type(float),
         default=None,
         metavar="F",
         help="exit 1 when the share of |ratio - 1| > clip range exceeds F",
@@ -201,7 +213,9 @@ def _parser() -> argparse.ArgumentParser:
         help="a parameter every run gets (JSON where it parses); repeatable",
     )
     sweep.add_argument("--out", default="runs/sweep", help="sweep folder (default runs/sweep)")
-    sweep.add_argument("--jobs", type=int, default=2, help="runs in parallel (default 2)")
+    sweep.add_argument(
+        "--jobs", type=option_type(int), default=2, help="runs in parallel (default 2)"
+    )
     sweep.add_argument("--no-progress", action="store_true", help="no progress bar")
     sweep.add_argument(
         "--resume",

@@ -21,6 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from lab.base.arguments import checked_arguments
+
 
 def kernel_config() -> Any:
     """The traitlets Config papermill hands its kernel manager: CurveZMQ keys where possible.
@@ -41,6 +43,7 @@ two-core machine running several kernels (a sweep's jobs beside a test run) has 
 a kernel that never starts still fails, with papermill's "Kernel didn't respond" error."""
 
 
+@checked_arguments
 def check_parameters(
     notebook: str | Path,
     names: Sequence[str],
@@ -90,6 +93,7 @@ _TAKES: dict[str, tuple[tuple[type, ...], str]] = {
 }
 
 
+@checked_arguments
 def check_parameter_types(
     info: Mapping[str, Mapping[str, Any]],
     values: Iterable[tuple[str, Any]],
@@ -118,6 +122,7 @@ def check_parameter_types(
             )
 
 
+@checked_arguments
 def execute_notebook(
     notebook: str | Path,
     output: str | Path,
@@ -223,6 +228,7 @@ def _bool_spellings(args: list[str], notebook: str | Path) -> tuple[list[str], d
     return out, values
 
 
+@checked_arguments
 def papermill_main(argv: Sequence[str] | None = None) -> int:
     """Run papermill's command line, its kernels started with `kernel_config()`; the exit code."""
     import click

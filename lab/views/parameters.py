@@ -14,10 +14,13 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lab.base.arguments import checked_arguments
+
 _KINDS: dict[type, str] = {dict: "a JSON object", list: "a JSON array"}
 _EXAMPLES: dict[type, str] = {dict: "'{\"autocast\": false}'", list: "'[0, 4]'"}
 
 
+@checked_arguments
 def json_parameter(name: str, value: Any, kind: type[dict] | type[list]) -> Any:
     """`value` as a `kind`: itself when it already is one, else parsed from JSON text.
 

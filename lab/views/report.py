@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lab.base.arguments import checked_arguments
 from lab.pairing.result import Result, results_table
 from lab.views import plots
 
@@ -135,6 +136,7 @@ _VERSION_WORDS = {"cpu": "CPU kernels", "gpu": "GPU", "cuda": "CUDA"}
 """How the report's first line names a `meta["versions"]` key (the rest by their own name)."""
 
 
+@checked_arguments
 def write_html(
     result_or_results: Result | Sequence[Result] | Mapping[str, Result],
     path: str | Path,

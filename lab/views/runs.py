@@ -32,11 +32,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from lab.base.arguments import checked_arguments
 from lab.pairing.result import Result
 from lab.views.baselines import BASELINE_DIR, BaselineComparison, compare_to_baseline
 
 if TYPE_CHECKING:
     import pandas as pd
+
+    from lab.families import FamilyName
 
 Kind = Literal["run", "sweep", "baseline", "trajectory"]
 BASELINE_PREFIX = "baseline:"
@@ -56,6 +59,7 @@ _SKIP_DIRS: frozenset[str] = frozenset(
 )
 
 
+@checked_arguments
 @dataclass(frozen=True)
 class SavedRun:
     """One results file on disk and the few facts `list_runs` read from it."""
@@ -106,6 +110,7 @@ class SavedRun:
 # ---- listing ----------------------------------------------------------------------------
 
 
+@checked_arguments
 def list_runs(
     root: str | Path = ".",
     *,
@@ -148,6 +153,7 @@ def list_runs(
     return sorted(found.values(), key=lambda r: (-r.modified, r.name))
 
 
+@checked_arguments
 def runs_table(runs: Sequence[SavedRun]) -> pd.DataFrame:
     """One row per saved run: name, kind, family, preset, mode, sides, when, headline metrics."""
     import pandas as pd
@@ -159,6 +165,7 @@ def runs_table(runs: Sequence[SavedRun]) -> pd.DataFrame:
     return pd.DataFrame([r.row() for r in runs], columns=names)
 
 
+@checked_arguments
 def find_run(ref: str | Path | SavedRun, runs: Sequence[SavedRun] | None = None, *,
              root: str | Path = ".") -> SavedRun:  # fmt: skip
     """The saved run `ref` names: a listed name, "baseline:<name>", a path, or a unique part.
@@ -213,6 +220,7 @@ def find_run(ref: str | Path | SavedRun, runs: Sequence[SavedRun] | None = None,
     )
 
 
+@checked_arguments
 def load_runs(
     refs: Sequence[str | Path | SavedRun], *, root: str | Path = "."
 ) -> dict[str, Result]:
@@ -234,6 +242,7 @@ def load_runs(
 # ---- comparing --------------------------------------------------------------------------
 
 
+@checked_arguments
 def settings_diff(results: Mapping[str, Result]) -> pd.DataFrame:
     """The settings that differ between runs: one row per setting, one column per run.
 
@@ -258,6 +267,7 @@ def settings_diff(results: Mapping[str, Result]) -> pd.DataFrame:
     return pd.DataFrame.from_dict(rows, orient="index", columns=list(flat)).rename_axis("setting")
 
 
+@checked_arguments
 @dataclass(frozen=True, eq=False)
 class RunComparison:
     """Two or more saved Results side by side; the first is the one the others are held to."""
@@ -344,6 +354,7 @@ class RunComparison:
         """Names of the later runs with a module output worse than in the first run."""
         return [name for name, cmp in self.comparisons().items() if not cmp.ok]
 
+    @checked_arguments
     def plot_overlay(self, metric: str | None = None, *, backend: str = "plotly") -> Any:
         """`lab.views.plots.plot_overlay` of the runs (the first is the baseline line)."""
         from lab.views import plots
@@ -382,6 +393,7 @@ class RunComparison:
         return "\n".join(lines)
 
 
+@checked_arguments
 def compare_runs(
     refs: Sequence[str | Path | SavedRun] | Mapping[str, Result],
     *,
@@ -407,6 +419,7 @@ def compare_runs(
     return RunComparison(runs, metric)
 
 
+@checked_arguments
 def newest(runs: Sequence[SavedRun], count: int = 2) -> list[SavedRun]:
     """The `count` newest Results among `runs`, oldest of them first (the reference).
 
@@ -422,11 +435,12 @@ def newest(runs: Sequence[SavedRun], count: int = 2) -> list[SavedRun]:
     return list(reversed(results[:count]))
 
 
+@checked_arguments
 def save_examples(
     root: str | Path = ".",
     *,
     if_fewer_than: int = 2,
-    family: str = "flux",
+    family: FamilyName = "flux",
     preset: str = "tiny",
 ) -> list[Path]:
     """Save two small runs to compare when fewer than `if_fewer_than` Results are saved.

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lab.base.arguments import checked_arguments
 from lab.base.atomic import atomic_path, atomic_write_text
 from lab.views.notebooks import KERNEL_START_TIMEOUT_S
 
@@ -48,6 +49,7 @@ HEADLINE_METRICS: tuple[str, ...] = (
 # ---- grid ---------------------------------------------------------------------------------
 
 
+@checked_arguments
 def parse_value(text: str) -> Any:
     """One grid value: JSON where it parses (ints, floats, bools, null, lists, dicts), else str."""
     try:
@@ -76,6 +78,7 @@ def _split_top_level(text: str) -> list[str]:
     return [p.strip() for p in parts]
 
 
+@checked_arguments
 def parse_grid(specs: Sequence[str]) -> dict[str, list[Any]]:
     """`["key=v1,v2", "key2=a,b"]` -> {"key": [v1, v2], "key2": ["a", "b"]}.
 
@@ -99,12 +102,14 @@ def parse_grid(specs: Sequence[str]) -> dict[str, list[Any]]:
     return grid
 
 
+@checked_arguments
 def grid_points(grid: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
     """Every combination of the grid, in row-major order of the keys as given."""
     keys = list(grid)
     return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*grid.values())]
 
 
+@checked_arguments
 def run_name(index: int, point: Mapping[str, Any]) -> str:
     """A folder-safe name for one grid point: `003_family=sd3_mode=local`."""
     words = "_".join(
@@ -113,6 +118,7 @@ def run_name(index: int, point: Mapping[str, Any]) -> str:
     return f"{index:03d}_" + re.sub(r"[^A-Za-z0-9_=.,+-]+", "-", words)[:120].strip("-")
 
 
+@checked_arguments
 def resolve_notebook(notebook: str | Path) -> Path:
     """A path, or a bare name under notebooks/ ("01_quickstart" or "01_quickstart.ipynb").
 
@@ -132,6 +138,7 @@ def resolve_notebook(notebook: str | Path) -> Path:
 # ---- one run --------------------------------------------------------------------------------
 
 
+@checked_arguments
 @dataclass(frozen=True)
 class RunOutcome:
     """What one grid point gave: its summary row, or the error and the kept notebook."""
@@ -147,6 +154,7 @@ class RunOutcome:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
+@checked_arguments
 def summarize_results_json(path: Path) -> dict[str, Any]:
     """Flat scalar summary of a results.json: a Result's `summary`, a Trajectory's `overall`."""
     data = json.loads(path.read_text())
@@ -206,6 +214,7 @@ def _error_line(executed: Path, err: BaseException) -> str:
 # ---- the sweep ------------------------------------------------------------------------------
 
 
+@checked_arguments
 @dataclass
 class Sweep:
     """A finished sweep: one outcome per grid point, the table and where things went."""
@@ -236,6 +245,7 @@ class Sweep:
         return "\n".join(lines)
 
 
+@checked_arguments
 def sweep_table(outcomes: Sequence[RunOutcome]) -> Any:
     """The sweep's table: run, status, seconds, one column per grid key, then the summaries."""
     import pandas as pd
@@ -258,6 +268,7 @@ def sweep_table(outcomes: Sequence[RunOutcome]) -> Any:
     return pd.DataFrame(rows)
 
 
+@checked_arguments
 def plot_sweep(table: Any, metric: str | None = None, *, title: str | None = None) -> Any:
     """Bar chart of one metric per run (log scale), failed runs marked; a matplotlib Figure.
 
@@ -355,6 +366,7 @@ class _Task:
     params: dict[str, Any]
 
 
+@checked_arguments
 def run_sweep(
     notebook: str | Path,
     grid: Mapping[str, Sequence[Any]],

@@ -35,9 +35,11 @@ from typing import Any
 
 import ipywidgets as W
 
+from lab.base.arguments import checked_arguments
+from lab.base.devices import DeviceName
 from lab.base.dtypes import DTYPES, dtype_name
 from lab.base.errors import PairError
-from lab.families import FAMILY_NAMES, PRESETS
+from lab.families import FAMILY_NAMES, PRESETS, FamilyName
 from lab.families import family as get_family
 from lab.pairing.capture import ROOT
 from lab.pairing.result import Result
@@ -78,6 +80,7 @@ _RUN_STAGES = 4  # validate + model, pair, ratio drift, plots
 # ---- rules text ---------------------------------------------------------------------------
 
 
+@checked_arguments
 def parse_rules_text(text: str, *, where: str = "param_dtype_rules") -> dict[str, str]:
     """Turn the panel's rules text (one `glob: dtype` per line) into ordered rules.
 
@@ -117,11 +120,13 @@ def parse_rules_text(text: str, *, where: str = "param_dtype_rules") -> dict[str
     return rules
 
 
+@checked_arguments
 def format_rules_text(rules: Mapping[str, str]) -> str:
     """Inverse of `parse_rules_text`: one `glob: dtype` per line."""
     return "\n".join(f"{pattern}: {value}" for pattern, value in rules.items())
 
 
+@checked_arguments
 def rule_matches_table(matches: Sequence[RuleMatch]) -> Any:
     """What each rule matched, one row per rule (a pandas DataFrame).
 
@@ -335,8 +340,14 @@ class ControlPanel:
     "op_switches.<switch>". `keys()` lists them.
     """
 
+    @checked_arguments
     def __init__(
-        self, family: str = "flux", preset: str = "tiny", device: str = "cpu", *, seed: int = 0
+        self,
+        family: FamilyName = "flux",
+        preset: str = "tiny",
+        device: DeviceName = "cpu",
+        *,
+        seed: int = 0,
     ) -> None:
         _load_definitions()
         self.last_result: Result | None = None
@@ -373,6 +384,7 @@ class ControlPanel:
         """Every control key `set` and `get` accept."""
         return list(self.controls)
 
+    @checked_arguments
     def get(self, key: str) -> Any:
         """The current value of one control (see `keys()`).
 
@@ -381,6 +393,7 @@ class ControlPanel:
         """
         return self._control(key).value
 
+    @checked_arguments
     def set(self, key: str, value: Any) -> bool:
         """Change one control as a click would (observers fire: rules compile live).
 
@@ -416,6 +429,7 @@ class ControlPanel:
         control.value = value
         return True
 
+    @checked_arguments
     def apply(self, settings: Mapping[str, Any]) -> None:
         """`set` each key -> value in order; stops at the first value not taken.
 
@@ -430,6 +444,7 @@ class ControlPanel:
             if not self.set(key, value):
                 return
 
+    @checked_arguments
     def run_and_export(self, out_dir: str | Path) -> Path:
         """Headless use (papermill): `run`, then `export` to `out_dir`.
 
@@ -452,6 +467,7 @@ class ControlPanel:
         """
         return self._side("rollout"), self._side("trainer")
 
+    @checked_arguments
     def compile_rules(self, side_name: str) -> list[RuleMatch] | None:
         """Compile one side's rules text on the built model and show what each rule matched.
 
@@ -517,6 +533,7 @@ class ControlPanel:
         )
         return result
 
+    @checked_arguments
     def select(self, module: str) -> ModuleDetail:
         """What clicking a point of the divergence plot does: show that module's detail.
 
@@ -574,6 +591,7 @@ class ControlPanel:
         _show_plotly(self._outputs["detail_plot"], detail.ulp_figure)
         return detail
 
+    @checked_arguments
     def export(self, out_dir: str | Path | None = None) -> Path | None:
         """What the Export button does: results.json + report.html (+ PNGs) of the last result.
 
@@ -1317,8 +1335,9 @@ def _summary_html(result: Result, traj: Any) -> str:
     return f"<table class='lab-summary-table'>{body}</table>"
 
 
+@checked_arguments
 def control_panel(
-    family: str = "flux", preset: str = "tiny", device: str = "cpu", *, seed: int = 0
+    family: FamilyName = "flux", preset: str = "tiny", device: DeviceName = "cpu", *, seed: int = 0
 ) -> ControlPanel:
     """Build the control panel; the returned object displays itself as the panel in Jupyter.
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from lab.base.arguments import checked_arguments
 from lab.base.dtypes import dtype_name
 from lab.causes.checks.result import CheckResult, ulp_words
 from lab.families import Family, Inputs
@@ -66,6 +67,7 @@ def _probe(family_name: str, preset: str, variant: str | None) -> dict[str, int 
     return axes
 
 
+@checked_arguments
 def batch_axes(fam: Family, preset: str, variant: str | None = None) -> dict[str, int | None]:
     """Per kwarg of `fam.make_inputs`: its rows per sample along dim 0 (None: shared by all).
 
@@ -343,6 +345,7 @@ def _not_applicable(check: str, columns: list[str], meta: dict[str, Any], why: s
 # ---- batch_invariance -----------------------------------------------------------------------
 
 
+@checked_arguments
 def batch_invariance(
     model: torch.nn.Module,
     inputs: Inputs,
@@ -496,6 +499,7 @@ def _batch_verdict(side: Side, meta: dict[str, Any], mine: list[dict], roots: li
 # ---- cfg_batching ---------------------------------------------------------------------------
 
 
+@checked_arguments
 def cfg_batching(
     model: torch.nn.Module,
     inputs: Inputs,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from lab.base.arguments import checked_arguments
 from lab.base.atomic import atomic_write_text
 
 if TYPE_CHECKING:
@@ -19,6 +20,7 @@ CHECK_NAMES: tuple[str, ...] = ("batch_invariance", "cfg_batching", "sigma_parit
 SCHEMA = "precision-lab/check/1"
 
 
+@checked_arguments
 @dataclass
 class CheckResult:
     """One pipeline parity check: its rows, a one-paragraph verdict and whether it passed.
@@ -85,11 +87,13 @@ class CheckResult:
             }
         )
 
+    @checked_arguments
     def to_json(self, path: str | Path) -> Path:
         """Write `to_dict()` to `path` atomically (parent folders created)."""
         return atomic_write_text(path, json.dumps(self.to_dict(), indent=1))
 
     @classmethod
+    @checked_arguments
     def from_dict(cls, data: Mapping[str, Any]) -> CheckResult:
         """Rebuild a CheckResult from `to_dict()` output (null floats come back as NaN).
 
@@ -117,6 +121,7 @@ class CheckResult:
         )
 
     @classmethod
+    @checked_arguments
     def from_json(cls, path: str | Path) -> CheckResult:
         """Read what `to_json` wrote.
 

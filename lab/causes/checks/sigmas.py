@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from lab.base.arguments import checked_arguments
 from lab.base.dtypes import dtype_name, parse_dtype
 from lab.causes.checks.result import CheckResult
 from lab.families import Family, SamplerSettings
@@ -44,6 +45,7 @@ kwarg that differs most, its first element as presented, ULPs in the finer of th
 x_t, velocity and x_prev."""
 
 
+@checked_arguments
 @dataclass(frozen=True, kw_only=True)
 class SigmaSettings:
     """How one side builds its sigma grid and presents the timestep to the DiT."""
@@ -93,6 +95,7 @@ class SigmaSettings:
             object.__setattr__(self, "sigmas", tuple(float(s) for s in self.sigmas))
 
     @classmethod
+    @checked_arguments
     def from_side(cls, side: Side, **overrides: Any) -> SigmaSettings:
         """The settings a `Side` implies: its name, boundary policy and forward dtype."""
         base = dict(
@@ -176,6 +179,7 @@ def _grid(
     return _SideGrid(s, held, timesteps)
 
 
+@checked_arguments
 def sigma_parity(
     family: Family | str,
     side_a_settings: SettingsLike = None,

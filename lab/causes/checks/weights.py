@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from lab.base.arguments import checked_arguments
 from lab.base.dtypes import dtype_name, parse_dtype
 from lab.causes.checks.result import CheckResult
 from lab.engine.dump import MANIFEST, Dump, load_dump, tensor_fingerprint
@@ -97,6 +98,7 @@ def _from_dump(dump: Dump, where: str) -> tuple[str, dict[str, Any], bool]:
     return f"dump {dump.directory.name}", dict(weights["parameters"]), True
 
 
+@checked_arguments
 def weight_sync(
     state_a: Source,
     state_b: Source,

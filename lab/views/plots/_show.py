@@ -10,10 +10,13 @@ import html
 from pathlib import Path
 from typing import Any, Literal
 
+from lab.base.arguments import checked_arguments
+
 Backend = Literal["matplotlib", "plotly"]
 BACKENDS: tuple[str, ...] = ("matplotlib", "plotly")
 
 
+@checked_arguments
 def check_backend(backend: str, where: str) -> None:
     """Raise a ValueError naming `where` unless `backend` is "matplotlib" or "plotly"."""
     if backend not in BACKENDS:
@@ -41,6 +44,7 @@ _DPI = 130
 _plotlyjs_published = False
 
 
+@checked_arguments
 def show(fig: Any, save_as: str | Path | None = None) -> None:
     """Display a figure inline, stored in the notebook, and optionally write it to a file.
 
@@ -124,6 +128,7 @@ def figure_mimebundle(fig: Any) -> dict[str, Any]:
     return bundle
 
 
+@checked_arguments
 def save_figure(fig: Any, path: str | Path, *, dpi: int = _DPI) -> Path:
     """Write a matplotlib or plotly figure, format by suffix, creating parent folders.
 
@@ -190,6 +195,7 @@ def _static_twin(fig: Any) -> Any:
     return build() if build is not None else None
 
 
+@checked_arguments
 def figure_png(fig: Any, *, dpi: int = _DPI) -> bytes:
     """PNG bytes of a matplotlib figure, or of a plotly figure's matplotlib twin.
 

@@ -17,6 +17,7 @@ import textwrap
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from lab.base.arguments import checked_arguments
 from lab.views.plots._show import Backend, _pyplot, attach_static_twin, check_backend
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ def _hover(row: Mapping[str, Any]) -> str:
     )
 
 
+@checked_arguments
 def plot_attribution(
     attr: Attribution, *, top: int | None = 20, backend: Backend = "plotly"
 ) -> Any:

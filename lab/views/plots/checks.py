@@ -18,6 +18,7 @@ import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from lab.base.arguments import checked_arguments
 from lab.pairing.capture import ROOT
 from lab.views.plots._show import Backend, _pyplot, attach_static_twin, check_backend
 
@@ -33,6 +34,7 @@ _STATUS_COLORS: dict[str, str] = {
 _BRANCH_COLORS: dict[str, str] = {"uncond": "#ff7f0e", "cond": "#1f77b4"}
 
 
+@checked_arguments
 def plot_check(result: CheckResult, *, backend: Backend = "plotly") -> Any:
     """The figure of one CheckResult (any of the four checks; a saved one read back works).
 

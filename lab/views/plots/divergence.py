@@ -25,6 +25,7 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from lab.base.arguments import checked_arguments
 from lab.pairing.capture import ROOT
 from lab.views.plots._show import Backend, _pyplot, attach_static_twin, check_backend
 
@@ -40,6 +41,7 @@ _FLOOR = 1e-12
 _HOVER_METRICS: tuple[str, ...] = ("max_abs_diff", "rel_max", "max_ulp", "bitexact_frac")
 
 
+@checked_arguments
 def module_kind(module_class: str) -> str:
     """Coarse kind of a module class, for colouring: norm, attention, linear, ... or other."""
     name = module_class.lower()
@@ -136,6 +138,7 @@ def _why_text(row: Any) -> str:
     return "why: " + "<br>  ".join(textwrap.wrap(html.escape(why), 70))
 
 
+@checked_arguments
 def hover_texts(result: Result, metric: str = "rel_max") -> list[str]:
     """The plotly hover text of every row of `result`, in row order (HTML with <br>).
 
@@ -201,6 +204,7 @@ def _kind_colours(kinds: Sequence[str]) -> dict[str, str]:
 # ---- divergence across depth ------------------------------------------------------------
 
 
+@checked_arguments
 def plot_divergence_by_layer(
     result: Result,
     metric: str = "rel_max",
@@ -306,6 +310,7 @@ def plot_divergence_by_layer(
     return fig
 
 
+@checked_arguments
 def plot_divergence_by_layer_plotly(
     result: Result, metric: str = "rel_max", *, title: str | None = None
 ) -> Any:
@@ -320,6 +325,7 @@ def plot_divergence_by_layer_plotly(
 # ---- steps x layers ---------------------------------------------------------------------
 
 
+@checked_arguments
 def plot_steps_by_layers(
     results: Sequence[Result] | Mapping[Any, Result],
     metric: str = "rel_max",
@@ -462,6 +468,7 @@ def plot_steps_by_layers(
 # ---- ULP histogram ----------------------------------------------------------------------
 
 
+@checked_arguments
 def plot_ulp_histogram(
     result: Result,
     modules: Sequence[str] | None = None,
@@ -573,6 +580,7 @@ def plot_ulp_histogram(
 # ---- overlay of runs --------------------------------------------------------------------
 
 
+@checked_arguments
 def plot_overlay(
     runs: Sequence[Result] | Mapping[str, Result],
     metric: str = "rel_max",

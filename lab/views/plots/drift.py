@@ -20,15 +20,40 @@ from __future__ import annotations
 
 import textwrap
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from lab.base.arguments import checked_arguments
 from lab.views.plots._show import Backend, _pyplot, attach_static_twin, check_backend
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from lab.rl.noise_floor import NoiseFloor
-    from lab.rl.trajectory import Trajectory
+
+
+@runtime_checkable
+class StepDrifts(Protocol):
+    """What the per-step figures read: a Trajectory, or anything with `per_step()`."""
+
+    def per_step(self) -> pd.DataFrame:
+        """One row per step: step, in_window, ratio_p01/p50/p99, ..."""
+
+
+@runtime_checkable
+class SampleDrifts(Protocol):
+    """What the per-sample figures read: a Trajectory, or anything with `per_sample()`."""
+
+    def per_sample(self) -> pd.DataFrame:
+        """One row per (step, sample): ratio, log-prob gap, velocity gap, ..."""
+
+
+@runtime_checkable
+class NoiseFloorSource(Protocol):
+    """A Trajectory, or anything with `noise_floor(clip_range)`."""
+
+    def noise_floor(self, clip_range: float | None = None) -> NoiseFloor:
+        """The identical-weight noise floor at `clip_range`."""
+
 
 # Per-step columns the ratio-drift hover shows after the ratio quantiles, when present.
 _STEP_HOVER: tuple[str, ...] = (
@@ -94,7 +119,8 @@ def _g(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def plot_ratio_drift(traj: Trajectory, *, backend: Backend = "plotly") -> Any:
+@checked_arguments
+def plot_ratio_drift(traj: StepDrifts, *, backend: Backend = "plotly") -> Any:
     """Ratio - 1 per step: median and mean lines, the p01..p99 band, the PPO clip range.
 
     Args:
@@ -177,7 +203,8 @@ def plot_ratio_drift(traj: Trajectory, *, backend: Backend = "plotly") -> Any:
     return fig
 
 
-def plot_ratio_histogram(traj: Trajectory, *, bins: int = 40, backend: Backend = "plotly") -> Any:
+@checked_arguments
+def plot_ratio_histogram(traj: SampleDrifts, *, bins: int = 40, backend: Backend = "plotly") -> Any:
     """Distribution of ratio - 1 over every (in-window step, sample), clip range marked.
 
     Args:
@@ -248,7 +275,8 @@ def _series(df: pd.DataFrame) -> list[tuple[str, str, str, bool]]:
     return series
 
 
-def plot_logprob_vs_velocity_gap(traj: Trajectory, *, backend: Backend = "plotly") -> Any:
+@checked_arguments
+def plot_logprob_vs_velocity_gap(traj: SampleDrifts, *, backend: Backend = "plotly") -> Any:
     """|d log_prob| against the rms velocity gap per sample, coloured by step; predicted beside.
 
     Three markers per sample: the measured |log_prob_new - log_prob_old| (circle), the
@@ -349,8 +377,9 @@ def plot_logprob_vs_velocity_gap(traj: Trajectory, *, backend: Backend = "plotly
     return fig
 
 
+@checked_arguments
 def plot_noise_floor(
-    source: NoiseFloor | Trajectory,
+    source: NoiseFloor | NoiseFloorSource,
     clip_range: float | None = None,
     *,
     backend: Backend = "plotly",

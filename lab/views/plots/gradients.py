@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from lab.base.arguments import checked_arguments
 from lab.views.plots._show import _pyplot
 
 if TYPE_CHECKING:
     from lab.rl.gradients import GradientResult
 
 
+@checked_arguments
 def plot_gradient_divergence(
     results: GradientResult | Mapping[str, GradientResult], metric: str = "rel_max"
 ) -> Any:

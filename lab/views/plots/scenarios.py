@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from lab.base.arguments import checked_arguments
 from lab.views.plots._show import Backend, _pyplot, attach_static_twin, check_backend
 from lab.views.plots.divergence import hover_texts
 
@@ -34,6 +35,7 @@ def _title(run: ScenarioRun) -> str:
     )
 
 
+@checked_arguments
 def plot_bug_vs_fixed(
     runs: list[ScenarioRun], *, backend: Backend = "plotly", interactive: bool | None = None
 ) -> Any:
