@@ -424,10 +424,10 @@ def test_a_value_the_declared_type_does_not_take_is_refused_and_true_false_are_b
     out = tmp_path / "out.ipynb"
     assert papermill_main([str(notebook), str(out), "-p", "interactive", "maybe"]) == 2
     err = capsys.readouterr().err
-    assert "parameter 'interactive' is declared bool, got 'maybe' (str). Pass True or False" in err
+    assert "'interactive' (declared bool) must be True or False, got 'maybe' (str). Pass" in err
     assert papermill_main([str(notebook), str(out), "-p", "seed", "abc"]) == 2
     err = capsys.readouterr().err
-    assert "'seed' is declared int, got 'abc' (str). Pass a whole number." in err
+    assert "'seed' (declared int) must be an int, got 'abc' (str). Pass an int." in err
     assert papermill_main([str(notebook), str(out), "-p", "sigma", "1e"]) == 2
     assert ran == [], "nothing ran"
     # Any case of true/false is papermill's True/False; an int is a float's number.
@@ -436,11 +436,13 @@ def test_a_value_the_declared_type_does_not_take_is_refused_and_true_false_are_b
         assert ran[-1]["parameters"]["interactive"] is want
     assert papermill_main([str(notebook), str(out), "-p", "sigma", "1", "-p", "seed", "3"]) == 0
     assert ran[-1]["parameters"]["sigma"] == 1 and ran[-1]["parameters"]["seed"] == 3
-    with pytest.raises(ValueError, match=r"'seed' is declared int, got 2\.5 \(float\)"):
+    with pytest.raises(ValueError, match=r"'seed' \(declared int\) must be an int, got 2\.5"):
         execute_notebook(notebook, out, {"seed": 2.5})
-    with pytest.raises(ValueError, match=r"'interactive' is declared bool, got 1 \(int\)"):
+    with pytest.raises(
+        ValueError, match=r"'interactive' \(declared bool\) must be True or False, got 1"
+    ):
         execute_notebook(notebook, out, {"interactive": 1})
-    with pytest.raises(ValueError, match=r"'family' is declared str, got 3 \(int\)"):
+    with pytest.raises(ValueError, match=r"'family' \(declared str\) must be a str, got 3 \(int\)"):
         execute_notebook(notebook, out, {"family": 3})
     execute_notebook(notebook, out, {"sigma": 1, "trainer_overrides": '{"autocast": false}'})
     assert ran[-1]["parameters"] == {"sigma": 1, "trainer_overrides": '{"autocast": false}'}

@@ -107,9 +107,11 @@ def test_unknown_grid_key_is_refused_before_any_run(tmp_path: Path) -> None:
     # A misspelt fixed parameter with no grid is named, not "the grid is empty".
     with pytest.raises(ValueError, match=r"\['famly'\] are not parameters .*'family'"):
         run_sweep("01_quickstart", {}, tmp_path, parameters={"famly": "flux"})
-    with pytest.raises(ValueError, match=r"'interactive' is declared bool, got 'maybe'"):
+    with pytest.raises(
+        ValueError, match=r"'interactive' \(declared bool\) must be True or False, got 'm"
+    ):
         run_sweep("01_quickstart", {"interactive": [True, "maybe"]}, tmp_path)
-    with pytest.raises(ValueError, match=r"'seed' is declared int, got 0\.5"):
+    with pytest.raises(ValueError, match=r"'seed' \(declared int\) must be an int, got 0\.5"):
         run_sweep("01_quickstart", {"family": ["flux"]}, tmp_path, parameters={"seed": 0.5})
     with pytest.raises(ValueError, match="the grid is empty"):
         run_sweep("01_quickstart", {}, tmp_path, parameters={"family": "flux"})

@@ -16,17 +16,20 @@ What each hint accepts (the same everywhere, the command line's option types inc
     Path, str | Path      a str or an os.PathLike
     Literal[...]          one of the values (the nearest one is suggested)
     Mapping / dict        any mapping, each key and value checked against its hint
-    Sequence / list / tuple[X, ...] / tuple[X, Y]   a list or tuple (never a bare str, which
-                          would iterate as its characters), each item checked
+    Sequence / list / tuple[X, ...] / tuple[X, Y]   a list, tuple or 1-d numpy array (never a
+                          bare str, which would iterate as its characters), each item checked
     Iterable[X]           any iterable but a str; items checked where it is a collection
     Callable              anything callable
     type[X]               a subclass of X
-    a class               an instance of it (a lab record, torch.nn.Module, torch.dtype, ...)
-    Annotated[T, Parsed(f)]  T, then the lab's own parser f: `FamilyName`, `DtypeName`
+    a class               an instance of it (a lab record, torch.nn.Module, torch.dtype, ...);
+                          a runtime Protocol: anything with its methods
+    Annotated[T, Parsed(f)]  T, then the lab's own parser f: `FamilyName`, `DtypeName`,
+                          `DeviceName`
     Any, object, TypeVar  anything
 
 Defaults are not checked (they are the author's, not the caller's). Hooks and inner loops are
-never decorated: a checked call costs about a microsecond per argument (bench/arguments.py).
+never decorated: a checked call costs under a microsecond more for a few plain arguments
+(bench/arguments.py).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 F = TypeVar("F")
@@ -93,11 +97,10 @@ class Parsed:
 # ---- specs: what one hint accepts ---------------------------------------------------------
 
 
-class _Fault(Exception):
+class _Fault:
     """The deepest part of a value a spec refuses: its label, the value and the words."""
 
     def __init__(self, label: str, value: Any, what: str, fix: str, message: str = "") -> None:
-        super().__init__(label)
         self.label, self.value, self.what, self.fix, self.message = label, value, what, fix, message
 
 
@@ -319,6 +322,8 @@ class _Items(_Spec):
         if isinstance(value, _TEXT):
             return False
         if self.kind == "sequence":
+            if isinstance(value, np.ndarray):  # a 1-d array is a sequence of numbers too
+                return value.ndim == 1 and (not self.fixed or len(value) == len(self.items))
             return isinstance(value, cabc.Sequence) and (
                 not self.fixed or len(value) == len(self.items)
             )
@@ -329,7 +334,7 @@ class _Items(_Spec):
     def _pairs(self, value: Any) -> Iterable[tuple[int, Any, _Spec | None]]:
         if self.fixed:
             return ((i, v, s) for i, (v, s) in enumerate(zip(value, self.items, strict=True)))
-        if self.items[0] is None or not isinstance(value, cabc.Collection):
+        if self.items[0] is None or not isinstance(value, cabc.Collection | np.ndarray):
             return ()  # an iterator is not consumed by a check
         return ((i, v, self.items[0]) for i, v in enumerate(value))
 

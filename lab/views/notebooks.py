@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lab.base.arguments import checked_arguments
+from lab.base.arguments import check_argument, checked_arguments
 
 
 def kernel_config() -> Any:
@@ -82,14 +82,15 @@ def check_parameters(
     return declared
 
 
-# What a declared type takes (papermill reads `name: bool = True` as "bool").
-_TAKES: dict[str, tuple[tuple[type, ...], str]] = {
-    "bool": ((bool,), "True or False"),
-    "int": ((int,), "a whole number"),
-    "float": ((int, float), "a number"),
-    "str": ((str,), "text"),
-    "dict": ((dict, str), "a dict or its JSON text"),
-    "list": ((list, tuple, str), "a list or its JSON text"),
+# The hint a declared type means (papermill reads `name: bool = True` as "bool"); a dict or
+# list may also come as its JSON text (the notebook parses it with lab.parameters).
+_TAKES: dict[str, Any] = {
+    "bool": bool,
+    "int": int,
+    "float": float,
+    "str": str,
+    "dict": Mapping[Any, Any] | str,
+    "list": Sequence[Any] | str,
 }
 
 
@@ -114,12 +115,8 @@ def check_parameter_types(
         declared = str((info.get(name) or {}).get("inferred_type_name") or "")
         if value is None or declared not in _TAKES:
             continue
-        types, takes = _TAKES[declared]
-        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
-            raise ValueError(
-                f"{where}: {notebook}'s parameter {name!r} is declared {declared}, got "
-                f"{value!r} ({type(value).__name__}). Pass {takes}."
-            )
+        label = f"parameter {name!r} (declared {declared})"
+        check_argument(value, _TAKES[declared], where=f"{where}: {notebook}", name=label)
 
 
 @checked_arguments
