@@ -479,10 +479,12 @@ def _refused_switch(name: str) -> Any:
     )
 
 
-def test_make_inputs_cfg_no_is_refused_not_a_cfg_batch(real: dict[str, Any]) -> None:
+def test_make_inputs_cfg_no_is_refused_not_a_cfg_batch() -> None:
+    sd3 = lab.family("sd3")  # batched CFG: cfg="no" built the [neg, pos] batch of two
     with _refused_switch("cfg"):
-        real["family"].make_inputs("tiny", cfg=SWITCH_NO)
-    assert real["family"].make_inputs("tiny", cfg=False).negative is None
+        sd3.make_inputs("tiny", cfg=SWITCH_NO)
+    assert sd3.make_inputs("tiny", cfg=False).kwargs["hidden_states"].shape[0] == 1
+    assert sd3.make_inputs("tiny", cfg=True).kwargs["hidden_states"].shape[0] == 2
 
 
 def test_run_sweep_resume_no_is_refused_before_any_run(tmp_path: Path) -> None:

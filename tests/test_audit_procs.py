@@ -170,11 +170,11 @@ def test_model_and_inputs_of_different_sizes_name_both() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"batch": 2.5}, r"make_inputs: batch must be an int >= 1, got 2\.5"),
-        ({"batch": True}, r"make_inputs: batch must be an int >= 1, got True"),
+        ({"batch": 2.5}, r"pair_family: batch must be an int, got 2\.5 \(float\)"),
+        ({"batch": True}, r"pair_family: batch must be an int, got True \(bool\)"),
         ({"seed": 2**70}, r"build\(seed\): 1180591620717411303424 is outside \[0, 2\*\*63"),
         ({"seed": -1}, r"build\(seed\): -1 is outside"),
-        ({"seed": 1.5}, r"build\(seed\): expected an int, got 1\.5"),
+        ({"seed": 1.5}, r"pair_family: seed must be an int, got 1\.5"),
     ],
 )
 def test_bad_batch_and_seed_are_refused_by_name(kwargs: dict, match: str) -> None:
@@ -205,7 +205,7 @@ def test_a_meta_model_hint_suggests_a_device_a_side_accepts() -> None:
 
 def test_inputs_that_are_not_an_inputs_record_are_refused() -> None:
     fam, model, inputs = _tiny("flux")
-    with pytest.raises(ValueError, match=r"inputs must be an Inputs record .* got dict"):
+    with pytest.raises(ValueError, match=r"pair: inputs must be an Inputs, got .* \(dict\)"):
         lab.pair(model, dict(inputs.kwargs), lab.Side.rollout(fam), lab.Side.trainer(fam))
 
 
@@ -213,7 +213,7 @@ def test_inputs_that_are_not_an_inputs_record_are_refused() -> None:
     ("args", "match"),
     [
         (("flux", "small"), r"control_panel: unknown preset 'small'\. Choices: 'tiny', 'reduced'"),
-        (("flux", "tiny", "gpu"), r"control_panel: unknown device 'gpu'\. Choices: 'cpu', 'cuda'"),
+        (("flux", "tiny", "gpu"), r"control_panel: device: 'gpu' is not a device name; use 'cpu'"),
     ],
 )
 def test_control_panel_refuses_an_unknown_preset_or_device(args: tuple, match: str) -> None:

@@ -257,7 +257,8 @@ class _Callable(_Spec):
 class _Literal(_Spec):
     def __init__(self, values: tuple[Any, ...]) -> None:
         self.values = values
-        self.words = (f"one of {', '.join(repr(v) for v in values)}",)
+        listed = ", ".join(repr(v) for v in values)
+        self.words = (listed if len(values) == 1 else f"one of {listed}",)
         self._keys = {(type(v), v) for v in values}
 
     def ok(self, value: Any) -> bool:
@@ -269,8 +270,9 @@ class _Literal(_Spec):
     def fix(self, value: Any, label: str) -> str:
         if isinstance(value, str):
             texts = [v for v in self.values if isinstance(v, str)]
+            low = value.lower()
             close = difflib.get_close_matches(value, texts, 1) or [
-                t for t in texts if t.lower() == value.lower()
+                t for t in texts if low and (low in t.lower() or t.lower() in low)
             ]
             if close:
                 return f"Did you mean {close[0]!r}?"

@@ -367,7 +367,7 @@ class Result:
 
     @classmethod
     @checked_arguments
-    def from_dict(cls, data: dict[str, Any], *, where: str = "Result.from_dict") -> Result:
+    def from_dict(cls, data: Any, *, where: str = "Result.from_dict") -> Result:
         """Rebuild a Result from `to_dict()` output (rows with or without extra keys).
 
         Args:

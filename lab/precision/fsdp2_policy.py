@@ -16,7 +16,7 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lab.base.arguments import checked_arguments
-from lab.base.dtypes import dtype_name, parse_dtype
+from lab.base.dtypes import DtypeName, dtype_name, parse_dtype
 
 
 @checked_arguments
@@ -31,7 +31,7 @@ class ParamDtypeMixedPrecisionPolicy(MixedPrecisionPolicy):
     `apply_param_dtype_map_patch()`; `lab.fsdp.apply_fsdp2` applies it when a map is non-empty.
     """
 
-    param_dtype_map: Mapping[str, torch.dtype] = field(default_factory=dict)
+    param_dtype_map: Mapping[str, DtypeName] = field(default_factory=dict)
     """Wrap-local parameter name -> gather dtype ("bf16"/"fp16"/"fp32" names are accepted)."""
 
     def __post_init__(self) -> None:

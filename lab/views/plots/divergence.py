@@ -471,7 +471,7 @@ def plot_steps_by_layers(
 @checked_arguments
 def plot_ulp_histogram(
     result: Result,
-    modules: Sequence[str] | None = None,
+    modules: str | Sequence[str] | None = None,
     *,
     title: str | None = None,
     backend: Backend = "plotly",
