@@ -732,9 +732,10 @@ def public_name(fn: Callable[..., Any]) -> str:
 def checked_arguments(fn: F) -> F:
     """Check every argument a caller passes against its parameter's type hint, then call.
 
-    Put it outermost (above @contextmanager, @gc_paused, ...), and under @classmethod or
-    @staticmethod; on a class (above @dataclass) it checks the constructor. The hints are read
-    on the first call, so a hint may name a class imported only under TYPE_CHECKING.
+    Put it under @classmethod or @staticmethod; among decorators that keep the signature
+    (functools.wraps: @contextmanager, @gc_paused, ...) anywhere. On a class (above @dataclass)
+    it checks the constructor. The hints are read on the first call, so a hint may name a class
+    imported only under TYPE_CHECKING.
 
     Raises:
         ArgumentError: A TypeError and ValueError naming the callable, the parameter (and the

@@ -407,8 +407,8 @@ def _guided_velocity(
 # 2237 rows, each with its metrics and flow entries) survives into the old generations: as the
 # captures pile up, full collections walk them and the model's and libraries' objects again
 # and again. Off for the call, what the trajectory keeps is walked once, after it returns.
+@gc_paused()  # outermost: `trajectory.__wrapped__` is the call with the collector on
 @checked_arguments
-@gc_paused()
 def trajectory(
     family_name: FamilyName,
     preset: str = "tiny",
