@@ -348,7 +348,9 @@ def test_weight_sync_refuses_bad_sources(tmp_path: object) -> None:
         weight_sync({"w": 1}, {})
     with pytest.raises(ValueError, match=r"neither a lab.dump directory"):
         weight_sync(tmp_path, {})
-    with pytest.raises(ValueError, match=r"keep_fp32_modules must be a tuple"):
+    with pytest.raises(
+        ValueError, match=r"keep_fp32_modules must be a list or tuple of str, got 'norm2'"
+    ):
         weight_sync({}, {}, keep_fp32_modules="norm2")
 
 
@@ -472,7 +474,7 @@ def test_plot_check_refuses_bad_input(results: dict) -> None:
         ValueError, match=r"backend must be one of 'matplotlib', 'plotly', got 'svg'"
     ):
         plot_check(results["sigma_parity"], backend="svg")
-    with pytest.raises(ValueError, match=r"expected a CheckResult.*got dict"):
+    with pytest.raises(ValueError, match=r"result must be a CheckResult, got .* \(dict\)"):
         plot_check({"check": "x"})
 
 
