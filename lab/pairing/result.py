@@ -33,6 +33,9 @@ class LayerDivergence:
     dtype_b: str
     shape: tuple[int, ...]
     metrics: PairMetrics
+    module_a: str | None = None
+    """Side A's name for this output when the sides are two implementations (the engine's
+    module path, `path[i/n]` for piece i of a fused output); None when both run one tree."""
 
     @property
     def diverges(self) -> bool:
@@ -81,6 +84,7 @@ class LayerDivergence:
             "shape": "x".join(str(s) for s in self.shape),
             **m,
             "ulp_hist": list(hist),
+            **({"module_a": self.module_a} if self.module_a is not None else {}),
         }
 
 
@@ -390,6 +394,7 @@ class Result:
                     dtype_b=r["dtype_b"],
                     shape=tuple(int(s) for s in r["shape"].split("x")) if r["shape"] else (),
                     metrics=PairMetrics(**m),
+                    module_a=r.get("module_a"),
                 )
             )
         result = cls(

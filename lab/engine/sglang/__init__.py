@@ -1,0 +1,293 @@
+"""The real sglang-diffusion engine's DiTs as the rollout side: build, inputs, alignment, pairing.
+
+Needs the `engine` extra (`bash scripts/install_engine.sh`); `import lab` never imports sglang.
+
+    from lab.engine import sglang as engine
+
+    result = engine.pair_engine("qwen_image")           # the engine's DiT vs the trainer side
+    check = engine.check_emulation("qwen_image")        # the lab's emulated rollout vs the engine
+    print(check.describe())
+
+Supported families are the ones whose DiT the installed engine implements with a mapping from
+the diffusers checkpoint (`ENGINE_FAMILIES`); the others are refused with the reason
+(`UNSUPPORTED`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lab.engine.sglang.adapter import EngineFamily
+from lab.engine.sglang.runtime import (
+    SUPPORTED_VERSION,
+    EngineUnavailable,
+    engine_version,
+    require_engine,
+)
+from lab.families import FAMILY_NAMES, Inputs
+from lab.pairing.result import Result
+from lab.pairing.sides import Side
+
+ENGINE_FAMILIES: tuple[str, ...] = ("flux", "qwen_image", "sd3", "wan2_2")
+"""Families whose DiT the engine runs here: one file each in lab/engine/sglang/."""
+
+UNSUPPORTED: dict[str, str] = {}
+"""Family -> why the engine's DiT cannot be paired with the lab's model of it."""
+
+
+def engine_family(family_name: str) -> EngineFamily:
+    """The engine declaration of one family.
+
+    Raises:
+        ValueError: An unknown family, or one the engine does not run here (with the reason).
+    """
+    if family_name in UNSUPPORTED:
+        raise ValueError(
+            f"lab.engine.sglang: family {family_name!r} is not supported with sglang "
+            f"{SUPPORTED_VERSION}: {UNSUPPORTED[family_name]} Supported: "
+            f"{', '.join(ENGINE_FAMILIES)}."
+        )
+    if family_name not in ENGINE_FAMILIES:
+        from lab.base.errors import nearest_words
+
+        raise ValueError(
+            f"lab.engine.sglang: unknown family {family_name!r}."
+            f"{nearest_words([family_name], FAMILY_NAMES)} "
+            f"Supported by the engine: {', '.join(ENGINE_FAMILIES)}."
+        )
+    return importlib.import_module(f"lab.engine.sglang.{family_name}").ENGINE
+
+
+def supported() -> dict[str, str]:
+    """Every lab family -> "supported" or the reason it is not (no engine import)."""
+    return {
+        name: "supported" if name in ENGINE_FAMILIES else UNSUPPORTED.get(name, "no adapter")
+        for name in FAMILY_NAMES
+    }
+
+
+def _tree_for_side(model: torch.nn.Module, inputs: Inputs, side: Side) -> Any:
+    from lab.pairing.aligned import Tree
+    from lab.pairing.run import forward_side
+
+    return Tree(
+        side.name, model, lambda: forward_side(model, inputs, side), side.to_dict(), side=side
+    )
+
+
+def _engine_tree(engine: Any, inputs: Inputs) -> Any:
+    from lab.pairing.aligned import Tree
+
+    return Tree("sglang", engine.module, lambda: engine.forward(inputs), engine.description())
+
+
+def pair_with_engine(
+    engine: Any,
+    model: torch.nn.Module,
+    inputs: Inputs,
+    side: Side,
+    *,
+    meta: Mapping[str, Any] | None = None,
+) -> Result:
+    """Pair the engine's DiT (reference) against `model` under a lab `side` (candidate).
+
+    Args:
+        engine: An `EngineModel` built from `model`'s weights (`build_engine`).
+        model: The lab's fp32 master (diffusers).
+        inputs: The step's inputs as the diffusers pipeline builds them; the engine gets them
+            in its own conventions (`engine.forward_kwargs`).
+        side: The lab side the candidate runs (`Side.trainer(fam)`, `Side.rollout(fam)`, ...).
+        meta: Extra Result.meta fields.
+
+    Returns:
+        A Result with rows in diffusers' names (`module_a` the engine's), unaligned modules
+        Skipped with their reasons, and meta["engine"] describing the engine side.
+    """
+    from lab.pairing.aligned import pair_aligned
+
+    origin = inputs.origin if isinstance(inputs, Inputs) else None
+    named = dict(zip(("family", "preset", "variant"), origin, strict=True)) if origin else {}
+    result_meta = {
+        **{k: v for k, v in named.items() if v is not None},
+        **dict(meta or {}),
+        "engine": {**engine.description(), "weights": engine.weights},
+    }
+    return pair_aligned(
+        _engine_tree(engine, inputs),
+        _tree_for_side(model, inputs, side),
+        engine.alignment,
+        meta=result_meta,
+        differences=engine.spec.differences,
+    )
+
+
+def pair_engine(
+    family_name: str,
+    preset: str = "tiny",
+    *,
+    seed: int = 0,
+    side: Side | Mapping[str, Any] | None = None,
+    dtype: str | None = None,
+    sigma: float = 0.75,
+    batch: int = 1,
+    variant: str | None = None,
+    checkpoint: str | None = None,
+) -> Result:
+    """Build a family model and the engine's DiT from its weights, and pair them.
+
+    Args:
+        family_name: One of `ENGINE_FAMILIES`.
+        preset: "tiny" (CPU), "reduced" or "full" (the engine runs on CPU here: mind the size).
+        seed: Weight and input seed.
+        side: The lab side to pair against: a Side, overrides for `Side.trainer(fam)`, or None
+            for the trainer itself.
+        dtype: The engine's DiT precision (default: the family's rollout dtype).
+        sigma: The step's sigma.
+        batch: Samples per forward.
+        variant: A family variant.
+        checkpoint: A local diffusers checkpoint directory instead of seeded weights.
+
+    Returns:
+        The Result (see `pair_with_engine`).
+    """
+    from lab.engine.sglang.build import build_engine
+    from lab.families import family
+
+    spec = engine_family(family_name)
+    fam = family(family_name)
+    against = Side.from_overrides(side, fam, "trainer", "cpu", where="pair_engine")
+    if checkpoint:
+        model = fam.load(checkpoint)
+    else:
+        model = fam.build(preset, seed, variant=variant, expert=fam.expert_for_sigma(sigma))
+    own_config = dict(model.config) if checkpoint else None
+    inputs = fam.make_inputs(
+        preset, seed, batch, False, variant=variant, sigma=sigma, config=own_config
+    )
+    engine = build_engine(model, spec, dtype or fam.rollout_dtype)
+    meta = dict(family=family_name, preset=preset, seed=seed, sigma=sigma, batch=batch,
+                variant=variant, checkpoint=checkpoint)  # fmt: skip
+    return pair_with_engine(engine, model, inputs, against, meta=meta)
+
+
+@dataclass
+class EmulationCheck:
+    """The lab's emulated rollout side checked against the engine, beside the trainer."""
+
+    family_name: str
+    engine_vs_rollout: Result
+    """The engine (reference) vs `Side.rollout(fam)` on diffusers: the emulation's error."""
+    engine_vs_trainer: Result
+    """The engine (reference) vs `Side.trainer(fam)`: the real rollout/trainer gap."""
+    rollout_vs_trainer: Result
+    """The emulated rollout vs the trainer (`lab.pair`): the gap the lab reports without it."""
+
+    def table(self) -> Any:
+        """One row per pair: bit-exact share, first divergence, its why, output rel_max."""
+        import pandas as pd
+
+        rows = []
+        for label, r in (
+            ("engine vs emulated rollout", self.engine_vs_rollout),
+            ("engine vs trainer", self.engine_vs_trainer),
+            ("emulated rollout vs trainer", self.rollout_vs_trainer),
+        ):
+            s = r.summary()
+            rows.append(
+                {
+                    "family": self.family_name,
+                    "pair": label,
+                    "paired": s["pairs"],
+                    "bit_exact": s["bitexact_pairs"],
+                    "bit_exact_share": s["bitexact_pairs"] / max(s["pairs"], 1),
+                    "skipped": s["skipped"],
+                    "first_divergent_module": s["first_divergent_module"],
+                    "why": s["first_divergence_why"],
+                    "model_output_rel_max": s.get("model_output_rel_max"),
+                }
+            )
+        return pd.DataFrame(rows)
+
+    def unexplained(self) -> list[str]:
+        """Labels of emulation rows that differ with no named cause (should be empty)."""
+        rows = self.engine_vs_rollout.rows
+        return [
+            r.label()
+            for r, w in zip(rows, self.engine_vs_rollout.whys(), strict=True)
+            if r.diverges and (w is None or "unexplained" in w.codes)
+        ]
+
+    def describe(self) -> str:
+        """A few lines: is the emulation bit-exact with the engine, and if not, where and why."""
+        r = self.engine_vs_rollout
+        s = r.summary()
+        head = f"{self.family_name}: the emulated rollout vs the engine (sglang) on CPU"
+        if s["first_divergent_module"] is None:
+            lines = [f"{head}: bit-exact, {s['pairs']} aligned outputs."]
+        else:
+            lines = [
+                f"{head}: {s['bitexact_pairs']}/{s['pairs']} aligned outputs bit-exact; first "
+                f"divergence {s['first_divergent_module']}: {s['first_divergence_why']}",
+            ]
+        t = self.engine_vs_trainer.summary()
+        e = self.rollout_vs_trainer.summary()
+        lines.append(
+            f"  vs the trainer: engine rel_max {t.get('model_output_rel_max', 0):.3e}, "
+            f"emulated rollout rel_max {e.get('model_output_rel_max', 0):.3e}"
+        )
+        return "\n".join(lines)
+
+
+def check_emulation(
+    family_name: str,
+    preset: str = "tiny",
+    *,
+    seed: int = 0,
+    sigma: float = 0.75,
+    dtype: str | None = None,
+) -> EmulationCheck:
+    """Pair the engine against the lab's emulated rollout, and both against the trainer.
+
+    Raises:
+        EngineUnavailable: sglang missing or another version.
+        ValueError: A family the engine does not run here.
+    """
+    from lab.engine.sglang.build import build_engine
+    from lab.families import family
+    from lab.pairing.run import pair
+
+    spec = engine_family(family_name)
+    fam = family(family_name)
+    model = fam.build(preset, seed, expert=fam.expert_for_sigma(sigma))
+    inputs = fam.make_inputs(preset, seed, 1, False, sigma=sigma)
+    engine = build_engine(model, spec, dtype or fam.rollout_dtype)
+    meta = dict(family=family_name, preset=preset, seed=seed, sigma=sigma)
+    rollout, trainer = Side.rollout(fam), Side.trainer(fam)
+    return EmulationCheck(
+        family_name=family_name,
+        engine_vs_rollout=pair_with_engine(engine, model, inputs, rollout, meta=meta),
+        engine_vs_trainer=pair_with_engine(engine, model, inputs, trainer, meta=meta),
+        rollout_vs_trainer=pair(model, inputs, rollout, trainer, meta=meta),
+    )
+
+
+__all__ = [
+    "ENGINE_FAMILIES",
+    "SUPPORTED_VERSION",
+    "UNSUPPORTED",
+    "EmulationCheck",
+    "EngineFamily",
+    "EngineUnavailable",
+    "check_emulation",
+    "engine_family",
+    "engine_version",
+    "pair_engine",
+    "pair_with_engine",
+    "require_engine",
+    "supported",
+]
