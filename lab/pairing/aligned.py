@@ -111,6 +111,26 @@ def _capture(tree: Tree) -> dict[tuple[str, int], _Call]:
     return calls
 
 
+def calls_from_dump(
+    entries: list[dict], tensors: Mapping[str, torch.Tensor]
+) -> dict[tuple[str, int], _Call]:
+    """A dumped forward as captured calls: each module call's output leaves, in dump order.
+
+    A dump records outputs only: the calls carry no main input and no parameter dtypes, so a
+    row's why there says what the outputs show (`explain_aligned`).
+    """
+    calls: dict[tuple[str, int], _Call] = {}
+    for e in sorted(entries, key=lambda e: e["order"]):
+        key = (e["module"], e["call"])
+        call = calls.get(key)
+        if call is None:
+            call = calls[key] = _Call(len(calls), [], None, {}, [])
+        t = tensors[e["key"]]
+        call.leaves.append((e["output"], t))
+        call.output_digests.append(_digest(t))
+    return calls
+
+
 def _pair_leaves(
     a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]]
 ) -> list[tuple[str, torch.Tensor, torch.Tensor]] | str:
@@ -140,6 +160,7 @@ def pair_aligned(
     *,
     meta: Mapping[str, Any] | None = None,
     differences: Mapping[str, str] | None = None,
+    captured_a: Mapping[tuple[str, int], _Call] | None = None,
 ) -> Result:
     """Run two implementations' forwards and compare every aligned module output.
 
@@ -151,6 +172,8 @@ def pair_aligned(
         differences: Module path glob (tree B's names) -> how the two implementations compute
             that module differently (the family's named differences); a differing row whose
             inputs and weights agree is explained by the first glob it matches.
+        captured_a: Tree A's calls already captured (a dump, `calls_from_dump`): its forward
+            is not run.
 
     Returns:
         A propagated-mode Result: rows in tree B's names and completion order, each with its
@@ -158,7 +181,7 @@ def pair_aligned(
         their reason; `meta["alignment"]` holds the alignment.
     """
     start = time.perf_counter()
-    calls_a = _capture(tree_a)
+    calls_a = dict(captured_a) if captured_a is not None else _capture(tree_a)
     seconds_a = time.perf_counter() - start
     calls_b = _capture(tree_b)
     seconds_b = time.perf_counter() - start - seconds_a
@@ -338,7 +361,16 @@ def _why_of(
     parts: list[str] = []
     upstream = inside = None
     in_a, in_b = r.call_a.main_input, r.call_b.main_input
-    if in_a is not None and in_b is not None:
+    if in_a is None and in_b is not None:
+        earlier = [d for d in diverged if not _under(d.row.module, r.row.module)]
+        if earlier:
+            upstream = earlier[-1].row.label()
+            codes.append("inherited")
+            parts.append(
+                f"{name_a} recorded no inputs (a dump); it ran after {upstream}, which already "
+                "differs"
+            )
+    elif in_a is not None and in_b is not None:
         if in_a[0] != in_b[0]:
             codes.append("input_dtype")
             parts.append(f"its input is {in_a[0]} on {name_a}, {in_b[0]} on {name_b}")

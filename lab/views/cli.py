@@ -122,6 +122,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     pair.add_argument("--report", action="store_true", help="also write OUT_DIR/report.html")
     pair.add_argument(
+        "--engine",
+        default=None,
+        choices=("sglang",),
+        help="run the rollout side in the real engine's own DiT class (sglang-diffusion, the "
+        "`engine` extra: bash scripts/install_engine.sh) and pair it module by module against "
+        "the trainer through the alignment of the two trees (notebook 12); CPU, propagated",
+    )
+    pair.add_argument(
         "--sharded",
         type=int,
         default=None,
@@ -283,7 +291,9 @@ def _pair(args: argparse.Namespace) -> int:
     baseline = load_baseline(args.baseline) if args.baseline else None
     if args.save_baseline:
         free_baseline_path(args.save_baseline)
-    if args.sharded is not None:
+    if args.engine is not None:
+        result = _pair_engine(args, rollout, trainer)
+    elif args.sharded is not None:
         result = _pair_sharded(args, rollout, trainer)
         if result is None:
             return EXIT_FAILED
@@ -328,6 +338,35 @@ def _pair(args: argparse.Namespace) -> int:
         else:
             print(f"not saved as baseline {args.save_baseline!r}: the run failed its gate above")
     return code
+
+
+def _pair_engine(args: argparse.Namespace, rollout: dict[str, Any], trainer: dict[str, Any]) -> Any:
+    """`pair --engine sglang`: the engine's own DiT against the trainer (lab.engine.sglang)."""
+    from lab.engine.sglang import EngineUnavailable, engine_family, pair_engine
+
+    if rollout:
+        raise UsageError(
+            "--rollout-overrides with --engine: the rollout side is the engine's own DiT, run "
+            "the engine's way; its settings are the engine's. Drop --rollout-overrides (or "
+            "drop --engine to pair the emulated rollout with those overrides)."
+        )
+    if args.device != "cpu" or args.mode != "propagated" or args.sharded is not None:
+        raise UsageError(
+            f"--engine {args.engine} runs on the CPU in propagated mode, unsharded (got "
+            f"--device {args.device} --mode {args.mode}"
+            + (f" --sharded {args.sharded}" if args.sharded is not None else "")
+            + "): the engine's GPU kernels (sglang-kernel) are not part of the extra."
+        )
+    try:
+        engine_family(args.family)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    try:
+        return pair_engine(
+            args.family, args.preset, seed=args.seed, sigma=args.sigma, side=trainer or None
+        )
+    except EngineUnavailable as err:
+        raise UsageError(str(err)) from None
 
 
 def _pair_sharded(

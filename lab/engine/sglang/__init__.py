@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -126,6 +127,112 @@ def pair_with_engine(
     )
 
 
+def _dump_weights(dump: Any, forward: int) -> tuple[dict[str, Any] | None, str | None]:
+    """The parameter fingerprints a dumped forward ran with (any dump schema)."""
+    if hasattr(dump, "weights_of"):
+        weights, why = dump.weights_of(forward)
+    else:
+        weights, why = dump.manifest.get("weights"), dump.manifest.get("weights_unavailable")
+    return (weights or {}).get("parameters") if weights else None, why
+
+
+def pair_engine_dump(
+    directory: str | Path,
+    engine: Any,
+    model: torch.nn.Module,
+    inputs: Inputs,
+    side: Side,
+    *,
+    step: int | None = None,
+    cfg_branch: str | None = None,
+    allow_mismatch: bool = False,
+) -> Result:
+    """Pair a dump written inside the engine's model against the lab model under `side`.
+
+    The dump (from `lab.dump.attach(engine_model, directory)` in the engine's process) is read
+    through the engine's alignment: its module names are the engine's, its rows come out in
+    diffusers' names like `pair_with_engine`'s. Its weight fingerprints are checked against the
+    lab model's weights mapped the engine's way (fused pieces concatenated, in the dump's dtype).
+
+    Args:
+        directory: The dump.
+        engine: An `EngineModel` of the same class and config (its module tree and alignment;
+            `build_engine(model, engine_family(name))`).
+        model: The lab's fp32 master the candidate side runs.
+        inputs: The inputs of the dumped forward (diffusers' conventions).
+        side: The candidate Side.
+        step: Which dumped step (None: the first forward).
+        cfg_branch: Which CFG branch (None: any).
+        allow_mismatch: Pair even when the weights differ (listed in meta["dump_mismatch"]).
+
+    Raises:
+        DumpError: A bad dump, module names that are not the engine model's, or (unless
+            allow_mismatch) a dump of other weights.
+    """
+    from lab.engine.dump import DumpError, fingerprints_differ, load_dump, tensor_fingerprint
+    from lab.pairing.aligned import Tree, calls_from_dump, pair_aligned
+
+    dump = load_dump(directory)
+    names = [n or "<root>" for n, _ in engine.module.named_modules()]
+    if dump.module_names != names:
+        only = sorted(set(dump.module_names) ^ set(names))[:4]
+        raise DumpError(
+            f"pair_engine_dump: the dump's module names are not {type(engine.module).__name__}'s "
+            f"(e.g. {only}). Write the dump from the engine's {engine.family_name} DiT of this "
+            "config (lab.dump.attach(engine_model, directory))."
+        )
+    entries = dump.entries(step, cfg_branch)
+    weights, why = _dump_weights(dump, entries[0]["forward"])
+    problems = []
+    if weights is not None:
+        params_b = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+        for name_a, sources in engine.alignment.params.items():
+            if name_a not in weights:
+                problems.append(f"{name_a!r}: not in the dump")
+                continue
+            pieces = [params_b[b].detach().float() for b, _ in sources]
+            ours = tensor_fingerprint(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+            diff = fingerprints_differ(weights[name_a], ours)
+            if diff is not None:
+                problems.append(f"{name_a!r}: {diff}")
+    if problems and not allow_mismatch:
+        raise DumpError(
+            f"pair_engine_dump: the dump ran with other weights than the lab model's "
+            f"({len(problems)} parameter(s), e.g. {'; '.join(problems[:3])}). Pair it with the "
+            "model whose weights the engine loaded, or pass allow_mismatch=True."
+        )
+    tree_b = Tree(
+        side.name, model, lambda: _forward(model, inputs, side), side.to_dict(), side=side
+    )
+    meta = {
+        "dump_a": str(directory),
+        "step": step,
+        "cfg_branch": cfg_branch,
+        "engine": engine.description(),
+        "dump_checks": {
+            "weights": "unchecked: " + (why or "no fingerprints")
+            if weights is None
+            else ("differ" if problems else "match"),
+        },
+    }
+    if problems:
+        meta["dump_mismatch"] = problems
+    return pair_aligned(
+        Tree("sglang", engine.module, lambda: None, {"dump": str(directory)}),
+        tree_b,
+        engine.alignment,
+        meta=meta,
+        differences=engine.spec.differences,
+        captured_a=calls_from_dump(entries, dump.tensors(entries)),
+    )
+
+
+def _forward(model: torch.nn.Module, inputs: Inputs, side: Side) -> Any:
+    from lab.pairing.run import forward_side
+
+    return forward_side(model, inputs, side)
+
+
 def pair_engine(
     family_name: str,
     preset: str = "tiny",
@@ -180,6 +287,8 @@ class EmulationCheck:
     """The lab's emulated rollout side checked against the engine, beside the trainer."""
 
     family_name: str
+    engine: Any
+    """The `EngineModel` that was paired (its alignment, weights check and description)."""
     engine_vs_rollout: Result
     """The engine (reference) vs `Side.rollout(fam)` on diffusers: the emulation's error."""
     engine_vs_trainer: Result
@@ -270,6 +379,7 @@ def check_emulation(
     rollout, trainer = Side.rollout(fam), Side.trainer(fam)
     return EmulationCheck(
         family_name=family_name,
+        engine=engine,
         engine_vs_rollout=pair_with_engine(engine, model, inputs, rollout, meta=meta),
         engine_vs_trainer=pair_with_engine(engine, model, inputs, trainer, meta=meta),
         rollout_vs_trainer=pair(model, inputs, rollout, trainer, meta=meta),
@@ -287,6 +397,7 @@ __all__ = [
     "engine_family",
     "engine_version",
     "pair_engine",
+    "pair_engine_dump",
     "pair_with_engine",
     "require_engine",
     "supported",

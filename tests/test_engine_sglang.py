@@ -1,0 +1,138 @@
+"""The real sglang engine's DiTs against the lab's models (the `engine` extra, marker `engine`).
+
+Run with `bash scripts/test.sh -m engine` after `bash scripts/install_engine.sh`; .ci/run does
+both and sets LAB_REQUIRE_ENGINE so a missing engine fails instead of skipping.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import lab
+
+pytestmark = pytest.mark.engine
+
+
+def _require_engine() -> None:
+    from lab.engine.sglang import SUPPORTED_VERSION, engine_version
+
+    version = engine_version()
+    if version != SUPPORTED_VERSION:
+        reason = (
+            f"sglang {SUPPORTED_VERSION} is not installed (found {version}): "
+            "bash scripts/install_engine.sh"
+        )
+        (pytest.fail if os.environ.get("LAB_REQUIRE_ENGINE") else pytest.skip)(reason)
+
+
+@pytest.fixture(scope="module")
+def sglang():  # noqa: ANN201 - the module under test
+    _require_engine()
+    from lab.engine import sglang as engine
+
+    return engine
+
+
+@pytest.fixture(scope="module")
+def checks(sglang):  # noqa: ANN001, ANN201
+    return {name: sglang.check_emulation(name) for name in sglang.ENGINE_FAMILIES}
+
+
+@pytest.mark.parametrize("family_name", ["flux", "qwen_image", "sd3", "wan2_2"])
+def test_emulated_rollout_matches_the_engine_or_names_why(checks, family_name: str) -> None:
+    check = checks[family_name]
+    result = check.engine_vs_rollout
+    assert len(result.rows) > 20, "too few aligned outputs: the alignment found little"
+    root = result.root_rows()
+    assert root, "the model outputs were not paired"
+    assert check.unexplained() == [], check.unexplained()[:5]
+    # Every engine module is aligned or listed with its reason.
+    alignment = result.meta["alignment"]
+    engine_modules = {n or "<root>" for n, _ in check_engine_modules(family_name, checks)}
+    aligned = {m["a"] for m in alignment["modules"]}
+    assert engine_modules == aligned | set(alignment["unaligned_a"])
+    assert all(alignment["unaligned_a"].values())
+
+
+def check_engine_modules(family_name: str, checks):  # noqa: ANN001, ANN201
+    return checks[family_name].engine.module.named_modules()
+
+
+def test_flux_and_sd3_emulations_are_bit_exact_with_the_engine(checks) -> None:
+    for name in ("flux", "sd3"):
+        result = checks[name].engine_vs_rollout
+        assert result.first_divergence() is None, (name, result.describe())
+        assert result.root_rows()[0].metrics.numel > 0
+
+
+def test_engine_vs_trainer_reads_like_the_emulated_rollout_vs_trainer(checks) -> None:
+    check = checks["sd3"]
+    engine, emulated = check.engine_vs_trainer, check.rollout_vs_trainer
+    assert engine.first_divergent_module == emulated.first_divergent_module
+    why = engine.why(engine.first_divergence())
+    assert why.startswith("autocast: layer_norm runs in fp32 on trainer"), why
+    assert engine.output_metrics()["model_output_rel_max"] == pytest.approx(
+        emulated.output_metrics()["model_output_rel_max"], rel=0, abs=0
+    )
+
+
+def test_engine_weights_are_the_lab_models_cast_by_the_engines_loader(checks) -> None:
+    for name, check in checks.items():
+        weights = check.engine.weights
+        assert weights["equal"] == weights["parameters"] > 0, name
+    # SD3's pos_embed table is built fp32 by its class; the engine's loader keeps it.
+    assert checks["sd3"].engine.weights["fp32_params"] == ["pos_embed.pos_embed"]
+
+
+def test_unsupported_family_is_refused_with_the_reason(sglang) -> None:
+    with pytest.raises(ValueError, match=r"unknown family 'flx'.*Did you mean 'flux'"):
+        sglang.engine_family("flx")
+    for name, reason in sglang.UNSUPPORTED.items():
+        with pytest.raises(ValueError, match=f"family {name!r} is not supported"):
+            sglang.engine_family(name)
+        assert reason
+
+
+def test_cli_pairs_the_engine_against_the_trainer(sglang, tmp_path) -> None:
+    from lab.views.cli import main
+
+    out = tmp_path / "engine"
+    code = main(["pair", "--engine", "sglang", "--family", "flux", "--out-dir", str(out)])
+    assert code == 0
+    result = lab.Result.from_json(out / "results.json")
+    assert result.side_a["name"] == "sglang" and result.side_b["name"] == "trainer"
+    assert result.meta["alignment"]["counts"]["same"] > 100
+    assert any(r.module_a for r in result.rows)
+    assert main(["pair", "--engine", "sglang", "--family", "flux", "--rollout-overrides",
+                 '{"autocast": true}', "--out-dir", str(out)]) == 2  # fmt: skip
+
+
+def test_a_dump_written_inside_the_engine_pairs_against_the_trainer(sglang, tmp_path) -> None:
+    from lab.engine.dump import DumpError, attach
+    from lab.engine.sglang.build import build_engine
+
+    fam = lab.family("flux")
+    model = fam.build("tiny", 0)
+    inputs = fam.make_inputs("tiny", 0)
+    engine = build_engine(model, sglang.engine_family("flux"))
+    with attach(engine.module, tmp_path / "dump"):
+        engine.forward(inputs)
+    trainer = lab.Side.trainer(fam)
+    from_dump = sglang.pair_engine_dump(tmp_path / "dump", engine, model, inputs, trainer)
+    live = sglang.pair_with_engine(engine, model, inputs, trainer)
+    assert from_dump.meta["dump_checks"]["weights"] == "match"
+    assert [r.label() for r in from_dump.rows] == [r.label() for r in live.rows]
+    assert [r.metrics.max_abs_diff for r in from_dump.rows] == [
+        r.metrics.max_abs_diff for r in live.rows
+    ]
+    assert from_dump.first_divergent_module == live.first_divergent_module
+    # Other weights: refused by the fingerprints, or flagged when allowed.
+    other = fam.build("tiny", 1)
+    with pytest.raises(DumpError, match="ran with other weights"):
+        sglang.pair_engine_dump(tmp_path / "dump", engine, other, inputs, trainer)
+    flagged = sglang.pair_engine_dump(
+        tmp_path / "dump", engine, other, inputs, trainer, allow_mismatch=True
+    )
+    assert flagged.meta["dump_checks"]["weights"] == "differ" and flagged.meta["dump_mismatch"]
