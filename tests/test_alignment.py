@@ -118,7 +118,8 @@ def test_derive_alignment_refuses_other_weights() -> None:
         derive_alignment(wider, ref, _mapping, name_a="engine", name_b="diffusers")
     with pytest.raises(
         AlignmentError,
-        match=r"10 parameter\(s\) of _Diffusers map to no parameter of engine: 'attn.add_q_proj.weight'",
+        match=r"10 parameter\(s\) of _Diffusers map to no parameter of engine: "
+        r"'attn.add_q_proj.weight'",
     ):
         derive_alignment(_Engine(), ref, lambda n: (n, None, None), name_a="engine")
 

@@ -28,7 +28,7 @@ def _require_engine() -> None:
 
 
 @pytest.fixture(scope="module")
-def sglang():  # noqa: ANN201 - the module under test
+def sglang():
     _require_engine()
     from lab.engine import sglang as engine
 
@@ -36,7 +36,7 @@ def sglang():  # noqa: ANN201 - the module under test
 
 
 @pytest.fixture(scope="module")
-def checks(sglang):  # noqa: ANN001, ANN201
+def checks(sglang):
     return {name: sglang.check_emulation(name) for name in sglang.ENGINE_FAMILIES}
 
 
@@ -56,7 +56,7 @@ def test_emulated_rollout_matches_the_engine_or_names_why(checks, family_name: s
     assert all(alignment["unaligned_a"].values())
 
 
-def check_engine_modules(family_name: str, checks):  # noqa: ANN001, ANN201
+def check_engine_modules(family_name: str, checks):
     return checks[family_name].engine.module.named_modules()
 
 
