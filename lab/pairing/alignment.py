@@ -274,6 +274,15 @@ def derive_alignment(
                 target = guess
         if target is None and name_m in modules_b and not subtree_b[name_m]:
             target = name_m if name_m not in claimed_b else None
+        if target is not None and type(modules_b[target]).__name__ != type(module).__name__:
+            # The same place but another computation (the engine's fused norm + modulation
+            # where diffusers has the plain norm): not the same output.
+            unaligned_a[_label(name_m)] = (
+                f"{name_b}'s module at that place, {target!r}, is a "
+                f"{type(modules_b[target]).__name__}, this a {type(module).__name__}: they "
+                "compute different outputs"
+            )
+            continue
         if target is not None:
             aligned[name_m] = AlignedModule(_label(name_m), (target,), "same", "path")
             claimed_b.add(target)

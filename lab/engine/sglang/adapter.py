@@ -16,6 +16,25 @@ ForwardKwargs = Callable[[torch.nn.Module, Inputs, torch.dtype], dict[str, Any]]
 keyword arguments sglang's denoising stage hands that DiT."""
 
 
+def scheduler_timestep(inputs: Inputs, batch: int) -> torch.Tensor:
+    """The timestep sglang's denoising stage hands the DiT: the scheduler's fp32 t.
+
+    Flow-match Euler computes `timesteps = sigmas * 1000` in fp32 and the stage repeats the
+    step's t over the batch, with no cast and no division (the DiT classes scale it).
+
+    Raises:
+        ValueError: Inputs that do not carry the sigma they were built for.
+    """
+    if inputs.sigma is None:
+        raise ValueError(
+            "lab.engine.sglang: these Inputs carry no sigma, so the engine's timestep (the "
+            "scheduler's fp32 sigma * 1000) cannot be built; make them with "
+            "Family.make_inputs(..., sigma=...)."
+        )
+    t = torch.tensor(inputs.sigma, dtype=torch.float32) * 1000
+    return t.repeat(batch)
+
+
 def _resolve(path: str) -> Any:
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
@@ -36,6 +55,9 @@ class EngineFamily:
     """Its DiTConfig class, "module:Class" (sglang/multimodal_gen/configs/models/dits/)."""
     arch: str
     """Its DiTArchConfig class, "module:Class"."""
+    pipeline: str
+    """Its PipelineConfig class, "module:Class": whether the denoising loop runs under
+    autocast (`enable_autocast`) is read from it."""
     arch_config: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
     """diffusers config -> arch config kwargs, where the names differ (None: same names)."""
     forward_kwargs: ForwardKwargs
@@ -47,6 +69,14 @@ class EngineFamily:
     """engine module glob -> why a parameterless engine module has no diffusers counterpart."""
     source: str = ""
     """Where in the engine the input conventions were read (file:function), for the docs."""
+
+    def autocast(self) -> bool:
+        """Whether the engine's denoising loop runs the DiT under torch.autocast (its pipeline
+        config's `enable_autocast`; the stage then autocasts to the DiT precision)."""
+        import dataclasses
+
+        fields = {f.name: f for f in dataclasses.fields(_resolve(self.pipeline))}
+        return bool(fields["enable_autocast"].default)
 
     def dit_class(self) -> type[torch.nn.Module]:
         """The engine's DiT class (imports sglang)."""

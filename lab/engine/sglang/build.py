@@ -42,9 +42,23 @@ class EngineModel:
         return self.spec.forward_kwargs(self.module, inputs, self.dtype)
 
     def forward(self, inputs: Inputs) -> Any:
-        """One forward, as the engine runs it (no grad, inside its forward context)."""
+        """One forward, as the engine's denoising stage runs it.
+
+        No grad, inside the engine's forward context and, where its pipeline config enables
+        it, under `torch.autocast(cpu, dit precision)` (the engine's own `autocast_context`).
+        The engine's native ops run eagerly (`cpu_routing.eager`).
+        """
+        from sglang.multimodal_gen.runtime.utils.precision import autocast_context
+
+        from lab.engine.sglang.cpu_routing import eager
+
         kwargs = self.forward_kwargs(inputs)
-        with torch.no_grad(), forward_context():
+        with (
+            torch.no_grad(),
+            eager(),
+            autocast_context(self.dtype, disable_autocast=not self.spec.autocast()),
+            forward_context(),
+        ):
             return self.module(**kwargs)
 
     def description(self) -> dict[str, Any]:
@@ -53,6 +67,7 @@ class EngineModel:
             "engine": f"sglang {self.version}",
             "dit_class": type(self.module).__name__,
             "dit_precision": dtype_name(self.dtype),
+            "autocast": self.spec.autocast(),
             "fp32_params": self.weights["fp32_params"],
             "cpu_routing": list(cpu_routing_applied()),
             "inputs": self.spec.source,

@@ -14,6 +14,10 @@ not load beside torch 2.11):
   rebound, in every module that imported the name, to `fuse_scale_shift_kernel_native`, the
   torch fallback the engine selects for MPS and MUSA.
 
+- `eager`: sglang marks its native norm forwards `@torch.compile` (inductor) on a CPU; the lab runs
+  them eagerly (their definition), because inductor's fused CPU code rounds differently, is slow
+  to compile, and needs a C compiler. `EngineModel.forward` runs inside `eager()`.
+
 So on this machine the engine's forward is its native (pure torch) semantics. On a GPU the same
 ops are Triton/CUDA kernels with their own rounding: that difference is named, never silent
 (`ROUTED_WHY`). Nothing else of the engine is changed: attention falls back to torch SDPA by the
@@ -24,9 +28,11 @@ routed and the engine's own CPU kernels run.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import sys
+from collections.abc import Iterator
 
 from lab.engine.sglang.runtime import SUPPORTED_VERSION
 
@@ -119,3 +125,12 @@ def apply_cpu_routing(version: str) -> tuple[str, ...]:
         )
     applied.append(_SCALE_SHIFT)
     return tuple(applied)
+
+
+@contextlib.contextmanager
+def eager() -> Iterator[None]:
+    """The engine's `torch.compile`-marked native ops run eagerly inside the block."""
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(disable=True):
+        yield

@@ -6,25 +6,27 @@ from typing import Any
 
 import torch
 
-from lab.engine.sglang.adapter import EngineFamily
+from lab.engine.sglang.adapter import EngineFamily, scheduler_timestep
 from lab.families import Inputs
 
 
 def forward_kwargs(model: torch.nn.Module, inputs: Inputs, dtype: torch.dtype) -> dict[str, Any]:
-    """The engine passes timestep and guidance already x1000 and RoPE built outside the model.
+    """The kwargs `FluxPipelineConfig` and the denoising stage build for one step.
 
-    diffusers' FluxPipeline passes t/1000 and guidance 3.5 and the model multiplies both by
-    1000 after casting them to the hidden dtype; the engine's pipeline multiplies first. The
-    RoPE (cos, sin) comes from the model's own `rotary_emb` over cat(txt_ids, img_ids).
+    The scheduler's fp32 t = sigma * 1000 goes in raw and the engine's model does not scale it
+    (diffusers' pipeline rounds t to the latent dtype, divides by 1000, and its model casts to
+    the activation dtype and multiplies back); guidance is `full(B, 3.5 * 1000)` in the latent
+    dtype; RoPE (cos, sin) comes from the model's `rotary_emb` over cat(txt_ids, img_ids).
     """
     kw = inputs.kwargs
-    ids = torch.cat([kw["txt_ids"], kw["img_ids"]], dim=0)
+    hidden = kw["hidden_states"].to(dtype)
+    ids = torch.cat([kw["txt_ids"], kw["img_ids"]], dim=0).float()
     return dict(
-        hidden_states=kw["hidden_states"].to(dtype),
+        hidden_states=hidden,
         encoder_hidden_states=kw["encoder_hidden_states"].to(dtype),
         pooled_projections=kw["pooled_projections"].to(dtype),
-        timestep=(kw["timestep"] * 1000).to(dtype),
-        guidance=(kw["guidance"] * 1000).to(dtype),
+        timestep=scheduler_timestep(inputs, hidden.shape[0]),
+        guidance=(kw["guidance"].float() * 1000).to(hidden.dtype),
         freqs_cis=model.rotary_emb(ids),
     )
 
@@ -34,6 +36,7 @@ ENGINE = EngineFamily(
     dit="sglang.multimodal_gen.runtime.models.dits.flux:FluxTransformer2DModel",
     config="sglang.multimodal_gen.configs.models.dits.flux:FluxConfig",
     arch="sglang.multimodal_gen.configs.models.dits.flux:FluxArchConfig",
+    pipeline="sglang.multimodal_gen.configs.pipeline_configs.flux:FluxPipelineConfig",
     forward_kwargs=forward_kwargs,
     parameterless={
         "rotary_emb*": "builds the RoPE table outside the blocks (diffusers: pos_embed)",

@@ -28,6 +28,7 @@ ENGINE = EngineFamily(
     "StableDiffusion3TransformerConfig",
     arch="sglang.multimodal_gen.configs.models.dits.stablediffusion3:"
     "StableDiffusion3TransformerArchConfig",
+    pipeline="sglang.multimodal_gen.configs.pipeline_configs.stablediffusion3:StableDiffusion3PipelineConfig",
     forward_kwargs=forward_kwargs,
     parameterless={
         "*.attn.attn": "the engine's attention-kernel module; diffusers calls the kernel as a "
