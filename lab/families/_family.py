@@ -96,8 +96,8 @@ class SamplerSettings:
     use_dynamic_shifting, mu comes from its base/max_image_seq_len and base/max_shift and the
     packed latent token count, as the pipelines' calculate_shift does."""
     pipeline_sigmas: bool = False
-    """The pipeline passes sigmas = linspace(1, 1/N, N) (Flux, Qwen-Image, LTX-2), not the
-    scheduler's own timestep grid (SD3)."""
+    """The pipeline passes sigmas = np.linspace(1, 1/N, N), float64 (Flux, Qwen-Image, LTX-2),
+    not the scheduler's own timestep grid (SD3)."""
     cfg_rescale_to_pos_norm: bool = False
     """Qwen-Image: rescale the guided velocity to the norm of the positive one (last dim)."""
     velocity_sign: float = 1.0
