@@ -41,6 +41,8 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
                 "| `07_fsdp2` | the trainer side under real FSDP2 with per-parameter mixed precision; gradients |\n",
                 "| `08_causes` | which modules cause the divergence (grafting), what it does to the update (KL, noise floor), pipeline checks |\n",
                 "| `09_saved_runs` | saved results (runs, sweeps, baselines): overlay any two or more, settings diff |\n",
+                "| `10_sharded` | both sides under FSDP2 across ranks: models one GPU cannot hold (MiniMax H3 full on 2 GPUs) |\n",
+                "| `12_real_engine` | the real engine's own DiT (sglang) against the trainer, and the emulated rollout checked against it (the `engine` extra) |\n",
                 "\n",
                 "The same from a shell: `precision-lab pair | drift | report | sweep | scenarios | compare`\n",
                 "(`precision-lab --help`).",
@@ -823,6 +825,72 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
                 'write_html(cmp.runs, f"{out_dir}/report.html", metric=metric);',
             ],
         ),
+    ],
+    "12_real_engine.ipynb": [
+        (
+            "markdown",
+            "",
+            [
+                "# The real engine: sglang-diffusion's own DiT against the trainer\n",
+                "\n",
+                "Builds the family's model, then the engine's own DiT class from the same weights (the\n",
+                "engine's loader and parameter mapping), and pairs them module by module through the\n",
+                "alignment of the two trees: renamed modules, fused projections split into the modules\n",
+                "they fuse, every unaligned module listed with its reason. The emulation check runs the\n",
+                "lab's emulated rollout side against the same engine, beside both against the trainer.\n",
+                "Needs the `engine` extra (`bash scripts/install_engine.sh`); CPU. Headless:\n",
+                "`python -m lab.views.notebooks notebooks/12_real_engine.ipynb out.ipynb -p family wan2_2`\n",
+                "(or `precision-lab pair --engine sglang --family wan2_2`).",
+            ],
+        ),
+        (
+            "code",
+            "",
+            ["import lab\n", "from lab import plots\n", "from lab.engine import sglang as engine"],
+        ),
+        (
+            "code",
+            "parameters",
+            [
+                'family: str = "qwen_image"  # one of engine.ENGINE_FAMILIES\n',
+                'preset: str = "tiny"  # tiny (CPU, seconds); the engine runs on the CPU here\n',
+                "seed: int = 0  # weight and input seed\n",
+                "sigma: float = 0.75  # flow-matching sigma of the step\n",
+                INTERACTIVE,
+                'out_dir: str = "runs/real_engine"  # where the results, the table and the figure go',
+            ],
+        ),
+        ("code", "", [f"backend = {BACKEND}"]),
+        ("code", "", ["engine.supported()"]),
+        (
+            "code",
+            "",
+            [
+                "check = engine.check_emulation(family, preset, seed=seed, sigma=sigma)\n",
+                "print(check.describe())",
+            ],
+        ),
+        ("code", "", ["check.engine.alignment.table()"]),
+        ("code", "", ["result = check.engine_vs_trainer\n", "print(result.describe())"]),
+        (
+            "code",
+            "",
+            [
+                "plots.show(\n",
+                '    plots.plot_divergence_by_layer(result, "rel_max", backend=backend),\n',
+                '    save_as=f"{out_dir}/divergence_by_layer.png",\n',
+                ")",
+            ],
+        ),
+        (
+            "code",
+            "",
+            [
+                'result.table()[["module", "module_a", "dtype_a", "dtype_b", "rel_max", "why"]].head(30)',
+            ],
+        ),
+        ("code", "", ["check.table()"]),
+        ("code", "", ["check.save(out_dir)"]),
     ],
 }
 

@@ -136,3 +136,31 @@ def test_a_dump_written_inside_the_engine_pairs_against_the_trainer(sglang, tmp_
         tmp_path / "dump", engine, other, inputs, trainer, allow_mismatch=True
     )
     assert flagged.meta["dump_checks"]["weights"] == "differ" and flagged.meta["dump_mismatch"]
+
+
+@pytest.mark.parametrize("family_name", ["flux", "qwen_image", "sd3", "wan2_2"])
+def test_notebook_12_pairs_the_engine_and_checks_the_emulation(
+    sglang, family_name: str, tmp_path
+) -> None:
+    import json
+
+    import nbformat
+
+    from lab.views.notebooks import execute_notebook
+    from tests.test_notebooks import NOTEBOOKS, _check_clean_with_figures
+
+    out = tmp_path / "executed.ipynb"
+    execute_notebook(
+        NOTEBOOKS / "12_real_engine.ipynb",
+        out,
+        {"family": family_name, "out_dir": str(tmp_path / "run")},
+        cwd=tmp_path,
+    )
+    nb = nbformat.read(out, as_version=4)
+    _check_clean_with_figures(nb)
+    data = json.loads((tmp_path / "run" / "engine_vs_trainer.json").read_text())
+    assert data["side_a"]["name"] == "sglang" and data["side_b"]["name"] == "trainer"
+    assert data["meta"]["alignment"]["counts"]["same"] > 20
+    table = (tmp_path / "run" / "emulation.csv").read_text().splitlines()
+    assert len(table) == 4 and table[1].startswith(f"{family_name},engine vs emulated rollout")
+    assert (tmp_path / "run" / "divergence_by_layer.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -175,9 +175,13 @@ def test_headless_runs_start_the_kernel_without_the_tcp_warning(tmp_path: Path) 
 
 # ---- every notebook with its defaults, and on every family ----------------------------------
 
-FAMILY_NOTEBOOKS = [p.name for p in PATHS if "family" in _defaults(p)]
+# Runs the real engine (the `engine` extra): tests/test_engine_sglang.py runs it, marked `engine`.
+ENGINE_NOTEBOOKS = {"12_real_engine.ipynb"}
+FAMILY_NOTEBOOKS = [
+    p.name for p in PATHS if "family" in _defaults(p) and p.name not in ENGINE_NOTEBOOKS
+]
 CASES = [(name, fam) for name in FAMILY_NOTEBOOKS for fam in FAMILY_NAMES] + [
-    (p.name, None) for p in PATHS if p.name not in FAMILY_NOTEBOOKS
+    (p.name, None) for p in PATHS if p.name not in {*FAMILY_NOTEBOOKS, *ENGINE_NOTEBOOKS}
 ]
 
 

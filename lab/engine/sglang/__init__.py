@@ -37,8 +37,28 @@ from lab.pairing.sides import Side
 ENGINE_FAMILIES: tuple[str, ...] = ("flux", "qwen_image", "sd3", "wan2_2")
 """Families whose DiT the engine runs here: one file each in lab/engine/sglang/."""
 
-UNSUPPORTED: dict[str, str] = {}
-"""Family -> why the engine's DiT cannot be paired with the lab's model of it."""
+UNSUPPORTED: dict[str, str] = {
+    "ltx2": (
+        "sglang 0.5.23 implements LTX2VideoTransformer3DModel, but a diffusers-format LTX-2.3 "
+        "config does not load into it as it is: its switches are named otherwise (gated_attn -> "
+        "apply_gated_attention, cross_attn_mod -> cross_attention_adaln, use_prompt_embeddings "
+        "-> caption_proj_before_connector, ...) and LTX2Config's parameter mapping lacks "
+        "prompt_adaln -> prompt_adaln_single; an adapter must translate the config (LTX25Config's "
+        "mapping) before the engine's loader can build it."
+    ),
+    "minimax_h3": (
+        "sglang 0.5.23 loads diffusers-layout MiniMax H3 weights, but its forward takes the "
+        "engine's packed sequence ([text | cond | audio | video | pad], minimax_h3_packed_sequence "
+        "and MiniMaxH3DenoiseBranch.forward_kwargs), not diffusers' inputs; an adapter must "
+        "build that packing from the lab's Inputs."
+    ),
+    "cosmos3": (
+        "sglang 0.5.23's Cosmos3OmniTransformer takes text token ids and builds the text "
+        "embeddings and mRoPE ids inside, where the lab's Inputs hold diffusers' packed "
+        "embeddings; an adapter must supply the token ids the engine's tokenization stage makes."
+    ),
+}
+"""Family -> why the engine's DiT is not paired with the lab's model of it here."""
 
 
 def engine_family(family_name: str) -> EngineFamily:
@@ -321,6 +341,20 @@ class EmulationCheck:
                 }
             )
         return pd.DataFrame(rows)
+
+    def save(self, out_dir: str | Path) -> list[Path]:
+        """Write the three Results (`engine_vs_trainer.json`, `engine_vs_rollout.json`,
+        `rollout_vs_trainer.json`) and `emulation.csv` (the table) under `out_dir`."""
+        out = Path(out_dir)
+        written = [
+            self.engine_vs_trainer.to_json(out / "engine_vs_trainer.json"),
+            self.engine_vs_rollout.to_json(out / "engine_vs_rollout.json"),
+            self.rollout_vs_trainer.to_json(out / "rollout_vs_trainer.json"),
+        ]
+        from lab.base.atomic import atomic_write_text
+
+        written.append(atomic_write_text(out / "emulation.csv", self.table().to_csv(index=False)))
+        return written
 
     def unexplained(self) -> list[str]:
         """Labels of emulation rows that differ with no named cause (should be empty)."""

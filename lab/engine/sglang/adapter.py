@@ -36,8 +36,13 @@ def scheduler_timestep(inputs: Inputs, batch: int) -> torch.Tensor:
 
 
 def _resolve(path: str) -> Any:
+    import warnings
+
     module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
+    with warnings.catch_warnings():
+        # Import-time notes that only concern GPUs (AWQ / GGUF quantization on CUDA).
+        warnings.filterwarnings("ignore", message=r"Only CUDA.*support.*")
+        return getattr(importlib.import_module(module), name)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -128,16 +128,34 @@ def start_engine(where: str = "lab.engine.sglang") -> str:
             _STARTED["server_args_were_set"] = get_global_server_args() is not None
         if not _STARTED.get("server_args_were_set"):
             set_global_server_args(_server_args())
-        parallel_state.maybe_init_distributed_environment_and_model_parallel(
-            tp_size=1,
-            sp_size=1,
-            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
-        )
+        with _process_stdio():
+            parallel_state.maybe_init_distributed_environment_and_model_parallel(
+                tp_size=1,
+                sp_size=1,
+                distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            )
         from lab.engine.sglang.cpu_routing import apply_cpu_routing
 
         _STARTED["routing"] = apply_cpu_routing(version)
         _STARTED["version"] = version
     return version
+
+
+@contextlib.contextmanager
+def _process_stdio() -> Iterator[None]:
+    """The process's own stdout/stderr for the block (the engine silences its group setup by
+    redirecting `sys.stdout.fileno()`, which a Jupyter kernel's stream does not have)."""
+    import sys
+
+    saved = sys.stdout, sys.stderr
+    try:
+        sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
 
 
 def cpu_routing_applied() -> tuple[str, ...]:
