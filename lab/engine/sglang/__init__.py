@@ -344,7 +344,8 @@ class EmulationCheck:
 
     def save(self, out_dir: str | Path) -> list[Path]:
         """Write the three Results (`engine_vs_trainer.json`, `engine_vs_rollout.json`,
-        `rollout_vs_trainer.json`) and `emulation.csv` (the table) under `out_dir`."""
+        `rollout_vs_trainer.json`) and `emulation.csv` (the table) under `out_dir`.
+        """
         out = Path(out_dir)
         written = [
             self.engine_vs_trainer.to_json(out / "engine_vs_trainer.json"),

@@ -77,7 +77,8 @@ class EngineFamily:
 
     def autocast(self) -> bool:
         """Whether the engine's denoising loop runs the DiT under torch.autocast (its pipeline
-        config's `enable_autocast`; the stage then autocasts to the DiT precision)."""
+        config's `enable_autocast`; the stage then autocasts to the DiT precision).
+        """
         import dataclasses
 
         fields = {f.name: f for f in dataclasses.fields(_resolve(self.pipeline))}

@@ -144,7 +144,8 @@ def start_engine(where: str = "lab.engine.sglang") -> str:
 @contextlib.contextmanager
 def _process_stdio() -> Iterator[None]:
     """The process's own stdout/stderr for the block (the engine silences its group setup by
-    redirecting `sys.stdout.fileno()`, which a Jupyter kernel's stream does not have)."""
+    redirecting `sys.stdout.fileno()`, which a Jupyter kernel's stream does not have).
+    """
     import sys
 
     saved = sys.stdout, sys.stderr
