@@ -343,8 +343,10 @@ class EmulationCheck:
         return pd.DataFrame(rows)
 
     def save(self, out_dir: str | Path) -> list[Path]:
-        """Write the three Results (`engine_vs_trainer.json`, `engine_vs_rollout.json`,
-        `rollout_vs_trainer.json`) and `emulation.csv` (the table) under `out_dir`.
+        """Write the three Results and the table under `out_dir`.
+
+        Files: `engine_vs_trainer.json`, `engine_vs_rollout.json`, `rollout_vs_trainer.json`
+        and `emulation.csv`.
         """
         out = Path(out_dir)
         written = [

@@ -76,8 +76,9 @@ class EngineFamily:
     """Where in the engine the input conventions were read (file:function), for the docs."""
 
     def autocast(self) -> bool:
-        """Whether the engine's denoising loop runs the DiT under torch.autocast (its pipeline
-        config's `enable_autocast`; the stage then autocasts to the DiT precision).
+        """Whether the engine's denoising loop runs the DiT under torch.autocast.
+
+        Its pipeline config's `enable_autocast`; the stage then autocasts to the DiT precision.
         """
         import dataclasses
 

@@ -143,8 +143,10 @@ def start_engine(where: str = "lab.engine.sglang") -> str:
 
 @contextlib.contextmanager
 def _process_stdio() -> Iterator[None]:
-    """The process's own stdout/stderr for the block (the engine silences its group setup by
-    redirecting `sys.stdout.fileno()`, which a Jupyter kernel's stream does not have).
+    """The process's own stdout/stderr for the block.
+
+    The engine silences its group setup by redirecting `sys.stdout.fileno()`, which a Jupyter
+    kernel's stream does not have.
     """
     import sys
 
