@@ -56,8 +56,10 @@ class WeightPlan:
     """Parameter name -> what decided its dtype: ("forward_dtype" | "param_dtype", None),
     ("keep_fp32_modules", component) or ("param_dtype_rules", glob). Read by `lab.pairing.why`."""
     buffer_sources: dict[str, tuple[str, str | None]] = field(default_factory=dict)
-    """Cast buffer name -> ("cast_buffers", None), ("keep_fp32_modules", component) or
-    ("constructed", dtype name): a buffer the class builds in its own dtype (not the default)."""
+    """Buffer name -> ("cast_buffers", None), ("keep_fp32_modules", component) or
+    ("constructed", dtype name): a buffer the class builds in its own dtype (not the default),
+    which the side holds at that dtype (listed in `buffer_dtypes` only when that is not the
+    master's)."""
 
     def dtype_counts(self) -> dict[str, int]:
         """How many parameters run at each dtype (for summaries; a fresh dict each call)."""
@@ -175,9 +177,9 @@ def plan_weights(model: torch.nn.Module, side: Side) -> WeightPlan:
                 if keep is None and own is not None and own != default:
                     # The class builds it in another dtype whatever the default (SD3's
                     # pos_embed table: numpy float64 -> .float()): an engine load keeps that.
+                    buffer_sources[full] = ("constructed", dtype_name(own))
                     if own != buf.dtype:
                         buffers[full] = own
-                        buffer_sources[full] = ("constructed", dtype_name(own))
                     continue
                 buffers[full] = fp32 if keep is not None else default
                 buffer_sources[full] = (
@@ -743,7 +745,8 @@ class PairedWeights:
             tensor = cache.get(cast_key)
             if tensor is None:
                 tensor = cache[cast_key] = view.cast(entry.master, entry.dtype)
-                self.casts += 1
+                # The master handed as it is (a buffer a side holds uncast) is no cast.
+                self.casts += len(cast_key) > 1
             out.append((entry, tensor))
         return out
 
