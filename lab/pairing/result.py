@@ -367,11 +367,18 @@ class Result:
 
         The document is serialized before the file is touched, and written to a temporary that
         replaces `path` only once complete (lab.base.atomic): a full disk or an unserializable meta
-        value leaves an earlier file whole and never a 0-byte one.
-        """
-        from lab.base.atomic import atomic_write_text
+        value leaves an earlier file whole and never a 0-byte one. A symlink is written through
+        (its target gets the document, the link stays).
 
-        return atomic_write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=True))
+        Raises:
+            ValueError: `path` cannot be written at all (a folder, a read-only place, a name too
+                long), naming it, before anything is serialized.
+        """
+        from lab.base.atomic import atomic_write_text, check_file_path
+
+        check_file_path(path, "Result.to_json")
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=True))
+        return Path(path)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, where: str = "Result.from_dict") -> Result:
