@@ -5,7 +5,7 @@ tensor under the key `<module>#<call>:<output>`, plus `manifest.json`:
 
     {"schema": "precision-lab/dump/3", "model_class": ..., "module_names": [...],
      "weights": {"covers": ..., "parameters": {name: {"shape", "dtype", "hashes"}}} | null,
-     "weights_unavailable": null | why,
+     "weights_unavailable": null | why, "weights_taken": "attach" | "forward 0",
      "forwards": [{"forward", "step", "cfg_branch", "file", "inputs": {name: fingerprint},
                    "weights": {...} (only where they differ from the manifest's),
                    "weights_unavailable": why (only where they could not be read)}],
@@ -20,10 +20,11 @@ written atomically (lab.base.atomic): a full disk never tears a manifest or a fo
 Fingerprints say which weights and inputs a dump came from, so a dump of other weights, other
 inputs or another width is refused instead of paired (`allow_mismatch=True` pairs it anyway and
 flags it in the Result's meta). `tensor_fingerprint` documents what a fingerprint covers. The
-weights are fingerprinted as each root forward starts, not when `attach` is called: weights
-changed between forwards (or before the first) are the weights of the forwards that ran with
-them. The manifest's `weights` are the first forward's; a forward that ran with other weights
-carries its own.
+weights are fingerprinted as each root forward starts (as the forward holds them: a lab side's
+casts), not only when `attach` is called: weights changed between forwards (or before the
+first) are the weights of the forwards that ran with them. The manifest's `weights` are the
+first forward's (those at `attach` until a forward runs: a dump of weights alone); a forward
+that ran with other weights carries its own.
 """
 
 from __future__ import annotations
@@ -256,9 +257,10 @@ class DumpHandle:
         self.entries: list[dict[str, Any]] = []
         self.forward_records: list[dict[str, Any]] = []
         self.forwards = 0
-        # Taken as each forward starts (`_start`): the first forward's are the manifest's.
-        self.weights: dict[str, Any] | None = None
-        self.weights_unavailable: str | None = "no forward has run yet"
+        # Until a forward runs, the weights as attached (what `weight_sync` reads of a dump of
+        # weights alone); then the first forward's, taken as it starts (`_start`).
+        self.weights, self.weights_unavailable = weight_fingerprints(model)
+        self.weights_taken = "attach"
         self._pending: list[dict[str, Any]] = []
         self._pending_inputs: dict[str, Any] = {}
         self._pending_weights: tuple[dict[str, Any] | None, str | None] = (None, None)
@@ -344,6 +346,7 @@ class DumpHandle:
         }
         if not self.forward_records:
             self.weights, self.weights_unavailable = weights, why
+            self.weights_taken = f"forward {self.forwards}"
         elif why is not None:
             record["weights_unavailable"] = why
         elif weights != self.weights:
@@ -365,6 +368,7 @@ class DumpHandle:
             "torch": torch.__version__,
             "weights": self.weights,
             "weights_unavailable": self.weights_unavailable,
+            "weights_taken": self.weights_taken,
             "forwards": self.forward_records,
             "entries": self.entries,
         }
