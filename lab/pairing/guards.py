@@ -64,16 +64,16 @@ def _holding_model(where: str) -> Callable[[Callable[..., Any]], Callable[..., A
     """Run the decorated function (model first) inside `model_in_use(model, where)`.
 
     The model is checked as the fp32 master every side casts from (`check_fp32_master`) once
-    held: every forward and pair that runs a side goes through here, so none takes a bf16
-    model for the master.
+    held: every plain forward of a side goes through here, so none takes a bf16 model for the
+    master. `pair` checks its own (memoized with its other guards, `WeightView.memo`).
     """
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def holding(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             with model_in_use(model, where), gc_paused():
-                if isinstance(model, torch.nn.Module):  # else the function names the bad value
-                    check_fp32_master(model, where)
+                if where not in _CHECKS_ITS_OWN_MASTER and isinstance(model, torch.nn.Module):
+                    check_fp32_master(model, where)  # (not a module: the function names it)
                 return fn(model, *args, **kwargs)
 
         return holding
@@ -102,6 +102,9 @@ def gc_paused() -> Iterator[None]:
         if was_enabled:
             gc.enable()
 
+
+_CHECKS_ITS_OWN_MASTER = frozenset({"pair"})
+"""Callers of `_holding_model` that run `check_fp32_master` themselves."""
 
 _MASTER_CHECKED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, ...]] = (
     weakref.WeakKeyDictionary()
@@ -339,9 +342,10 @@ def check_master_fits(
 def check_inputs(model: torch.nn.Module, inputs: Inputs, where: str) -> None:
     """Refuse inputs `model` cannot run: not an Inputs record, meta tensors, another family's.
 
-    Also inputs no DiT forward runs: no latents or no timestep (a role with no kwarg, or one
-    set to None), and an empty batch (a latents, cond or timestep tensor with no element);
-    torch would otherwise fail deep inside the model, in its own words.
+    Also inputs no DiT forward runs: a latents or timestep kwarg set to None, one that the
+    model's lab family passes missing (Flux's `timestep`), and an empty batch (a latents, cond
+    or timestep tensor with no element); torch would otherwise fail deep inside the model, in
+    its own words.
 
     Raises:
         ValueError: Naming the bad kwarg, or the model's class and the inputs' family.
@@ -384,17 +388,18 @@ _NEEDED_ROLES: tuple[str, ...] = ("latents", "timestep")
 
 
 def _check_forward_inputs(record: Inputs, label: str, where: str, model_class: str) -> None:
-    """Refuse a record with no latents or timestep, one set to None, or an empty tensor.
+    """Refuse a latents or timestep kwarg set to None or missing, or an empty tensor.
 
     For a model of a lab family's class, every latents and timestep kwarg the family's own
-    inputs carry must be there too (Flux's `timestep` and `guidance` both).
+    inputs carry must be there (Flux's `timestep` and `guidance` both); other models (a test's
+    toy module) are held only to the None and empty checks.
     """
     needed = _family_needs(model_class)
     for role in _NEEDED_ROLES:
         keys = record.keys_with_role(role)  # type: ignore[arg-type]
         unset = [k for k in keys if record.kwargs[k] is None]
         unset += [k for k, r in needed.items() if r == role and k not in record.kwargs]
-        if not keys or unset:
+        if unset or (not keys and role in needed.values()):
             given = ", ".join(f"{k!r} ({r})" for k, r in record.roles.items()) or "none"
             what = (
                 f"no {role!r} kwarg"
