@@ -376,7 +376,10 @@ class Family:
                 (the message lists the .safetensors files there are and the variants they hint).
             CheckpointError: Another class's checkpoint (naming both and the family it belongs
                 to), a truncated or unreadable safetensors file or index (naming it), a tensor
-                in two shards, or weights that do not fit the class.
+                in two shards, or weights that do not fit the class: missing or unexpected
+                names, a shape other than the config builds (a config wider than its weights),
+                or a stored dtype of another kind than the slot's (an int8 tensor for a float
+                parameter would load as its integer codes).
         """
         from lab.base.devices import resolve_device
         from lab.base.dtypes import dtype_name
@@ -406,7 +409,8 @@ class Family:
         # host holds at most one shard.
         with dev:
             model = cls.from_config(config)
-        expected = set(model.state_dict())
+        slots = model.state_dict()
+        expected = set(slots)
         seen: dict[str, str] = {}
         dtypes: dict[str, int] = {}
         unexpected: list[str] = []
@@ -424,6 +428,7 @@ class Family:
                 label = dtype_name(tensor.dtype)
                 dtypes[label] = dtypes.get(label, 0) + 1
             unexpected += sorted(k for k in state if k not in expected)
+            _check_fits(self.name, file, state, slots, self.model_class)
             model.load_state_dict(
                 {
                     k: v.to(torch.float32) if v.is_floating_point() else v
@@ -658,6 +663,68 @@ def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
             f"checkpoint file {str(file)!r} ({file.stat().st_size} bytes) cannot be read: {err}. "
             "It is truncated or corrupt; copy it again from the source."
         ) from None
+
+
+def _dtype_kind(dtype: torch.dtype) -> str:
+    """What a value of `dtype` can be loaded as: "float", "complex", "bool" or "integer"."""
+    if dtype.is_complex:
+        return "complex"
+    if dtype.is_floating_point:
+        return "float"
+    return "bool" if dtype == torch.bool else "integer"
+
+
+def _check_fits(
+    family_name: str,
+    file: Path,
+    state: Mapping[str, torch.Tensor],
+    slots: Mapping[str, torch.Tensor],
+    model_class: str,
+) -> None:
+    """Refuse stored tensors whose shape or kind of dtype differ from the model's slots.
+
+    Checked before anything is copied: torch would raise a bare RuntimeError for a shape
+    (a config.json wider than its weights), and copy an int8 tensor's integer codes into a
+    float parameter without a word (a quantized checkpoint is not an fp32 master).
+
+    Raises:
+        CheckpointError: Listing each tensor, what the file holds and what the model expects.
+    """
+    from lab.base.dtypes import dtype_name
+    from lab.base.errors import CheckpointError
+
+    shapes, kinds = [], []
+    for key, value in state.items():
+        slot = slots.get(key)
+        if slot is None:
+            continue  # listed as unexpected after every file is read
+        if tuple(value.shape) != tuple(slot.shape):
+            shapes.append(f"{key}: {tuple(value.shape)} stored, {tuple(slot.shape)} expected")
+        elif _dtype_kind(value.dtype) != _dtype_kind(slot.dtype):
+            kinds.append(
+                f"{key}: {dtype_name(value.dtype)} stored ({_dtype_kind(value.dtype)}), "
+                f"the model's is {dtype_name(slot.dtype)} ({_dtype_kind(slot.dtype)})"
+            )
+    if not shapes and not kinds:
+        return
+    problems = shapes + kinds
+    more = f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""
+    fix = []
+    if shapes:
+        fix.append(
+            "the shapes come from config.json: is it the config of these weights (a wider "
+            "or narrower model's config)?"
+        )
+    if kinds:
+        fix.append(
+            "a value of another kind cannot load into the slot exactly (integer codes of a "
+            "quantized checkpoint are not weights): load the unquantized checkpoint"
+        )
+    raise CheckpointError(
+        f"family {family_name!r}: {file.name} ({str(file)!r}) does not fit {model_class}: "
+        f"{len(problems)} tensor(s) differ: {'; '.join(problems[:6])}{more}. "
+        f"{' '.join(f[0].upper() + f[1:] + '.' for f in fix)}"
+    )
 
 
 def _family_hint(class_name: str) -> str:

@@ -288,8 +288,9 @@ def _pair(args: argparse.Namespace) -> int:
     out = Path(args.out_dir)
     # Before any work: an unknown baseline, or a name to save under that is taken, is a bad
     # argument, not something to learn after the forwards.
-    baseline = load_baseline(args.baseline) if args.baseline else None
-    if args.save_baseline:
+    # `is not None`: --baseline "" or --save-baseline "" is a bad name, not "no baseline".
+    baseline = load_baseline(args.baseline) if args.baseline is not None else None
+    if args.save_baseline is not None:
         free_baseline_path(args.save_baseline)
     if args.engine is not None:
         result = _pair_engine(args, rollout, trainer)
@@ -331,7 +332,7 @@ def _pair(args: argparse.Namespace) -> int:
         cmp = compare_to_baseline(result, baseline, metric=args.metric, baseline_name=args.baseline)
         print(cmp.describe())
         code = code if cmp.ok else EXIT_FAILED
-    if args.save_baseline:
+    if args.save_baseline is not None:
         if code == EXIT_OK:
             path = save_baseline(result, args.save_baseline)
             print(f"saved baseline {args.save_baseline!r}: {path}")
@@ -490,6 +491,8 @@ def _sweep(args: argparse.Namespace) -> int:
         if not eq or not key.strip():
             raise UsageError(f"--param {spec!r}: expected KEY=VALUE.")
         params[key.strip()] = parse_value(value)
+    if args.resume:
+        _check_resumable(Path(args.out))
     try:
         result = run_sweep(
             args.notebook,
@@ -506,6 +509,34 @@ def _sweep(args: argparse.Namespace) -> int:
         return 143 if stopped.signal_name == "SIGTERM" else 130
     print(result.describe())
     return EXIT_FAILED if result.failed else EXIT_OK
+
+
+def _check_resumable(out: Path) -> None:
+    """--resume reads the results.json of each point recorded ok: refuse a damaged one, named."""
+    import json
+
+    from lab.pairing.result import Result
+    from lab.views.sweep import RUN_RECORD
+
+    for record in sorted(out.glob(f"*/{RUN_RECORD}")):
+        path = record.parent / "results.json"
+        try:
+            if json.loads(record.read_text(encoding="utf-8")).get("status") != "ok":
+                continue  # a failed point runs again; its results.json is not read
+            json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, AttributeError) as err:
+            if not path.is_file() or isinstance(err, AttributeError):
+                continue  # no results (or a damaged record): the point runs again
+            why = f"{str(path)!r} cannot be read: {err}"
+            if isinstance(err, ValueError):
+                try:
+                    Result.from_json(path)  # says empty, truncated or not JSON, naming the file
+                except ValueError as named:
+                    why = str(named)
+            raise UsageError(
+                f"--resume: {why} Delete its folder {str(path.parent)!r} (that point runs "
+                "again), or run without --resume."
+            ) from None
 
 
 def _scenarios(args: argparse.Namespace) -> int:
