@@ -247,6 +247,37 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--root", default=".", help="where runs are listed and looked up (.)")
     compare.add_argument("--metric", default="rel_max", help="per-module metric (rel_max)")
     compare.add_argument("--out-dir", default=None, help="write the overlay, diff and report")
+
+    contract = _command(
+        commands,
+        "contract",
+        "write a numerics contract of a pair, or check one (exit 1 when a clause fails)",
+        "write FILE: run the family's pair and record each module group's tier (bitwise where "
+        "bit-exact, else rel<=X or ulp<=K from the measured value times --margin), optionally a "
+        "drift clause. check FILE: re-run it and say which clauses hold; --rollout-overrides / "
+        "--trainer-overrides JSON for a what-if on one side, --dump DIR to read side A from a "
+        "dump. Exit 0 when every clause holds, 1 when one fails (with the table), 2 for a "
+        "malformed or newer-schema file.",
+    )
+    contract.add_argument("action", choices=("write", "check"), help="write or check")
+    contract.add_argument("file", help="the contract (JSON)")
+    contract.add_argument("--family", default="flux", help="write: the DiT family (flux)")
+    contract.add_argument("--preset", default="tiny", choices=PRESETS, help="write: (tiny)")
+    contract.add_argument("--seed", type=int, default=0, help="write: seed (0)")
+    contract.add_argument("--sigma", type=float, default=0.75, help="write: sigma (0.75)")
+    contract.add_argument("--tier", default="rel", choices=("rel", "ulp"), help="write: (rel)")
+    contract.add_argument("--margin", type=float, default=2.0, help="write: tolerance factor (2)")
+    contract.add_argument(
+        "--drift-steps", type=int, default=None, metavar="N",
+        help="write: add a drift clause over an N-step trajectory (no ratio clipped)",
+    )  # fmt: skip
+    contract.add_argument("--clip-range", type=float, default=1e-4, help="drift: (1e-4)")
+    contract.add_argument("--overwrite", action="store_true", help="write: replace FILE")
+    contract.add_argument("--rollout-overrides", default="{}", metavar="JSON",
+                          help="check: Side field overrides of side A")  # fmt: skip
+    contract.add_argument("--trainer-overrides", default="{}", metavar="JSON",
+                          help="check: Side field overrides of side B")  # fmt: skip
+    contract.add_argument("--dump", default=None, metavar="DIR", help="check: side A from a dump")
     return parser
 
 
@@ -606,7 +637,38 @@ def _compare(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _contract(args: argparse.Namespace) -> int:
+    from lab.views import contract
+
+    if args.action == "write":
+        drift = None
+        if args.drift_steps is not None:
+            drift = {"steps": args.drift_steps, "clip_range": args.clip_range}
+        doc = contract.write(
+            args.file, args.family, args.preset, seed=args.seed, sigma=args.sigma,
+            tier=args.tier, margin=args.margin, drift=drift, overwrite=args.overwrite,
+        )  # fmt: skip
+        tiers = [c["tier"] for c in doc["clauses"]]
+        bitwise = sum(t == "bitwise" for t in tiers)
+        print(
+            f"wrote {args.file}: {len(tiers)} clauses ({bitwise} bitwise)"
+            + (", a drift clause" if doc["drift"] else "")
+        )
+        return EXIT_OK
+    rollout = _json_option("rollout_overrides", args.rollout_overrides, dict)
+    trainer = _json_option("trainer_overrides", args.trainer_overrides, dict)
+    found = contract.check(
+        args.file, rollout_overrides=rollout, trainer_overrides=trainer, dump=args.dump
+    )
+    print(found.describe())
+    if not found.holds:
+        print(found.table().to_string(index=False))
+        return EXIT_FAILED
+    return EXIT_OK
+
+
 _COMMANDS = {
+    "contract": _contract,
     "pair": _pair,
     "drift": _drift,
     "report": _report,
