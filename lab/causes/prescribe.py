@@ -247,8 +247,6 @@ class _Target:
         return out, neg
 
     def _measure(self, side: Side) -> float:
-        from lab.causes.settings import _leaves64
-
         if isinstance(self.target, Mapping) and self.target["metric"] not in _OUTPUT:
             result = self.verify(side)
             return _result_metric(result, self.target["metric"])
@@ -268,7 +266,9 @@ class _Target:
                 self.step.sigma, self.step.sigma_prev, self.step.std_dev_t, self.step.sde_type,
             )  # fmt: skip
             return float((terms.predicted.exp() - 1).abs().max())
-        a, b = _leaves64(ref), _leaves64(out)
+        # The model's main output (its first floating leaf), as Result.output_metrics reads
+        # it, so the search and the verifying pair measure the same thing.
+        a, b = _main64(ref), _main64(out)
         if not self.fixed_is_a:
             a, b = b, a
         d = (b - a).abs()
@@ -281,6 +281,15 @@ class _Target:
         self.forwards += 2
         a, b = (self.fixed, side) if self.fixed_is_a else (side, self.fixed)
         return pair(self.model, self.inputs, a, b, check_outputs=False)
+
+
+def _main64(output: Any) -> torch.Tensor:
+    from lab.pairing.capture import flatten_output
+
+    for _, leaf in flatten_output(output):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            return leaf.detach().reshape(-1).to(torch.float64)
+    raise ValueError("prescribe: the model returned no floating tensor.")
 
 
 _OUTPUT: dict[str, Callable[[torch.Tensor, torch.Tensor], float]] = {

@@ -379,28 +379,35 @@ def runnable_knobs(value: _Value) -> _Value:
         if failing is None:
             return value
         i, members, how, err = failing
-        partner = None
-        for j in range(n):
-            if j == i:
-                continue
-            trial = members | {j} if how == "alone" else members - {j}
-            if _runs(value, trial) is None:
-                partner = j
+        import itertools
+
+        partners = None
+        others = [j for j in range(n) if j != i]
+        for size in (1, 2):
+            for combo in itertools.combinations(others, size):
+                trial = members | set(combo) if how == "alone" else members - set(combo)
+                if _runs(value, frozenset(trial)) is None:
+                    partners = combo
+                    break
+            if partners is not None:
                 break
         knob = value.knobs[i]
-        if partner is None:
+        if partners is None:
             raise ValueError(
-                f"attribute_settings: knob {knob.name!r} does not run {how} ({err}) and no "
-                "single other knob makes it run; the sides' settings cannot be separated."
+                f"attribute_settings: knob {knob.name!r} does not run {how} ({err}) and no one "
+                "or two other knobs make it run; the sides' settings cannot be separated."
             )
-        merged = merge(
-            knob,
-            value.knobs[partner],
-            f"{knob.name} {'alone' if how == 'alone' else 'taken off side B alone'} does not "
-            f"run ({err})",
-        )
-        knobs = [k for j, k in enumerate(value.knobs) if j not in (i, partner)]
-        knobs.insert(min(i, partner), merged)
+        merged = knob
+        for j in partners:
+            merged = merge(
+                merged,
+                value.knobs[j],
+                f"{knob.name} {'alone' if how == 'alone' else 'taken off side B alone'} does "
+                f"not run ({err})",
+            )
+        chosen = (i, *partners)
+        knobs = [k for j, k in enumerate(value.knobs) if j not in chosen]
+        knobs.insert(min(chosen), merged)
         value = _Value.again(value, knobs)
 
 
