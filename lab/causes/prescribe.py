@@ -310,6 +310,27 @@ def _result_metric(result: Result, metric: str) -> float:
     return float(values[metric])
 
 
+def parse_target(text: str | Mapping[str, Any]) -> Any:
+    """A target from its text: "bitexact", "noise_floor", or JSON {"metric": ..., "max": ...}.
+
+    Raises:
+        ValueError: Text that is none of those, naming it.
+    """
+    if not isinstance(text, str):
+        return check_target(text, None, 1e-4) if isinstance(text, Mapping) else text
+    stripped = text.strip()
+    if stripped in ("bitexact", "noise_floor"):
+        return stripped
+    try:
+        value = json.loads(stripped)
+    except json.JSONDecodeError:
+        raise ValueError(
+            f"prescribe target {text!r}: use 'bitexact', 'noise_floor' or JSON such as "
+            '{"metric": "rel_max", "max": 1e-3}.'
+        ) from None
+    return check_target(value, None, 1e-4)
+
+
 def check_target(target: Any, step: Any, clip_range: Any) -> Any:
     """Validate a target.
 
