@@ -264,7 +264,11 @@ def headline_table() -> str:
     """One line per family: the default tiny pair, and the full-size pair's cost on the GPU."""
     tiny = json.loads(HEADLINE.read_text())
     full = _record("gpu/full_size_h200.json") or {"rows": [], "meta": {}}
-    by_family = {r["family"]: r for r in full["rows"] if not r.get("variant")}
+    by_family = {
+        r["family"]: r
+        for r in full["rows"]
+        if not r.get("variant") and "every_module_vs_plain" in r
+    }
     lines = [
         "| family | first divergence (tiny, CPU) | model_output_rel_max | pairing every module, "
         "full size | blocks only |",

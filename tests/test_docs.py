@@ -115,7 +115,8 @@ def test_every_python_block_is_run_by_some_test() -> None:
         for tag, _, _ in blocks(page):
             counted[tag] += 1
     assert counted[None] >= 20, counted  # a fence regex that stopped matching would pass vacuously
-    assert not [p for p in PAGES if p not in HAND_WRITTEN and blocks(p)], "reference pages hold code"
+    generated_with_code = [p for p in PAGES if p not in HAND_WRITTEN and blocks(p)]
+    assert not generated_with_code, "reference pages hold code"
 
 
 def test_fence_tags_are_read() -> None:
@@ -159,7 +160,7 @@ def test_every_file_the_docs_mention_exists() -> None:
     seen = 0
     for page in PAGES:
         for path in re.findall(pattern, page.read_text()):
-            if path in WRITTEN_LATER or path.startswith("data/baselines/") and "." in path:
+            if path in WRITTEN_LATER or (path.startswith("data/baselines/") and "." in path):
                 continue
             seen += 1
             candidates = [REPO / path, REPO / f"{path}.ipynb", REPO / f"{path}.py"]
@@ -195,7 +196,7 @@ def test_readme_is_a_guide() -> None:
 
 def test_generated_parts_are_current() -> None:
     stale = [str(p.relative_to(REPO)) for p in _make_docs().stale()]
-    assert not stale, f"stale: {stale}. Run `python scripts/make_docs.py` and commit what it writes."
+    assert not stale, f"stale: {stale}. Run `python scripts/make_docs.py`; commit what it writes."
 
 
 def test_a_generated_block_is_replaced_and_an_unknown_one_named() -> None:
