@@ -8,7 +8,8 @@ Run (after `bash scripts/install_engine.sh`):
 Per family, three pairs of one forward (sigma 0.75, seed 0): the engine's own DiT (sglang) vs
 the lab's emulated rollout side, the engine vs the trainer side, and the emulated rollout vs the
 trainer. For each: aligned outputs, bit-exact share, first divergence and its why, and the model
-output's rel_max. docs/notes/real-engine.md shows the table this writes.
+output's rel_max. docs/real-engine.md renders the table this writes
+(`python scripts/make_docs.py`).
 """
 
 from __future__ import annotations

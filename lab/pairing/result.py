@@ -352,7 +352,7 @@ class Result:
     # ---- JSON ---------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON document (schema in README, "Result JSON")."""
+        """The JSON document (schema in docs/files.md, "Result JSON")."""
         return {
             "schema": SCHEMA,
             "mode": self.mode,
