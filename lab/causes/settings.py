@@ -650,7 +650,7 @@ def attribute_settings(
     *,
     metric: str | None = None,
     step: Any = None,
-    max_exact: int = 10,
+    max_exact: int = 12,
     samples: int = 64,
     seed: int = 0,
 ) -> SettingAttribution:

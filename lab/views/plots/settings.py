@@ -102,7 +102,11 @@ def plot_setting_shares(attr: Any, *, backend: Backend = "plotly") -> Any:
         return attach_static_twin(fig, lambda: plot_setting_shares(attr, backend="matplotlib"))
 
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, height), layout="constrained")
+    # Merged knobs have long names: wrapped, so the axes keep their width.
+    labels = ["\n".join(textwrap.wrap(x, 36)) or x for x in labels]
+    lines = sum(x.count("\n") + 1 for x in labels)
+    height = max(3.0, 0.3 * lines + 0.15 * len(rows) + 1.5)
+    fig, ax = plt.subplots(figsize=(8.5, height), layout="constrained")
     shares = [r["share"] for r in rows]
     errors = [r["stderr"] for r in rows]
     ax.barh(labels, shares, color=_SHARE, label="Shapley share",
