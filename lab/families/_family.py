@@ -137,6 +137,9 @@ class Family:
     """How the pipeline presents the step: "t" = sigma*1000, "t/1000", "sigma", "1-sigma"."""
     cfg_layout: Literal["batched", "separate", "none"]
     """CFG as [neg, pos] in one batch, as a second forward, or not at all (guidance-distilled)."""
+    cfg_scale: float = 1.0
+    """The guidance scale the family's diffusers pipeline defaults to (its true CFG; 1.0 for a
+    guidance-distilled family): the CFG the drift table measures beside CFG 1."""
     max_batch: int | None = None
     """Most samples one forward holds (None: any); Cosmos3's packed sequence holds one."""
     rollout_dtype: str = "bf16"

@@ -243,6 +243,7 @@ FAMILY = Family(
     make_inputs_fn=make_inputs,
     timestep_presentation="t",
     cfg_layout="batched",
+    cfg_scale=3.0,  # LTX2Pipeline's guidance_scale default
     rollout_dtype="bf16",
     # The record's TrainPipelineConfig: the native forward anchors element-wise math (RoPE
     # positions included) on the latent dtype, and the rollout runs it bf16.

@@ -121,6 +121,7 @@ FAMILY = Family(
     make_inputs_fn=make_inputs,
     timestep_presentation="t",
     cfg_layout="batched",
+    cfg_scale=7.0,  # StableDiffusion3Pipeline's guidance_scale default
     # The SD3 Flow-GRPO recipe runs fp16 on both sides.
     rollout_dtype="fp16",
     input_dtype_policy={"latents": None, "cond": None, "timestep": None},

@@ -143,6 +143,7 @@ FAMILY = Family(
     make_inputs_fn=make_inputs,
     timestep_presentation="t",
     cfg_layout="separate",
+    cfg_scale=5.0,  # WanPipeline's guidance_scale default
     experts=("high_noise", "low_noise"),
     # WanPipeline(boundary_ratio=0.875) runs the high-noise expert while t >= 0.875 * 1000; with
     # flow-matching t = sigma * 1000 that is sigma >= 0.875, as expert_for_sigma compares.

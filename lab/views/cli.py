@@ -278,6 +278,26 @@ def _parser() -> argparse.ArgumentParser:
     contract.add_argument("--trainer-overrides", default="{}", metavar="JSON",
                           help="check: Side field overrides of side B")  # fmt: skip
     contract.add_argument("--dump", default=None, metavar="DIR", help="check: side A from a dump")
+
+    mismatch = _command(
+        commands,
+        "bench-mismatch",
+        "every family's default rollout vs trainer in one table: where, why, fix, cost, drift",
+        "Per family: the model output's rel_max, the first divergence and its why, the knob "
+        "with the largest Shapley share, the cheapest bit-exact prescription and its cost, the "
+        "transition KL and mean |log ratio| over a short trajectory at CFG 1 and at the "
+        "family's CFG, and the noise-floor verdict at --clip-range. Prints the table; --out "
+        "writes the record (JSON).",
+    )
+    from lab.families import FAMILY_NAMES
+
+    mismatch.add_argument("--families", nargs="+", default=list(FAMILY_NAMES), metavar="FAMILY",
+                          choices=FAMILY_NAMES, help="default: every family")  # fmt: skip
+    mismatch.add_argument("--preset", default="tiny", choices=PRESETS, help="default tiny")
+    mismatch.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    mismatch.add_argument("--steps", type=int, default=6, help="trajectory steps (6)")
+    mismatch.add_argument("--clip-range", type=float, default=1e-4, help="(1e-4)")
+    mismatch.add_argument("--out", default=None, help="write the record here (JSON)")
     return parser
 
 
@@ -667,7 +687,23 @@ def _contract(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _bench_mismatch(args: argparse.Namespace) -> int:
+    from lab.base.devices import resolve_device
+    from lab.causes import mismatch
+
+    resolve_device(args.device)
+    rows = mismatch.mismatch_table(
+        args.families, args.preset, device=args.device, steps=args.steps,
+        clip_range=args.clip_range,
+    )  # fmt: skip
+    print(mismatch.markdown(rows))
+    if args.out:
+        print(f"wrote {mismatch.write(rows, args.out)}")
+    return EXIT_OK
+
+
 _COMMANDS = {
+    "bench-mismatch": _bench_mismatch,
     "contract": _contract,
     "pair": _pair,
     "drift": _drift,
