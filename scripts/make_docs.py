@@ -33,9 +33,11 @@ HEADLINE = DATA / "cpu" / "headline_tiny.json"
 """The default rollout-vs-trainer pair of every family at tiny on the CPU (`--measure`)."""
 EMULATION = DATA / "engine" / "emulation_cpu.json"
 """The real engine against the emulated rollout (bench/engine_emulation.py --write)."""
+MISMATCH = DATA / "cpu" / "mismatch_tiny.json"
+"""Every family's default pair, its top knob, fix and drift (precision-lab bench-mismatch)."""
 
 BLOCK_FILES = ("README.md", "docs/performance.md", "docs/drift.md", "docs/real-engine.md",
-               "mkdocs.yml")  # fmt: skip
+               "docs/prescribe.md", "mkdocs.yml")  # fmt: skip
 """Hand-written files holding generated blocks."""
 
 _BLOCK = re.compile(
@@ -260,6 +262,23 @@ def emulation_table() -> str:
     )
 
 
+def mismatch_table() -> str:
+    """Every family's default rollout vs trainer: where, why, fix, cost, drift (its record)."""
+    if not MISMATCH.is_file():
+        return (
+            "*No record yet: `precision-lab bench-mismatch --out data/cpu/mismatch_tiny.json` "
+            "writes it; then `python scripts/make_docs.py` renders it here.*"
+        )
+    from lab.causes.mismatch import markdown
+
+    record = json.loads(MISMATCH.read_text())
+    versions = record.get("versions", {})
+    return (
+        f"{markdown(record['rows'])}\n\n*Record: `data/cpu/mismatch_tiny.json` (torch "
+        f"{versions.get('torch', '?')}, ATen {versions.get('cpu', '?')} kernels).*"
+    )
+
+
 def headline_table() -> str:
     """One line per family: the default tiny pair, and the full-size pair's cost on the GPU."""
     tiny = json.loads(HEADLINE.read_text())
@@ -309,6 +328,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "metric_kernels": metric_kernels_table,
     "drift": drift_table,
     "emulation": emulation_table,
+    "mismatch_cpu": mismatch_table,
     "reference_nav": reference_nav,
 }
 """Block name -> what goes between its markers."""
