@@ -12,7 +12,8 @@
 # (bench/full_size.py: every family at full; SIZE_FAMILIES, SIZE_ARGS such as --fixed-order),
 # traj (bench/full_traj.py: full trajectories against their plain forwards, TRAJ_FAMILIES,
 # TRAJ_STEPS, TRAJ_ARGS), bench (bench/full_pair.py), drift (bench/gpu_drift.py: reduced
-# trajectories), kernels (bench/metric_kernels.py), switch (bench/ab_switch.py: each switch of
+# trajectories), kernels (bench/metric_kernels.py), mismatch (precision-lab bench-mismatch on
+# cuda at MISMATCH_PRESET, default reduced), switch (bench/ab_switch.py: each switch of
 # SWITCHES, "LAB_A=1,0;LAB_B=x,y", its values side by side in one process, SWITCH_FAMILIES,
 # SWITCH_ARGS).
 # Each stage logs to OUT_DIR and a failing stage does not stop the
@@ -45,6 +46,11 @@ for stage in "$@"; do
     bench) python bench/full_pair.py "$out/bench" >"$out/full_pair.log" 2>&1 ;;
     drift) python bench/gpu_drift.py "$out/drift.json" >"$out/drift.log" 2>&1 ;;
     kernels) python bench/metric_kernels.py --out "$out/metric_kernels.json" >"$out/metric_kernels.log" 2>&1 ;;
+    mismatch)
+        # Every family's default pair, top knob, cheapest prescription and drift at reduced.
+        python -m lab.views.cli bench-mismatch --preset "${MISMATCH_PRESET:-reduced}" --device cuda \
+            --out "$out/mismatch_gpu.json" >"$out/mismatch.log" 2>&1
+        ;;
     parity)
         gpu_pytest tests/test_dtype_flow.py tests/test_parity_gpu.py \
             tests/test_fsdp2_gpu.py >"$out/parity_gpu.log" 2>&1
