@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 import lab
 
@@ -76,6 +77,95 @@ def test_engine_vs_trainer_reads_like_the_emulated_rollout_vs_trainer(checks) ->
     assert engine.output_metrics()["model_output_rel_max"] == pytest.approx(
         emulated.output_metrics()["model_output_rel_max"], rel=0, abs=0
     )
+
+
+def test_wan_emulation_is_bit_exact_with_the_engine_on_cpu(checks) -> None:
+    check = checks["wan2_2"]
+    result = check.engine_vs_rollout
+    assert len(result.rows) >= 38 and result.root_rows()[0].metrics.numel > 0
+    assert result.first_divergence() is None, result.describe()
+    emulated = result.meta["emulated_on_cpu"]
+    assert emulated["op_switches.rope_table_dtype"].startswith("'bf16': the self-attention RoPE")
+    assert emulated["op_switches.wan_norm_path"].startswith("'native': norm1")
+    assert emulated["autocast"].startswith("off, as the side runs (the engine autocasts")
+    assert result.side_b["op_switches"] == {"rope_table_dtype": "bf16", "wan_norm_path": "native"}
+    # The emulation is exact, so the two trainer pairs are one gap, module by module.
+    by_engine = {r.label(): r.metrics.max_abs_diff for r in check.engine_vs_trainer.rows}
+    by_emulation = {r.label(): r.metrics.max_abs_diff for r in check.rollout_vs_trainer.rows}
+    assert by_engine and all(by_emulation[k] == v for k, v in by_engine.items())
+    rel = check.engine_vs_trainer.output_metrics()["model_output_rel_max"]
+    assert rel > 1e-3  # the trainer's fp32-once norms and fp32 RoPE against the engine's
+    assert check.rollout_vs_trainer.output_metrics()["model_output_rel_max"] == rel
+
+
+@pytest.fixture(scope="module")
+def wan(sglang):
+    from lab.engine.sglang.build import build_engine
+
+    fam = lab.family("wan2_2")
+    model = fam.build("tiny", 0, expert=fam.expert_for_sigma(0.75))
+    inputs = fam.make_inputs("tiny", 0, 1, False, sigma=0.75)
+    return fam, model, inputs, build_engine(model, sglang.engine_family("wan2_2"))
+
+
+def test_wan_default_rollout_differs_from_the_cpu_engine_only_by_its_rope_fallback(
+    sglang, wan
+) -> None:
+    fam, model, inputs, engine = wan
+    default = sglang.pair_with_engine(engine, model, inputs, lab.Side.rollout(fam))
+    # The default models the engine on a GPU, whose kernels rotate q/k in fp32: on this CPU the
+    # engine's torch fallback rotates in bf16, so the first output after the attention kernel
+    # (diffusers' attention runs as a function: no row between the q/k norms and to_out).
+    assert default.first_divergent_module == "blocks.0.attn1.to_out.0"
+    cpu_rope = lab.Side.rollout(fam, op_switches={"rope_table_dtype": "bf16"})
+    assert sglang.pair_with_engine(engine, model, inputs, cpu_rope).first_divergence() is None
+
+
+def test_wan_emulation_is_exact_with_no_autocast_and_under_either_list(sglang, wan) -> None:
+    fam, model, inputs, engine = wan
+    cpu = {"rope_table_dtype": "bf16"}
+    # The engine autocasts, but casts explicitly wherever its autocast would act, except the
+    # fp32 umT5 text at the text embedder, which the rollout's input policy casts instead.
+    for side in (
+        lab.Side.rollout(fam, op_switches=cpu),
+        lab.Side.rollout(fam, op_switches=cpu, autocast=True, input_dtype_policy={"cond": None}),
+        lab.Side.rollout(fam, op_switches=cpu, autocast=True, autocast_policy="cpu"),
+    ):
+        result = sglang.pair_with_engine(engine, model, inputs, side)
+        assert result.first_divergence() is None, (side, result.describe())
+
+
+def test_check_emulation_runs_an_autocast_side_with_the_cpu_lists(sglang) -> None:
+    check = sglang.check_emulation("wan2_2", rollout={"autocast": True})
+    side = check.engine_vs_rollout.side_b
+    assert side["autocast"] is True and side["autocast_policy"] == "cpu"
+    note = check.engine_vs_rollout.meta["emulated_on_cpu"]["autocast_policy"]
+    assert note.startswith("'cpu' (was 'cuda'): on a CPU the engine's pipeline autocasts")
+    assert check.engine_vs_rollout.first_divergence() is None
+    assert "emulated as the engine runs on a CPU: autocast_policy='cpu'" in check.describe()
+
+
+def test_wan_norms_at_a_fused_kernel_width_take_the_kernels_rounding(sglang) -> None:
+    from diffusers import WanTransformer3DModel
+
+    from lab.engine.sglang.build import build_engine
+    from lab.precision.engine_groups import wan_fused_norm_width
+
+    fam = lab.family("wan2_2")
+    torch.manual_seed(0)
+    # Two heads of 128: D = 256, the narrowest width sglang's fused CuTe norm kernels take.
+    config = {**fam.presets["tiny"], "attention_head_dim": 128, "ffn_dim": 64}
+    model = WanTransformer3DModel(**config).eval()
+    assert wan_fused_norm_width(256) and not wan_fused_norm_width(24)
+    inputs = fam.make_inputs("tiny", 0, 1, False, sigma=0.75, config=dict(model.config))
+    engine = build_engine(model, sglang.engine_family("wan2_2"))
+    on_gpu = lab.Side.rollout(fam, op_switches={"rope_table_dtype": "bf16"})
+    on_cpu = on_gpu.replace(op_switches={"rope_table_dtype": "bf16", "wan_norm_path": "native"})
+    # On this CPU the engine runs its torch forward_native at every width: the CPU choice is
+    # exact, and the GPU dispatch (the kernels' fp32-once rounding) is not.
+    assert sglang.pair_with_engine(engine, model, inputs, on_cpu).first_divergence() is None
+    fused = sglang.pair_with_engine(engine, model, inputs, on_gpu)
+    assert fused.first_divergent_module == "blocks.0.attn1.norm_q"
 
 
 def test_engine_weights_are_the_lab_models_cast_by_the_engines_loader(checks) -> None:

@@ -310,7 +310,8 @@ class EmulationCheck:
     engine: Any
     """The `EngineModel` that was paired (its alignment, weights check and description)."""
     engine_vs_rollout: Result
-    """The engine (reference) vs `Side.rollout(fam)` on diffusers: the emulation's error."""
+    """The engine (reference) vs the emulated rollout on diffusers (`Side.rollout(fam)` as the
+    engine computes on a CPU, `emulation_on_cpu`): the emulation's error."""
     engine_vs_trainer: Result
     """The engine (reference) vs `Side.trainer(fam)`: the real rollout/trainer gap."""
     rollout_vs_trainer: Result
@@ -380,6 +381,13 @@ class EmulationCheck:
                 f"{head}: {s['bitexact_pairs']}/{s['pairs']} aligned outputs bit-exact; first "
                 f"divergence {s['first_divergent_module']}: {s['first_divergence_why']}",
             ]
+        switches = [
+            f"{k.removeprefix('op_switches.')}={v.split(':')[0]}"
+            for k, v in self.engine_vs_rollout.meta.get("emulated_on_cpu", {}).items()
+            if k.startswith(("op_switches.", "autocast_policy"))
+        ]
+        if switches:
+            lines.append(f"  emulated as the engine runs on a CPU: {', '.join(switches)}")
         t = self.engine_vs_trainer.summary()
         e = self.rollout_vs_trainer.summary()
         lines.append(
@@ -389,6 +397,50 @@ class EmulationCheck:
         return "\n".join(lines)
 
 
+def emulation_on_cpu(side: Side, spec: EngineFamily) -> tuple[Side, dict[str, str]]:
+    """`side` (an emulated rollout) as the engine computes on a CPU: what check_emulation pairs.
+
+    Side.rollout models the engine on a GPU, while check_emulation runs the engine on this CPU.
+    So the check compares like with like:
+
+    - Autocast. The engine's pipeline runs its DiT under torch.autocast where its config enables
+      it (`EngineFamily.autocast`), with CUDA's op lists on a GPU and torch's CPU lists on a
+      CPU. A side that runs autocast therefore takes autocast_policy="cpu" here (its default,
+      "cuda", emulates the GPU engine's lists). A side without autocast keeps none: Side.rollout
+      runs none, and a family's emulation casts explicitly where the engine's autocast would
+      (Wan2.2's gives bit-identical outputs with no autocast and under either list,
+      tests/test_engine_sglang.py).
+    - The engine's CPU fallbacks (`spec.cpu_op_switches`): where its CPU path runs a torch
+      fallback that computes otherwise than the GPU kernel the emulation models, the op switch
+      that makes the emulation compute as the fallback does.
+
+    Returns:
+        The side to pair, and each choice with its reason (Result.meta["emulated_on_cpu"]).
+    """
+    changes: dict[str, Any] = {}
+    notes: dict[str, str] = {}
+    engine_autocasts = "autocasts" if spec.autocast() else "runs no autocast"
+    if side.autocast:
+        if side.resolved_autocast_policy != "cpu":
+            changes["autocast_policy"] = "cpu"
+        notes["autocast_policy"] = (
+            f"'cpu' (was {side.resolved_autocast_policy!r}): on a CPU the engine's pipeline "
+            f"{engine_autocasts}, and torch.autocast there uses torch's CPU op lists"
+        )
+    else:
+        notes["autocast"] = (
+            f"off, as the side runs (the engine {engine_autocasts}; the emulation casts "
+            "explicitly where its autocast would)"
+        )
+    switches = dict(side.op_switches)
+    for name, (value, why) in spec.cpu_op_switches.items():
+        switches[name] = value
+        notes[f"op_switches.{name}"] = f"{value!r}: {why}"
+    if switches != dict(side.op_switches):
+        changes["op_switches"] = switches
+    return (side.replace(**changes) if changes else side), notes
+
+
 def check_emulation(
     family_name: str,
     preset: str = "tiny",
@@ -396,8 +448,22 @@ def check_emulation(
     seed: int = 0,
     sigma: float = 0.75,
     dtype: str | None = None,
+    rollout: Side | Mapping[str, Any] | None = None,
 ) -> EmulationCheck:
     """Pair the engine against the lab's emulated rollout, and both against the trainer.
+
+    The emulated rollout is taken as the engine computes on this CPU (`emulation_on_cpu`: CPU
+    autocast lists, the engine's CPU fallbacks), in both pairs it takes part in; what changed
+    is in each Result's meta["emulated_on_cpu"].
+
+    Args:
+        family_name: One of `ENGINE_FAMILIES`.
+        preset: The family preset (the engine runs on CPU: mind the size).
+        seed: Weight and input seed.
+        sigma: The step's sigma.
+        dtype: The engine's DiT precision (default: the family's rollout dtype).
+        rollout: The emulated side: a Side, overrides for `Side.rollout(fam)`, or None for
+            `Side.rollout(fam)` itself.
 
     Raises:
         EngineUnavailable: sglang missing or another version.
@@ -412,14 +478,17 @@ def check_emulation(
     model = fam.build(preset, seed, expert=fam.expert_for_sigma(sigma))
     inputs = fam.make_inputs(preset, seed, 1, False, sigma=sigma)
     engine = build_engine(model, spec, dtype or fam.rollout_dtype)
+    emulated = Side.from_overrides(rollout, fam, "rollout", "cpu", where="check_emulation")
+    emulated, emulated_as = emulation_on_cpu(emulated, spec)
     meta = dict(family=family_name, preset=preset, seed=seed, sigma=sigma)
-    rollout, trainer = Side.rollout(fam), Side.trainer(fam)
+    on_cpu = {**meta, "emulated_on_cpu": emulated_as}
+    trainer = Side.trainer(fam)
     return EmulationCheck(
         family_name=family_name,
         engine=engine,
-        engine_vs_rollout=pair_with_engine(engine, model, inputs, rollout, meta=meta),
+        engine_vs_rollout=pair_with_engine(engine, model, inputs, emulated, meta=on_cpu),
         engine_vs_trainer=pair_with_engine(engine, model, inputs, trainer, meta=meta),
-        rollout_vs_trainer=pair(model, inputs, rollout, trainer, meta=meta),
+        rollout_vs_trainer=pair(model, inputs, emulated, trainer, meta=on_cpu),
     )
 
 
@@ -431,6 +500,7 @@ __all__ = [
     "EngineFamily",
     "EngineUnavailable",
     "check_emulation",
+    "emulation_on_cpu",
     "engine_family",
     "engine_version",
     "pair_engine",

@@ -70,6 +70,11 @@ class EngineFamily:
     differences: Mapping[str, str] = field(default_factory=dict)
     """diffusers module glob -> how the engine computes that module differently (a named
     cause: an op the engine implements its own way on the CPU path)."""
+    cpu_op_switches: Mapping[str, tuple[Any, str]] = field(default_factory=dict)
+    """Op switch -> (value, why): where the engine's CPU path runs a torch fallback that
+    computes otherwise than the GPU kernel the family's rollout emulation models, the switch
+    value that makes the emulation compute as the fallback does. `check_emulation` (on a CPU)
+    sets them, so it compares like with like, and records them in the Result."""
     parameterless: Mapping[str, str] = field(default_factory=dict)
     """engine module glob -> why a parameterless engine module has no diffusers counterpart."""
     source: str = ""
