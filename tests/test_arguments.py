@@ -669,6 +669,8 @@ CLI_TEXT_BAD = {
     "--rollout-overrides": ('{"autocast": "no"}', "Side('rollout'): autocast must be True or"),
     "--trainer-overrides": ("no", "--trainer-overrides"),
     "--sde-window": ('["no", 3]', "sde_window[0] must be an int"),
+    "--family": ("no_such_family", "family"),
+    "--dump": ("no_such_dump", "no_such_dump"),
 }
 """Free-text options that have a wrong value (refused by the lab's parsers), and the words
 the refusal must hold."""
@@ -680,10 +682,28 @@ CLI_ANY_TEXT = {
     "--root": "any folder to look runs up in",
     "--save-baseline": "any new baseline name",
     "runs": "names of saved runs (an unknown one is tested in test_cli.py)",
+    "file": "a contract file (write makes it; a missing one is tested in test_contract.py)",
 }
 """Free-text options any text is right for, each with why."""
 
-CLI_REQUIRED = {"report": ["some_run"], "sweep": ["01_quickstart"]}
+CLI_POSITIONAL = {
+    "report": ["some_run"],
+    "sweep": ["01_quickstart"],
+    "contract": ["write", "c.json"],
+    ("contract", "--dump"): ["check", "{contract}"],
+    ("contract", "--rollout-overrides"): ["check", "{contract}"],
+    ("contract", "--trainer-overrides"): ["check", "{contract}"],
+}
+"""The positional arguments a command needs (the options of `contract check` need a contract)."""
+
+
+@pytest.fixture(scope="module")
+def written_contract(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from lab.views import contract
+
+    path = tmp_path_factory.mktemp("contract") / "flux.json"
+    contract.write(path, "flux", "tiny")
+    return path
 
 
 def _cli_cases() -> list[tuple[str, str, str]]:
@@ -716,12 +736,19 @@ def test_every_cli_option_refuses_a_wrong_value_before_any_work(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture,
+    request: pytest.FixtureRequest,
 ) -> None:
     from lab.views.cli import EXIT_USAGE, main
 
     monkeypatch.chdir(tmp_path)
     given_text = [flag] if "=" in flag else ([text] if not flag.startswith("-") else [flag, text])
-    positional = [] if not flag.startswith("-") else CLI_REQUIRED.get(command, [])
+    positional = []
+    if flag.startswith("-"):
+        positional = CLI_POSITIONAL.get((command, flag), CLI_POSITIONAL.get(command, []))
+    positional = [
+        str(request.getfixturevalue("written_contract")) if p == "{contract}" else p
+        for p in positional
+    ]
     try:
         code = main([command, *positional, *given_text])
     except SystemExit as stop:  # argparse refuses types, choices and flags itself
