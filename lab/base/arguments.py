@@ -665,7 +665,6 @@ class _Plan:
                 self.rest = (p.name, spec)
             if p.kind is p.VAR_KEYWORD:
                 self.extra = (p.name, spec)
-        self.specs = [s for _, s in self.positional] + list(self.by_name.values())
 
     def check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         positional = self.positional
@@ -688,10 +687,10 @@ class _Plan:
 
     def refuse(self, name: str, spec: _Spec, value: Any) -> typing.NoReturn:
         fault = spec.fault(value, name) or _Fault(name, value, spec.what, spec.advice(value, name))
-        raise argument_error(self.where(), fault)
+        raise _argument_error(self.where(), fault)
 
 
-def argument_error(where: str, fault: _Fault) -> ArgumentError:
+def _argument_error(where: str, fault: _Fault) -> ArgumentError:
     """The error of a fault: "<where>: <param> must be <what>, got <repr> (<type>). <fix>"."""
     text = (
         f"{where}: {fault.message}" if fault.message else f"{where}: {fault.label} {_words(fault)}"
@@ -774,10 +773,15 @@ def check_argument(value: Any, hint: Any, *, where: str, name: str) -> None:
     Raises:
         ArgumentError: As `checked_arguments` does.
     """
-    spec = _compile(hint)
+    spec = _compiled(hint)
     if spec is not None and not spec.ok(value):
         fault = spec.fault(value, name) or _Fault(name, value, spec.what, spec.advice(value, name))
-        raise argument_error(where, fault)
+        raise _argument_error(where, fault)
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(hint: Any) -> _Spec | None:
+    return _compile(hint)
 
 
 def option_type(hint: Any) -> Callable[[str], Any]:
