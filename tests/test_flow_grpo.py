@@ -115,7 +115,7 @@ def test_transition_scale_and_the_deterministic_cps_step() -> None:
     assert torch.isfinite(terms.predicted).all()
     with pytest.raises(ValueError, match="must share one shape"):
         log_ratio_terms(x, x, x, x[:1], 0.5, 0.3, 0.8)
-    with pytest.raises(ValueError, match="sde_type must be one of 'sde', 'cps', got 'ode'"):
+    with pytest.raises(ValueError, match="sde_type must be 'sde' or 'cps', got 'ode'"):
         log_ratio_terms(x, x, x, x, 0.5, 0.3, 0.8, "ode")
 
 
@@ -152,7 +152,7 @@ def test_bad_inputs_give_clear_errors() -> None:
     x = torch.randn(1, 4)
     with pytest.raises(ValueError, match="noise_level must be > 0"):
         sde_step_with_logprob(x, x, 0.5, 0.4, 0.9, 0.0)
-    with pytest.raises(ValueError, match="sde_type must be one of 'sde', 'cps', got 'ode'"):
+    with pytest.raises(ValueError, match="sde_type must be 'sde' or 'cps', got 'ode'"):
         sde_step_with_logprob(x, x, 0.5, 0.4, 0.9, 0.7, sde_type="ode")
     with pytest.raises(ValueError, match=r"sigma_prev .* must be < sigma"):
         sde_step_with_logprob(x, x, 0.4, 0.5, 0.9, 0.7)

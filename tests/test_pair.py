@@ -127,7 +127,7 @@ def test_names_filter_limits_capture(built: dict) -> None:
 
 def test_unknown_mode_and_bad_side_fields() -> None:
     fam = lab.family("sd3")
-    with pytest.raises(ValueError, match="mode must be one of 'propagated', 'local', got 'fast'"):
+    with pytest.raises(ValueError, match="mode must be 'propagated' or 'local', got 'fast'"):
         lab.pair(
             torch.nn.Linear(2, 2),
             fam.make_inputs("tiny"),
@@ -601,7 +601,8 @@ def test_pair_family_refuses_a_bad_mode_or_depth_before_building(
     built: list[str] = []
     monkeypatch.setattr(type(fam), "build", lambda self, *a, **kw: built.append("x"))
     with pytest.raises(
-        ValueError, match=r"pair_family: mode must be one of .* got 'locl'.*Did you mean 'local'"
+        ValueError,
+        match=r"mode must be 'propagated' or 'local', got 'locl' \(str\)\. Did you mean 'local'",
     ):
         lab.pair_family("flux", mode="locl")
     with pytest.raises(ValueError, match=r"capture_depth must be None .* or an int >= 0"):

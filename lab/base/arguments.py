@@ -257,8 +257,9 @@ class _Callable(_Spec):
 class _Literal(_Spec):
     def __init__(self, values: tuple[Any, ...]) -> None:
         self.values = values
-        listed = ", ".join(repr(v) for v in values)
-        self.words = (listed if len(values) == 1 else f"one of {listed}",)
+        # Two or fewer read as alternatives ("'a' or 'b'"), more as a list ("one of ...").
+        listed = tuple(repr(v) for v in values)
+        self.words = listed if len(values) <= 2 else (f"one of {', '.join(listed)}",)
         self._keys = {(type(v), v) for v in values}
 
     def ok(self, value: Any) -> bool:
