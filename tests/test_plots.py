@@ -439,6 +439,9 @@ def test_all_bit_exact_divergence_plot_says_so_on_one_zero_tick() -> None:
     assert bitexact_words(exact) == words
     fig = plots.plot_divergence_by_layer(exact)
     assert list(fig.layout.yaxis.tickvals) == [1e-12] and list(fig.layout.yaxis.ticktext) == ["0"]
+    # A decade either side of the floor: plotly.js collapses an autorange of one value (points
+    # and floor line alike) to zero height and then draws no annotation at all.
+    assert list(fig.layout.yaxis.range) == [-13, -11]
     assert fig.layout.annotations[0].text == words
     mpl = plots.plot_divergence_by_layer(exact, backend="matplotlib")
     ax = mpl.axes[0]

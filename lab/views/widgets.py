@@ -1431,7 +1431,9 @@ class ControlPanel:
         export = W.Button(description="Export report", icon="download")
         export.add_class("lab-export")
         export.on_click(lambda _: self.export())
-        prescribe = W.Button(description="Prescribe", icon="medkit")
+        prescribe = W.Button(
+            description="Prescribe", icon="medkit", layout=W.Layout(min_width="120px")
+        )
         prescribe.add_class("lab-prescribe")
         prescribe.on_click(lambda _: self.prescribe())
         apply = W.Button(description="Apply", icon="check")
@@ -1524,7 +1526,14 @@ class ControlPanel:
                 W.HTML(_STYLE + "<h3>Precision Lab control panel</h3>"),
                 W.HBox([c["family"], c["preset"], c["device"], c["seed"], c["mode"], c["sigma"]]),
                 W.HBox(
-                    [c["cfg_scale"], c["ratio_drift"], c["steps"], c["noise_level"], c["metric"]]
+                    [
+                        c["cfg_scale"],
+                        c["ratio_drift"],
+                        c["steps"],
+                        c["noise_level"],
+                        c["metric"],
+                        c["color_by"],
+                    ]
                 ),
                 W.HBox([self._side_box(s) for s in SIDE_NAMES]),
                 W.HBox([*self.buttons, c["auto_run"], o["progress"], o["status"]]),
@@ -1539,7 +1548,6 @@ class ControlPanel:
                     ]
                 ),
                 o["prescriptions"],
-                c["color_by"],
                 self.results,
             ]
         )

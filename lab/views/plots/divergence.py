@@ -347,18 +347,24 @@ def plot_divergence_by_layer(
         color="#197319" if d.flat else "0.5",
     )  # fmt: skip
     if d.words and not d.flat:
-        ax.text(0.01, 0.97, d.words_short, transform=ax.transAxes, fontsize=9, color="#197319",
-                va="top")  # fmt: skip
+        ax.text(
+            0.99, 0.97, d.words_short, transform=ax.transAxes, fontsize=9, color="#197319",
+            va="top", ha="right", bbox={"fc": "white", "ec": "none", "alpha": 0.85},
+        )  # fmt: skip
     if d.flat:
         ax.set_yticks([_FLOOR], ["0"])
         ax.minorticks_off()
     ax.set_xticks(d.tickvals, d.ticktext, rotation=40, ha="right", fontsize=7)
     if d.first_pos is not None:
         ax.axvline(d.first_pos, color="crimson", lw=1, ls="--")
+        at = d.values.iloc[d.first_pos]
+        # Below the point when it is near the top, where a label above would cross the title.
+        below = at >= d.values.max() / 10
         ax.annotate(
             f"first divergence: {d.first_label}",
-            (d.first_pos, d.values.iloc[d.first_pos]),
-            xytext=(8, 12),
+            (d.first_pos, at),
+            xytext=(8, -14 if below else 12),
+            va="top" if below else "baseline",
             textcoords="offset points",
             color="crimson",
             fontsize=8,
@@ -419,12 +425,12 @@ def divergence_spec(
     )  # fmt: skip
     annotations: list[dict[str, Any]] = [
         {"x": 0, "y": math.log10(_FLOOR), "text": _text(d.floor_words), "showarrow": False,
-         "yshift": 8, "xanchor": "left", "font": {"size": 13 if d.flat else 9,
+         "yshift": 24 if d.flat else 8, "xanchor": "left", "font": {"size": 13 if d.flat else 9,
          "color": "#197319" if d.flat else "#888"}}
     ]  # fmt: skip
     if d.words and not d.flat:
         annotations.append(
-            {"xref": "paper", "yref": "paper", "x": 0.01, "y": 0.99, "xanchor": "left",
+            {"xref": "paper", "yref": "paper", "x": 0.99, "y": 0.99, "xanchor": "right",
              "yanchor": "top", "showarrow": False, "text": _text(d.words_short),
              "font": {"size": 11, "color": "#197319"}, "bgcolor": "rgba(255,255,255,0.85)"}
         )  # fmt: skip
@@ -434,7 +440,10 @@ def divergence_spec(
         "exponentformat": "e",
     }
     if d.flat:
-        yaxis.update(tickvals=[_FLOOR], ticktext=["0"])
+        # Every point and the floor line at one value: plotly.js's autorange collapses to
+        # zero height there and draws no annotation, so the range is a decade either side.
+        floor = math.log10(_FLOOR)
+        yaxis.update(tickvals=[_FLOOR], ticktext=["0"], range=[floor - 1, floor + 1])
     if d.first_pos is not None:
         shapes.append(
             {"type": "line", "xref": "x", "yref": "paper", "x0": d.first_pos, "x1": d.first_pos,
