@@ -551,3 +551,14 @@ def test_apply_refuses_prescriptions_for_sides_that_changed() -> None:
     p.set("rollout.forward_dtype", "fp16")
     assert p.apply_prescription() is None
     assert "the sides changed since Prescribe" in p.message
+
+
+def test_colour_by_block_replots_without_making_the_result_stale() -> None:
+    p = control_panel("flux")
+    assert p.run() is not None, p.message
+    assert "linear" in [t["name"] for t in p._spec["data"]]
+    p.set("color_by", "block")
+    names = [t["name"] for t in p._spec["data"]]
+    assert "transformer_blocks.0" in names and "linear" not in names
+    assert p.stale_keys() == [] and p.runs == 1
+    assert "transformer_blocks.1" in p._spec["layout"]["xaxis"]["ticktext"]
