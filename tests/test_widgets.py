@@ -414,7 +414,7 @@ def test_nearest_rule_names_fixes_the_misspelt_piece_only() -> None:
     ("family_name", "groups", "switches"),
     [
         ("flux", [], []),
-        ("wan2_2", ["sgld", "wan"], ["wan_patchify", "rope_table_dtype"]),
+        ("wan2_2", ["sgld", "wan"], ["wan_patchify", "rope_table_dtype", "wan_norm_path"]),
         ("qwen_image", ["sgld", "qwen_image"], ["rope_cache_device"]),
         ("ltx2", [], ["positions_dtype"]),
     ],
