@@ -238,8 +238,9 @@ class ModuleDetail:
     """Why each row differs, from the Result's `why` column ("" where it has none)."""
     param_dtypes: Any
     """The module's parameters and floating buffers (recursive), one row each: tensor, kind,
-    then per side its dtype and what set it (the rule `glob: dtype`, "keep_fp32_modules",
-    "param_dtype", "cast_buffers" or "not cast")."""
+    then per side its dtype and what set it (the rule `glob: dtype`, "keep_fp32_modules
+    'norm2'", "param_dtype", "cast_buffers", "built fp32 (an engine load keeps it)" or
+    "not cast")."""
     ulp_figure: Any
     """`lab.views.plots.plot_ulp_histogram` of the entry, as a plotly go.Figure."""
 
