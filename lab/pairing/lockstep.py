@@ -762,23 +762,25 @@ def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -
     # A captured module that is no block reports its outputs from an instance forward
     # (`_reporting_forwards`), not a forward hook: any hook puts every call of its module on
     # `Module._call_impl`'s slow path. Blocks keep their hooks (the casts enter and leave there).
-    reporting: list[tuple[torch.nn.Module, str]] = []
-    for name, module in run.view_a.named_modules:
-        label = name or ROOT
-        captured = run.names_filter is None or run.names_filter(label)
-        block = id(module) in blocks
-        if block:
-            handles.append(module.register_forward_pre_hook(pre, prepend=True))
-            handles.append(
-                module.register_forward_hook(make_post(label, captured), with_kwargs=True)
-            )
-        elif captured:
-            reporting.append((module, label))
-    per_side = {k: (s.engine_ops, s.op_switches) for k, s in step.sides.items()}
-    start = time.perf_counter()
-    # The lockstep's own set-up: its state, the C++ core, the blocks' hooks.
-    run.timings["install_s"] = run.timings.get("install_s", 0.0) + start - entered
+    # Installed inside the `try`: a names_filter that raises part-way must not leave the blocks
+    # it already hooked (their hooks would wait for this dead run's baton in the next pair).
     try:
+        reporting: list[tuple[torch.nn.Module, str]] = []
+        for name, module in run.view_a.named_modules:
+            label = name or ROOT
+            captured = run.names_filter is None or run.names_filter(label)
+            block = id(module) in blocks
+            if block:
+                handles.append(module.register_forward_pre_hook(pre, prepend=True))
+                handles.append(
+                    module.register_forward_hook(make_post(label, captured), with_kwargs=True)
+                )
+            elif captured:
+                reporting.append((module, label))
+        per_side = {k: (s.engine_ops, s.op_switches) for k, s in step.sides.items()}
+        start = time.perf_counter()
+        # The lockstep's own set-up: its state, the C++ core, the blocks' hooks.
+        run.timings["install_s"] = run.timings.get("install_s", 0.0) + start - entered
         with contextlib.ExitStack() as stack:
             stack.enter_context(step.weights.applied())
             modules = (m for _, m in run.view_a.named_modules)
