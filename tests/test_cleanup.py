@@ -16,8 +16,10 @@ autocast emulation, and it has blocks (lockstep's hooks), all on the cheapest ti
 
 from __future__ import annotations
 
+import _thread
 import gc
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -187,6 +189,51 @@ def test_a_raising_module_at_every_call_leaves_nothing(tiny: tuple, config: str)
         _walk(model, run, before)
         after = _within(120, lambda: lab.pair(model, inputs, rollout, trainer, **kwargs))
         assert after.table().equals(expected)
+        assert _state(model) == before
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# Not local mode: it runs in the main thread as two passes do, through the `finally` blocks the
+# raising walk above covers, and with a hook on every module its re-runs make the walk minutes.
+@pytest.mark.parametrize("config", ["lockstep", "lockstep_stream", "two_pass", "forward_side"])
+def test_ctrl_c_at_every_module_call_leaves_nothing(tiny: tuple, config: str) -> None:
+    # A real Ctrl-C: KeyboardInterrupt raised in the main thread (`interrupt_main`) wherever it
+    # is then: inside a forward (two passes, forward_side) or waiting for lockstep's side
+    # threads, which must unwind before it goes on. (Before: one arriving while lockstep
+    # started its side threads left them running a pair nobody waited for.)
+    model, inputs, rollout, trainer = tiny
+    kwargs = CONFIGS.get(config, {})
+    expected = _within(120, lambda: lab.pair(model, inputs, rollout, trainer, **kwargs)).table()
+    calls = [0, 0]  # [calls so far, the call that interrupts (0: none)]
+
+    def user_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+        calls[0] += 1
+        if calls[0] == calls[1]:
+            _thread.interrupt_main()
+
+    def run() -> Any:
+        if config == "forward_side":
+            return lab.forward_side(model, inputs, trainer)
+        return lab.pair(model, inputs, rollout, trainer, **kwargs)
+
+    handles = [m.register_forward_hook(user_hook) for m in model.modules()]
+    try:
+        before = _state(model)
+        run()
+        points = calls[0]
+        assert points > 10
+        for at in range(1, points + 1):
+            calls[:] = [0, at]
+            with pytest.raises(KeyboardInterrupt):
+                run()
+                time.sleep(5)  # the interrupt is delivered between bytecodes: here at the latest
+            assert _state(model) == before, f"Ctrl-C at call {at} of {points} left something"
+        calls[:] = [0, 0]
+        assert _within(120, run) is not None
+        if config != "forward_side":
+            assert run().table().equals(expected)
         assert _state(model) == before
     finally:
         for h in handles:

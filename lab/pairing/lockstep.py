@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lab.base.processes import signals_deferred
 from lab.base.switches import env_choice
 from lab.pairing import pair_core
 from lab.pairing.capture import ROOT, flatten_output, instance_forwards
@@ -343,20 +344,27 @@ def _run_sides(step: _Lockstep) -> None:
     """Run both sides' forwards (`step.thread`) to the end, on the kept workers if free."""
     keep = step.run.device.type in KEEP_WORKERS_ON
     with _WORKERS.claimed() if keep else contextlib.nullcontext() as workers:
-        if workers is not None:
-            step.pinned_cpu = _WORKERS.pinned
-            step.probes, step.probe_s = dict(_WORKERS.probes), _WORKERS.probe_s
-            step.pin = _WORKERS.mode
-            waits = [workers[k].submit(lambda k=k: step.thread(k)).wait for k in ("a", "b")]
-        else:
-            threads = [
-                threading.Thread(target=step.thread, args=(k,), name=f"lab-pair-{k}", daemon=True)
-                for k in ("a", "b")
-            ]
-            for t in threads:
-                t.start()
-            waits = [t.join for t in threads]
+        # Ctrl-C waits until both sides are started and known to `waits`: one arriving while
+        # a thread started (`Thread.start` waits for it) left that side running unwaited. It
+        # is delivered as the block ends, inside the `try` that unwinds both sides.
+        waits: list[Callable[[], Any]] = []
         try:
+            with signals_deferred():
+                if workers is not None:
+                    step.pinned_cpu = _WORKERS.pinned
+                    step.probes, step.probe_s = dict(_WORKERS.probes), _WORKERS.probe_s
+                    step.pin = _WORKERS.mode
+                    waits = [workers[k].submit(lambda k=k: step.thread(k)).wait for k in "ab"]
+                else:
+                    threads = [
+                        threading.Thread(
+                            target=step.thread, args=(k,), name=f"lab-pair-{k}", daemon=True
+                        )
+                        for k in ("a", "b")
+                    ]
+                    for t in threads:
+                        t.start()
+                    waits = [t.join for t in threads]
             for wait in waits:
                 wait()
         except BaseException:  # KeyboardInterrupt: unwind both forwards first
