@@ -195,7 +195,7 @@ class Interrupted(KeyboardInterrupt):
 
 
 def signal_name(err: BaseException) -> str:
-    """ "SIGTERM" for a `Terminated` (or an `Interrupted` by SIGTERM), else "SIGINT"."""
+    """The signal that stopped a run: "SIGTERM" for a `Terminated`, else "SIGINT"."""
     if isinstance(err, Interrupted):
         return err.signal_name
     return "SIGTERM" if isinstance(err, Terminated) else "SIGINT"
@@ -321,12 +321,14 @@ def holding_folder(folder: str | Path, where: str) -> Iterator[Path]:
 
     The lock is `folder/.lab-lock`, flock'd while held and holding the owner's pid and command
     (read for the refusal). A lock whose owner died, even by kill -9, is stale and taken over:
-    the kernel drops a dead process's flock. Removed when the block ends.
+    the kernel drops a dead process's flock. Removed when the block ends, with the folders
+    it made if they are still empty.
 
     Raises:
         FolderInUseError: A live run holds `folder`, naming its process and the fix.
     """
     folder = Path(folder)
+    made = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_FILE
     fd = _open_locked(path) if fcntl is not None else _open_by_pid(path)
@@ -344,6 +346,10 @@ def holding_folder(folder: str | Path, where: str) -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         os.close(fd)
+        # A run that wrote nothing (refused, or stopped before) leaves no folder it made.
+        for p in made:
+            with contextlib.suppress(OSError):
+                p.rmdir()
 
 
 # ---- temporary folders that never outlive their process ---------------------------------------
