@@ -514,7 +514,9 @@ def test_sigterm_on_pair_sharded_ends_every_rank_saves_the_pairs_and_says_so_in_
         "pair --sharded: stopped by SIGTERM; every rank ended, saved."
     ], stderr
     saved = json.loads((out / "results.json").read_text())
-    # The rollout's whole forward against the trainer's up to its hung block.
-    assert [r["module"] for r in saved["rows"]][-2:] == ["transformer_blocks.0"] * 2
+    # The rollout's whole forward against the trainer's up to where rank 0 waited for rank 1
+    # (FSDP2 gathers a block ahead, so rank 0 ran block 1 before it waited).
+    modules = [r["module"] for r in saved["rows"]]
+    assert "transformer_blocks.0" in modules and modules[-1] == "transformer_blocks.1", modules
     assert f"saved the {len(saved['rows'])} pair(s) compared before SIGTERM" in stdout
     assert list(temp.iterdir()) == [], "the launch's folder stayed"
