@@ -57,7 +57,10 @@ def _tensor_keys(model: torch.nn.Module) -> tuple[tuple[Any, ...], ...]:
     keys: dict[tuple[Any, ...], None] = {}
     for tensor in (*model.parameters(), *model.buffers()):
         keys[("tensor", id(tensor))] = None
-        address = tensor.untyped_storage().data_ptr()
+        try:
+            address = tensor.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # a subclass without one storage (DTensor)
+            address = 0
         if address:
             keys[("storage", str(tensor.device), address)] = None
     return tuple(keys)

@@ -520,8 +520,8 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _scenarios(args: argparse.Namespace) -> int:
+    from lab.base.processes import holding_folder
     from lab.engine import scenarios
-    from lab.views import plots
 
     if args.list:
         for name in scenarios.names():
@@ -529,10 +529,19 @@ def _scenarios(args: argparse.Namespace) -> int:
             gpu = " (GPU only)" if s.needs_gpu else ""
             print(f"{name}{gpu}")
         return EXIT_OK
+    out = Path(args.out_dir)
+    with holding_folder(out, "scenarios --out-dir"):
+        return _scenarios_into(args, out)
+
+
+def _scenarios_into(args: argparse.Namespace, out: Path) -> int:
+    """`scenarios` once `out` is held."""
+    from lab.engine import scenarios
+    from lab.views import plots
+
     runs = scenarios.run_all(args.preset, args.device, args.only)
     table = scenarios.scenarios_table(runs)
     print(table.to_string(index=False))
-    out = Path(args.out_dir)
     summary = scenarios.save_runs(runs, str(out))
     figure = plots.save_figure(
         plots.plot_bug_vs_fixed(runs, backend="matplotlib"), out / "bug_vs_fixed.png"
