@@ -854,8 +854,10 @@ worker.start()
 if sys.argv[2] == "wait":
     worker.join()
 else:  # the main thread ends while the launch runs in its daemon thread
-    while not list(__import__("pathlib").Path(sys.argv[1]).glob("lab-fsdp2-*/tmp/hang1")):
+    from pathlib import Path
+    while not list(Path(sys.argv[1]).glob("lab-fsdp2-*/tmp/hang1")):
         time.sleep(0.2)
+    print(next(Path(sys.argv[1]).glob("lab-fsdp2-*")))
 """
 
 
@@ -920,10 +922,15 @@ def test_a_launch_in_a_daemon_thread_removes_its_folder_when_the_main_thread_end
 ) -> None:
     caller = _start_thread_caller(tmp_path, "exit")
     try:
-        folder = _wait_for_hang(caller, tmp_path)
-        caller.communicate(timeout=120)
+        stdout, stderr = caller.communicate(timeout=300)
     finally:
         if caller.poll() is None:
             caller.kill()
-    assert caller.returncode == 0
+    assert caller.returncode == 0, stderr
+    folder = Path(stdout.strip())
+    assert folder.name.startswith(f"lab-fsdp2-{caller.pid}-"), stdout
     assert not folder.exists() and _leftovers(tmp_path) == [], "the launch folder stayed"
+    deadline = time.monotonic() + 60
+    while _processes_naming(str(folder)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_naming(str(folder)) == [], "a rank outlived its caller"

@@ -681,8 +681,8 @@ class Fsdp2Interrupted(Interrupted):
     """Ctrl-C or SIGTERM stopped an FSDP2 launch: every rank was ended, what it had kept here.
 
     `captures` as `Fsdp2LaunchError.captures` (rank 0 saves its running forward's outputs on
-    the way out); `result`, set by `pair_sharded` and `pair_fsdp2`, the pairs of what both sides
-    had captured (None where nothing could be paired, and for a bare launch).
+    the way out); `result`, set by `pair_sharded`, the pairs of what both sides had captured
+    (None where nothing could be paired, and for a bare launch).
     """
 
     def __init__(self, message: str, signal_name: str, captures: list[Fsdp2Capture | None]) -> None:
@@ -1079,7 +1079,9 @@ def pair_fsdp2(
         ShardedPairError: A rank failed or the launch timed out (a `PairError`): `err.result`
             pairs the reference with what the FSDP2 forward captured before the failure
             (None where it captured nothing), `err.captures` keeps that capture.
-        Fsdp2Interrupted: Ctrl-C or SIGTERM: every rank ended, `err.result` as above.
+        Fsdp2Interrupted: Ctrl-C or SIGTERM during the launch: every rank ended, the
+            trainer's capture in `err.captures` (the reference side, run after the launch in
+            this process, is not run).
     """
     from lab.families import family as get_family
 
@@ -1097,13 +1099,11 @@ def pair_fsdp2(
         variant=variant,
         capture_depth=capture_depth,
     )
-    failed: Fsdp2LaunchError | Fsdp2Interrupted | None = None
+    failed = None
     try:
         (capture,) = run_fsdp2_forwards([job], nproc=nproc, device=device, timeout_s=timeout_s)
-    except (Fsdp2LaunchError, Fsdp2Interrupted) as err:
+    except Fsdp2LaunchError as err:
         failed, capture = err, (err.captures or [None])[0]
-        if capture is None and isinstance(err, Fsdp2Interrupted):
-            raise
         if capture is None:
             raise _launch_failure("pair_fsdp2", err, [job], None) from err
     model, inputs = job.build(device)
@@ -1118,9 +1118,6 @@ def pair_fsdp2(
         expert=fam.expert_for_sigma(sigma),
     )
     result = pair_capture(model, inputs, reference, capture, meta=meta)
-    if isinstance(failed, Fsdp2Interrupted):
-        failed.result = result
-        raise failed
     if failed is not None:
         # The reference against what the FSDP2 forward captured before it failed.
         raise _launch_failure("pair_fsdp2", failed, [job], result) from failed

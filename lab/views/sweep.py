@@ -32,7 +32,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -655,7 +655,7 @@ def _device_choice(value: Any, values: Mapping[str, Any]) -> str | None:
     return None
 
 
-_CHOICES: dict[str, Any] = {
+_CHOICES: dict[str, Callable[[Any, Mapping[str, Any]], str | None]] = {
     "family": _family_choice,
     "preset": _preset_choice,
     "mode": _mode_choice,
@@ -695,8 +695,8 @@ def _start_run(notebook: Path, task: _Task) -> Any:
 
     task.folder.mkdir(parents=True, exist_ok=True)
     # A rerun must not read what an earlier run of this folder left.
-    for stale in (task.results / "results.json", *(task.folder / n for n in (
-            "executed.ipynb", RUN_RECORD))):  # fmt: skip
+    for stale in (task.results / "results.json", task.folder / "executed.ipynb",
+                  task.folder / RUN_RECORD):  # fmt: skip
         stale.unlink(missing_ok=True)
     spec = task.folder / "task.json"
     atomic_write_text(
