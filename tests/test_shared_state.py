@@ -26,7 +26,7 @@ def _tiny() -> tuple[Any, torch.nn.Module, lab.Inputs]:
 
 def _held_in_a_thread(
     model: torch.nn.Module, call: Callable[[], Any]
-) -> tuple[threading.Event, threading.Thread, dict[str, Any]]:
+) -> tuple[threading.Thread, dict[str, Any]]:
     """Start `call` in a thread and park it inside the model's first block (weights swapped)."""
     inside, release = threading.Event(), threading.Event()
 
@@ -47,7 +47,7 @@ def _held_in_a_thread(
     thread = threading.Thread(target=run)
     thread.start()
     assert inside.wait(timeout=120), "the held call never reached its forward"
-    return release, thread, outcome
+    return thread, outcome
 
 
 def _finish(thread: threading.Thread, outcome: dict[str, Any]) -> Any:
@@ -77,9 +77,7 @@ def test_a_copy_sharing_the_parameters_is_refused_while_the_model_is_paired() ->
     masters = {n: p.detach().clone() for n, p in model.named_parameters()}
     twins = dict(_twins(model))
 
-    release, thread, outcome = _held_in_a_thread(
-        model, lambda: lab.pair(model, inputs, rollout, trainer)
-    )
+    thread, outcome = _held_in_a_thread(model, lambda: lab.pair(model, inputs, rollout, trainer))
     try:
         for how, twin in twins.items():
             # Before: the copy's pair ran on the held pair's bf16 casts and "restored" them.
@@ -104,9 +102,7 @@ def test_a_deep_copy_pairs_beside_the_model_and_the_holder_may_nest() -> None:
     rollout, trainer = lab.Side.rollout(fam), lab.Side.trainer(fam)
     expected = lab.pair(model, inputs, rollout, trainer).table()
     own = copy.deepcopy(model)
-    release, thread, outcome = _held_in_a_thread(
-        model, lambda: lab.pair(model, inputs, rollout, trainer)
-    )
+    thread, outcome = _held_in_a_thread(model, lambda: lab.pair(model, inputs, rollout, trainer))
     try:
         # Its own tensors: nothing shared, nothing refused.
         assert lab.pair(own, inputs, rollout, trainer).table().equals(expected)
@@ -133,3 +129,67 @@ def test_a_deep_copy_pairs_beside_the_model_and_the_holder_may_nest() -> None:
     thread.start()
     thread.join()
     assert seen == []
+
+
+# ---- one folder, one run (lab.base.processes.holding_folder) ---------------------------------
+
+
+def _reaped_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_held_folder_is_refused_to_a_second_holder_and_a_dead_owners_lock_is_taken_over(
+    tmp_path: Any,
+) -> None:
+    import json
+    import os
+
+    from lab.base.processes import LOCK_FILE, FolderInUseError, alive, holding_folder
+
+    folder = tmp_path / "runs" / "out"
+    with holding_folder(folder, "first"):
+        owner = json.loads((folder / LOCK_FILE).read_text())
+        assert owner["pid"] == os.getpid()
+        # Another open of the lock, in this thread or another, is another holder: refused.
+        refused = rf"^second: '.*out' is in use by another run, process {os.getpid()} \(.*\): "
+        with pytest.raises(FolderInUseError, match=refused + "two runs writing one folder"):
+            with holding_folder(folder, "second"):
+                pass
+    assert not (folder / LOCK_FILE).exists()
+    assert not folder.exists() and not folder.parent.exists(), "left the folders it made"
+
+    # A lock file whose owner died (kill -9: no flock held any more) is stale: taken over.
+    folder.mkdir(parents=True)
+    dead = _reaped_pid()
+    assert not alive(dead)
+    (folder / LOCK_FILE).write_text(json.dumps({"pid": dead, "command": "x", "since": "y"}))
+    with holding_folder(folder, "after a kill -9"):
+        assert json.loads((folder / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert folder.is_dir(), "a folder it did not make is kept"
+
+
+def test_without_flock_the_lock_file_pid_decides(tmp_path: Any) -> None:
+    import json
+    import os
+
+    from lab.base.processes import _open_by_pid
+
+    lock = tmp_path / "lock"
+    lock.write_text(json.dumps({"pid": os.getpid()}))
+    assert _open_by_pid(lock) is None, "a live owner's lock was taken"
+    lock.write_text("")  # being written by its owner right now
+    assert _open_by_pid(lock) is None
+    os.utime(lock, (0, 0))  # ... or its owner died mid-write long ago
+    fd = _open_by_pid(lock)
+    assert fd is not None
+    os.close(fd)
+    lock.write_text(json.dumps({"pid": _reaped_pid()}))
+    fd = _open_by_pid(lock)
+    assert fd is not None
+    os.close(fd)

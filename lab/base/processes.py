@@ -286,7 +286,16 @@ def _open_locked(path: Path) -> int | None:
     """
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        if not _try_flock(fd):
+        try:
+            locked = _try_flock(fd)
+        except OSError:  # a filesystem without flock (some network mounts): by pid instead
+            empty = os.fstat(fd).st_size == 0
+            os.close(fd)
+            if empty:  # made just now by the open above
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+            return _open_by_pid(path)
+        if not locked:
             os.close(fd)
             return None
         try:
@@ -300,7 +309,11 @@ def _open_locked(path: Path) -> int | None:
 
 
 def _open_by_pid(path: Path) -> int | None:
-    """Without flock: the lock file created exclusively, or taken over from a dead pid."""
+    """Without flock: the lock file created exclusively, or taken over from a dead pid.
+
+    None when a live process holds it. A recycled pid keeps a dead owner's lock (refused,
+    naming that pid): the safe side, where flock cannot tell.
+    """
     while True:
         try:
             return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -308,8 +321,14 @@ def _open_by_pid(path: Path) -> int | None:
             try:
                 pid = int(json.loads(path.read_text())["pid"])
             except (OSError, ValueError, KeyError, TypeError):
-                return None  # being written right now
-            if alive(pid):
+                pid = None
+            try:
+                age_s = time.time() - path.stat().st_mtime
+            except FileNotFoundError:
+                continue
+            # Unreadable and fresh: its owner is writing it; unreadable for a minute: its
+            # owner died mid-write.
+            if (pid is None and age_s < 60) or (pid is not None and alive(pid)):
                 return None
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()  # stale: its owner died without removing it
