@@ -1,4 +1,4 @@
-"""One lab switch, each of its values against the others, in one process (issue 16).
+"""One lab switch, each of its values against the others,, in one process.
 
     python bench/ab_switch.py OUT.json --switch LAB_METRICS_STREAM=1,0
         [--families sd3,sd3:large,cosmos3] [--device cuda] [--rounds 9] [--blocks]
@@ -8,7 +8,7 @@ switch is measured against its alternatives only side by side: for each family, 
 `plain` (both sides' `lab.forward_side`, streamed views) and the streamed every-module `lab.pair`
 under each value of the switch (`pair_<value>`; with --blocks also the block outputs only,
 `blocks_<value>`), one untimed run of each first, then --rounds rounds, each running every case
-once, the rounds' orders a balanced Latin square (`pair_host.round_orders`: each case right after
+once, the rounds' orders a balanced Latin square (`rounds.round_orders`: each case right after
 each other case equally often). For each case: the median and minimum seconds, their ratios to
 `plain`'s, the median of each round's own ratio to that round's plain forwards (`*_vs_plain_rounds`)
 and, on CUDA, the peak memory of its last run against the larger of the two plain forwards'
@@ -18,7 +18,7 @@ rounds the first was faster in (`..._faster_than_..._rounds`); every case's seco
 round in `round_seconds`. `rows_equal`: every value's Result has the same rows, metric for
 metric, as the first value's (a switch that changes how a pair runs must not change what it
 finds). On CUDA the
-family's `full` preset, on CPU a deep tiny model (`pair_host.deep_tiny`; the pairs keep their side
+family's `full` preset, on CPU a deep tiny model (`rounds.deep_tiny`; the pairs keep their side
 threads as on CUDA). Writes OUT.json after each family.
 """
 
@@ -28,8 +28,8 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-import pair_host
 import torch
+from rounds import against, family_case, rows_per_family, side_runs, timed_rounds, vs_plain
 
 import lab
 from lab.base.switches import env_set
@@ -74,7 +74,7 @@ def cases(
     blocks: bool,
 ) -> dict[str, Callable[[], Any]]:  # fmt: skip
     """plain, one each side alone (for the peak), and the pairs under each value."""
-    plain, paired = pair_host.side_runs(fam, model, inputs, device)
+    plain, paired = side_runs(fam, model, inputs, device)
     out: dict[str, Callable[[], Any]] = {"plain": plain}
     filters: dict[str, Callable[[str], bool] | None] = {"pair": None}
     if blocks:
@@ -100,7 +100,7 @@ def measure(
     name: str, device: str, switch: str, values: list[str], rounds: int, blocks: bool = False
 ) -> dict[str, Any]:
     """One family's row (see the module docstring)."""
-    fam, preset, model, inputs = pair_host.family_case(name, device)
+    fam, preset, model, inputs = family_case(name, device)
     runs = cases(fam, model, inputs, device, switch, values, blocks)
     results: dict[str, Any] = {}
     peaks: dict[str, int] = {}
@@ -113,16 +113,16 @@ def measure(
         else:
             fn()
 
-    times = pair_host.timed_rounds(runs, rounds, device, run)
+    times = timed_rounds(runs, rounds, device, run)
     row: dict[str, Any] = {"family": name, "preset": preset, "device": device, "rounds": rounds,
                            "switch": switch, "values": values}  # fmt: skip
-    row.update(pair_host.vs_plain(times))
-    # The first value against each other one, round by round (`pair_host.against`: the
+    row.update(vs_plain(times))
+    # The first value against each other one, round by round (`rounds.against`: the
     # medians' ratio, its 95 % interval, the rounds the first was faster in), and the times.
     for what in ("pair", "blocks"):
         for value in values[1:]:
             if f"{what}_{value}" in times:
-                row.update(pair_host.against(times, f"{what}_{values[0]}", f"{what}_{value}"))
+                row.update(against(times, f"{what}_{values[0]}", f"{what}_{value}"))
     row["round_seconds"] = times
     if device == "cuda":
         side_peaks = []
@@ -159,7 +159,7 @@ def main() -> None:
     parser.add_argument("--blocks", action="store_true", help="add the block outputs only")
     args = parser.parse_args()
     switch, values = parse_switch(args.switch)
-    pair_host.rows_per_family(
+    rows_per_family(
         args.out,
         args.families,
         args.device,

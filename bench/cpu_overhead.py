@@ -8,12 +8,11 @@ machine's slow stretches last longer than a round):
 - plain: `forward_side` of each side with a prebuilt WeightView (the issue's baseline);
 - setup: `pair` capturing nothing (names_filter rejects every module): views, contexts, meta;
 - hooks: both plain forwards reporting every module's output to a no-op, as two-pass pairing
-  reports them (`capture.OutputReports`, instance forwards; forward hooks until 5397b9e). Here
+  reports them (`capture.OutputReports`, instance forwards). Here
   the reports wrap the class forwards, outside `forward_side`: a module whose forward an engine
   op replaces for the side is not reported (the pair wraps those too);
 - held: both forwards holding every floating module output with its `_version`, as two-pass
-  pairing holds side A's (kept alive, so the allocator cannot reuse their memory; until 5ffa80d
-  the pair cloned them, and this stage was `copies`);
+  pairing holds side A's (kept alive, so the allocator cannot reuse their memory);
 - metrics: `segment_stats` over every (a, b) output pair of the two sides, one batch;
 - pair: `lab.pair(...)` (two-pass, the CPU default) and `lab.pair(..., lockstep=True)`; the
   default's time is also split into its two forwards and the rest

@@ -1,8 +1,8 @@
-"""Every family at full size on one H200: paired forwards against two plain forwards (issue 16).
+"""Every family at full size on one GPU: paired forwards against two plain forwards.
 
     python bench/full_size.py OUT_DIR [--families flux,sd3,sd3:large,...] [--dump sd3] [--repeat 7]
         [--round-seconds 15] [--fixed-order] [--no-plain-fastest] [--sharded on|off]
-    python bench/full_size.py --table OUT_DIR/full_size.json   # the README's table of a run
+    python bench/full_size.py --table OUT_DIR/full_size.json   # the table of a written run
 
 For each family's `full` preset (seeded weights, the lab's own inputs), measured side by side in
 one process, warm (one untimed run of each case first, so one-off kernel compilation and
@@ -17,10 +17,10 @@ autotuning are never timed):
   the forwards take seconds): a burst of host noise
   (the short forwards' plain time moves by 70 % between runs on the H200's host) lands on every
   case alike instead of on one case's runs. The rounds' orders form a balanced Latin square
-  (`pair_host.round_orders`): over each 4 rounds every case runs right after each other case
-  once (`--fixed-order`: plain a, plain b, every module, blocks only in every round, as before
-  stop 26). Each case keeps `{case}_times_s`; `{case}_vs_plain`
-  is the medians' ratio, `{case}_vs_plain_min` the minima's, and `{case}_vs_plain_rounds` the
+  (`rounds.round_orders`): over each 4 rounds every case runs right after each other case
+  once (`--fixed-order`: plain a, plain b, every module, blocks only in every round). Each
+  case keeps `{case}_times_s`; `{case}_vs_plain` is the medians' ratio, `{case}_vs_plain_min`
+  the minima's, and `{case}_vs_plain_rounds` the
   median over rounds of the round's own ratio, `{case}_vs_plain_ci` the first's 95 % bootstrap
   interval over the rounds (`ratio_interval`);
 - for the families in `--dump` (default sd3): the block outputs dumped to disk per side and
@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 from full_pair import dump_then_compare  # bench/ is this script's folder
-from pair_host import RunClock, bootstrap_interval, round_orders
+from rounds import RunClock, bootstrap_interval, round_orders
 
 import lab
 from lab.pairing.lockstep import fastest_cpu, restore_affinity
@@ -90,7 +90,7 @@ def in_rounds(
 ) -> tuple[dict[str, list[float]], dict[str, float], dict[str, Any]]:
     """`repeat` rounds of every case in turn: each case's seconds, its peak GiB, its last value.
 
-    `rotate`: the rounds' orders from `pair_host.round_orders` (each case after each other
+    `rotate`: the rounds' orders from `rounds.round_orders` (each case after each other
     case equally often, so what one leaves behind, such as a large Result to free or the
     allocator's cache, lands on each of the others alike). False: the cases' order in every
     round.
@@ -128,7 +128,7 @@ def ratio_interval(
     times: dict[str, list[float]], case: str, level: float = 0.95, draws: int = 2000, seed: int = 0
 ) -> list[float] | None:
     """A bootstrap interval of `case`'s medians' ratio to the plain forwards': the rounds drawn
-    again with replacement `draws` times (`pair_host.bootstrap_interval`: a round's cases
+    again with replacement `draws` times (`rounds.bootstrap_interval`: a round's cases
     together, as they ran), the ratio of the drawn rounds' medians each time, and the central
     `level` of those ratios. How far one call's median can be trusted when a shared host's
     cores move the short forwards by tens of percent from run to run. Seeded: the same times
@@ -398,7 +398,7 @@ def _cell(row: dict[str, Any], case: str) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """The families' ratios as a Markdown table (the README's): for each case the medians'
+    """The families' ratios as a Markdown table (docs/performance.md's): for each case the medians'
     ratio with its 95 % interval over the rounds, the minima's ratio and the median round's;
     the peaks against the larger plain peak; rounds run. A row that failed or skipped says so."""
     lines = [
@@ -430,7 +430,7 @@ def host_work(row: dict[str, Any]) -> dict[str, Any] | None:
     probe of the core it ran on (us, the same loop every run; None where not recorded), and the
     every-module pair's CPU less the blocks-only pair's: the host work of the modules inside the
     blocks, in all and per extra pair. None where the row has no clocks (a failed or skipped
-    row, or one written before stop 27) or fewer than 5 rounds.
+    row, or a run recorded without clocks) or fewer than 5 rounds.
 
     Where a case waits on the GPU inside a CUDA call (a full launch queue; a pair's own final
     sync, which spins; a plain forward's clock stops before its sync), its CPU seconds include
@@ -526,8 +526,7 @@ def main() -> None:
         "--plain-fastest", action=argparse.BooleanOptionalAction, default=True,
         help="run each plain forward on the core that probes fastest now (lockstep.fastest_cpu), "
         "as a pair's side threads are by default, so both sides of the ratio draw alike from a "
-        "shared host's cores (the default since stop 28; --no-plain-fastest: where the "
-        "scheduler puts them, as before)",
+        "shared host's cores (--no-plain-fastest: where the scheduler puts them)",
     )  # fmt: skip
     parser.add_argument(
         "--sharded", choices=("on", "off"), default="on",

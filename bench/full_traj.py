@@ -1,4 +1,4 @@
-"""Full-size trajectories against the plain forwards they contain (issue 16).
+"""Full-size trajectories against the plain forwards, they contain.
 
     python bench/full_traj.py OUT_DIR [--families qwen_image,wan2_2] [--preset full]
         [--device cuda] [--steps 2] [--cfg-scale 4.5] [--samples 1] [--repeat 1] [--gc-ab]

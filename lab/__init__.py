@@ -2,7 +2,8 @@
 
 Public API: family, families, Side, pair, pair_family, forward_side, trajectory, Result,
 attribute, attribute_step (grafting attribution of the output divergence or of a
-trajectory step's log-prob drift).
+trajectory step's log-prob drift), attribute_settings (which differing setting causes it) and
+prescribe (the cheapest verified change that removes it).
 
 The package is laid out by role (docs/notes/layout.md): `families/` (one file per DiT family),
 `precision/` (dtypes, input policy, parameter rules, autocast, engine ops, the FSDP2 patch),
@@ -27,6 +28,8 @@ from types import ModuleType
 from typing import Any
 
 from lab.causes.attribute import Attribution, attribute, attribute_step
+from lab.causes.prescribe import Prescription, Prescriptions, prescribe
+from lab.causes.settings import SettingAttribution, attribute_settings
 from lab.families import FAMILY_NAMES, Family, Inputs, families, family
 from lab.pairing.result import LayerDivergence, Result, Skipped
 from lab.pairing.run import forward_side, pair, pair_family
@@ -39,6 +42,7 @@ PUBLIC_MODULES: dict[str, str] = {
     "baselines": "lab.views.baselines",
     "capture": "lab.pairing.capture",
     "checks": "lab.causes.checks",
+    "contract": "lab.views.contract",
     "dump": "lab.engine.dump",
     "errors": "lab.base.errors",
     "flow_grpo": "lab.rl.flow_grpo",
@@ -109,17 +113,22 @@ __all__ = [
     "Inputs",
     "LayerDivergence",
     "PrecisionWarning",
+    "Prescription",
+    "Prescriptions",
     "Result",
+    "SettingAttribution",
     "Side",
     "Skipped",
     "StepScore",
     "Trajectory",
     "attribute",
+    "attribute_settings",
     "attribute_step",
     "families",
     "family",
     "forward_side",
     "pair",
     "pair_family",
+    "prescribe",
     "trajectory",
 ]

@@ -80,6 +80,28 @@ def test_batch_invariance_matches_two_plain_forwards(family_name: str, models: d
     assert ("Batch invariant here" in result.verdict) == result.passed
 
 
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() != "AVX512",
+    reason="docs/notes/checks.md measured ATen's AVX512 kernels; others may pick other GEMMs",
+)
+def test_fp32_reference_is_not_batch_invariant_on_cpu(models: dict) -> None:
+    # docs/notes/checks.md: one row takes another fp32 kernel than four. Flux moves first at the
+    # timestep embedder's linear_1 (a (B, 256) input); MiniMax-H3's fp32 path does not move.
+    flux = lab.family("flux")
+    moved = batch_invariance(
+        models["flux"], flux.make_inputs("tiny", 0), lab.Side.fp32_reference(flux)
+    )
+    assert not moved.passed
+    assert "first shows at time_text_embed.timestep_embedder.linear_1 (Linear)" in moved.verdict
+    roots = moved.table()[moved.table()["module"] == ROOT]
+    assert 1e-7 < roots["rel_max"].max() < 1e-6, roots["rel_max"].max()
+    minimax = lab.family("minimax_h3")
+    still = batch_invariance(
+        models["minimax_h3"], minimax.make_inputs("tiny", 0), lab.Side.fp32_reference(minimax)
+    )
+    assert still.passed and "Batch invariant here" in still.verdict
+
+
 def test_batch_axes_come_from_the_family() -> None:
     sd3 = batch_axes(lab.family("sd3"), "tiny")
     assert sd3["hidden_states"] == 1 and sd3["timestep"] == 1 and sd3["return_dict"] is None

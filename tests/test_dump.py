@@ -166,9 +166,12 @@ def test_manifest_records_weight_and_input_fingerprints(setup: dict) -> None:
 
     assert set(recorded) == set(params)
     name = "transformer_blocks.0.attn.to_q.weight"
-    assert recorded[name] == tensor_fingerprint(params[name])
-    assert set(recorded[name]["hashes"]) == {"fp32", "bf16", "fp16"}
+    # Taken as the forward starts: the weights it ran with, the rollout side's bf16 casts.
+    assert recorded[name] == tensor_fingerprint(params[name].bfloat16())
+    assert set(recorded[name]["hashes"]) == {"bf16"}
+    assert manifest["weights_taken"] == "forward 0"
     forwards = manifest["forwards"]
+    assert all("weights" not in f for f in forwards), "both forwards ran the same weights"
     assert [(f["forward"], f["cfg_branch"]) for f in forwards] == [(0, "cond"), (1, "uncond")]
     # The rollout side hands the model bf16 latents: the fingerprint is of what the model saw.
     hidden = forwards[0]["inputs"]["hidden_states"]

@@ -28,11 +28,24 @@ def _model_inputs(built: dict, name: str):
     return built[name]
 
 
+def _aligned_sides(fam: lab.Family) -> tuple[lab.Side, lab.Side]:
+    if fam.name != "wan2_2":
+        return lab.Side.rollout(fam), lab.Side.trainer(fam)
+    # Wan's aligned stack is the engine at a production width (its fused norm kernels, shown at
+    # tiny by the switch; at the tiny width itself the engine runs torch fallbacks that round
+    # more) against a trainer whose text enters at the DiT dtype (diffusers ties temb to it, and
+    # the engine sums its root table and temb in bf16).
+    return (
+        lab.Side.rollout(fam, op_switches={"wan_norm_path": "fused"}),
+        lab.Side.trainer(fam, input_dtype_policy={"cond": "default"}),
+    )
+
+
 @pytest.mark.parametrize("family_name", ["qwen_image", "wan2_2"])
 @pytest.mark.parametrize("mode", ["propagated", "local"])
 def test_aligned_pair_is_bitwise_on_every_module(built: dict, family_name: str, mode: str) -> None:
     fam, model, inputs = _model_inputs(built, family_name)
-    result = lab.pair(model, inputs, lab.Side.rollout(fam), lab.Side.trainer(fam), mode=mode)
+    result = lab.pair(model, inputs, *_aligned_sides(fam), mode=mode)
     table = result.table()
 
     assert len(table) > 60, "too few modules captured"
@@ -96,25 +109,56 @@ def test_later_group_wins(built: dict) -> None:
     assert torch.equal(y_rev, y_sgld)
 
 
-def test_sgld_rmsnorm_rounds_before_the_weight_and_wan_uses_torch_semantics() -> None:
+def test_sgld_rmsnorm_rounds_before_the_weight_and_wan_once_after_it() -> None:
     from diffusers.models.normalization import RMSNorm
 
     torch.manual_seed(0)
     norm = RMSNorm(64, eps=1e-6).to(torch.bfloat16)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(64) * 0.3 + 1)
+    # Wan's q/k norms are torch.nn.RMSNorm: the wan group patches both classes alike.
+    torch_norm = torch.nn.RMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        torch_norm.weight.copy_(norm.weight)
     x = torch.randn(4, 64).to(torch.bfloat16)
     sgld = PATCH_GROUPS["sgld"].forwards["RMSNorm"](norm)(x)
     wan = PATCH_GROUPS["wan"].forwards["RMSNorm"](norm)(x)
+    wan_torch = PATCH_GROUPS["wan"].forwards["RMSNorm"](torch_norm)(x)
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)
     by_hand_sgld = normed.to(torch.bfloat16) * norm.weight
-    by_hand_torch = (normed * norm.weight.float()).to(torch.bfloat16)
+    # sglang's RMSNorm.forward_native: the weight multiplied in fp32, one rounding.
+    by_hand_engine = (normed * norm.weight.float()).to(torch.bfloat16)
 
     assert sgld.dtype == wan.dtype == torch.bfloat16
     assert torch.equal(sgld, by_hand_sgld)
-    assert (wan.float() - by_hand_torch.float()).abs().max() <= 2**-7 * by_hand_torch.abs().max()
+    assert torch.equal(wan, by_hand_engine) and torch.equal(wan_torch, by_hand_engine)
     assert not torch.equal(sgld, wan), "the two rounding orders must differ on this input"
+
+
+def test_wan_group_follows_the_engines_norm_dispatch_by_width(built: dict) -> None:
+    from diffusers import WanTransformer3DModel
+
+    from lab.pairing.run import forward_side
+
+    fam, model, inputs = _model_inputs(built, "wan2_2")
+
+    def out(m: torch.nn.Module, x: lab.Inputs, path: str | None) -> torch.Tensor:
+        switches = {"wan_norm_path": path} if path else {}
+        return forward_side(m, x, lab.Side.rollout(fam, op_switches=switches))[0]
+
+    # Tiny (D = 24): sglang's CUDA dispatch takes its norms' torch definitions (D % 256 != 0).
+    default = out(model, inputs, None)
+    assert torch.equal(default, out(model, inputs, "native"))
+    assert not torch.equal(default, out(model, inputs, "fused"))
+    # D = 256: the fused kernels run, rounding once.
+    torch.manual_seed(0)
+    config = {**fam.presets["tiny"], "attention_head_dim": 128, "ffn_dim": 64}
+    wide = WanTransformer3DModel(**config).eval()
+    wide_inputs = fam.make_inputs("tiny", 0, config=dict(wide.config))
+    wide_default = out(wide, wide_inputs, None)
+    assert torch.equal(wide_default, out(wide, wide_inputs, "fused"))
+    assert not torch.equal(wide_default, out(wide, wide_inputs, "native"))
 
 
 def test_wan_patchify_as_linear_equals_conv3d_in_fp64() -> None:

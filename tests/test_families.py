@@ -136,6 +136,40 @@ def test_real_shapes_match_the_record() -> None:
     assert tuple(wan.kwargs["hidden_states"].shape) == (1, 16, 21, 60, 104)
 
 
+def test_every_variant_changes_the_config_at_every_preset(family_name: str) -> None:
+    # A variant without a preset's overrides silently builds the base model there.
+    fam = lab.family(family_name)
+    for variant in fam.variants:
+        for preset in PRESETS:
+            assert fam.config(preset, variant) != fam.config(preset), (variant, preset)
+
+
+def test_sd3_large_differs_at_tiny_as_large_differs_from_medium() -> None:
+    fam = lab.family("sd3")
+
+    def changed(preset: str) -> set[str]:
+        medium, large = fam.config(preset), fam.config(preset, "large")
+        return {k for k in {*medium, *large} if medium.get(k) != large.get(k)}
+
+    # The same keys move (the depth aside: tiny keeps three layers, every block kind).
+    assert changed("tiny") == changed("full") - {"num_layers"}
+    for preset in PRESETS:
+        medium, large = fam.config(preset), fam.config(preset, "large")
+        assert large["num_attention_heads"] > medium["num_attention_heads"], preset
+        assert large["caption_projection_dim"] == (
+            large["num_attention_heads"] * large["attention_head_dim"]
+        ), preset
+        assert large["pos_embed_max_size"] == medium["pos_embed_max_size"] // 2, preset
+        assert medium["dual_attention_layers"] and not large["dual_attention_layers"], preset
+    medium, large = fam.build("tiny", 0), fam.build("tiny", 0, variant="large")
+    assert large.config.caption_projection_dim == 48 != medium.config.caption_projection_dim
+    attn2 = [[n for n, _ in m.named_modules() if n.endswith(".attn2")] for m in (medium, large)]
+    assert attn2 == [["transformer_blocks.0.attn2"], []]
+    inputs = fam.make_inputs("tiny", 0, variant="large")
+    out = lab.forward_side(large, inputs, lab.Side.rollout(fam))[0]
+    assert out.shape == inputs.kwargs["hidden_states"].shape and out.isfinite().all()
+
+
 def test_wan_experts_switch_at_boundary() -> None:
     wan = lab.family("wan2_2")
     assert wan.expert_for_sigma(0.9) == "high_noise"

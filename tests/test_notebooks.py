@@ -175,9 +175,13 @@ def test_headless_runs_start_the_kernel_without_the_tcp_warning(tmp_path: Path) 
 
 # ---- every notebook with its defaults, and on every family ----------------------------------
 
-FAMILY_NOTEBOOKS = [p.name for p in PATHS if "family" in _defaults(p)]
+# Runs the real engine (the `engine` extra): tests/test_engine_sglang.py runs it, marked `engine`.
+ENGINE_NOTEBOOKS = {"12_real_engine.ipynb"}
+FAMILY_NOTEBOOKS = [
+    p.name for p in PATHS if "family" in _defaults(p) and p.name not in ENGINE_NOTEBOOKS
+]
 CASES = [(name, fam) for name in FAMILY_NOTEBOOKS for fam in FAMILY_NAMES] + [
-    (p.name, None) for p in PATHS if p.name not in FAMILY_NOTEBOOKS
+    (p.name, None) for p in PATHS if p.name not in {*FAMILY_NOTEBOOKS, *ENGINE_NOTEBOOKS}
 ]
 
 
@@ -304,9 +308,30 @@ def _check_10(out: Path, family: str, nb: Any) -> None:
     assert "build_s" in _text(nb) and "forward_s" in _text(nb)  # the ranks' table
 
 
+def _check_11(out: Path, family: str, nb: Any) -> None:
+    found = json.loads((out / "prescriptions.json").read_text())
+    assert found["schema"] == "precision-lab/prescriptions/1"
+    assert found["meta"]["family"] == family
+    if not found["meta"]["baseline_meets"]:
+        # Every prescription returned was verified by a pair; the best meets the target.
+        best = found["prescriptions"][0]
+        assert best["meets"] and best["summary"]["family"] == family
+    doc = json.loads((out / "contract.json").read_text())
+    assert doc["schema"] == "precision-lab/contract/1" and doc["model"]["family"] == family
+    from lab.views.contract import check
+
+    assert check(out / "contract.json").holds
+    for png in ("knob_shares.png", "before_after.png"):
+        assert (out / png).read_bytes()[:8] == PNG
+    assert (
+        "explains" in _text(nb) or "agree bit for bit" in _text(nb) or "change nothing" in _text(nb)
+    )
+
+
 CHECKS = {
     "01": _check_01, "02": _check_02, "03": _check_03, "04": _check_04, "05": _check_05,
     "06": _check_06, "07": _check_07, "08": _check_08, "09": _check_09, "10": _check_10,
+    "11": _check_11,
 }  # fmt: skip
 
 

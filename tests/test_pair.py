@@ -270,12 +270,18 @@ def test_stream_mode_casts_one_block_at_a_time(built: dict) -> None:
             (model.blocks[0].attn1.to_q.weight.dtype, model.blocks[1].attn1.to_q.weight.dtype)
         )
 
+    from lab.pairing.side_context import side_context, side_inputs
+
     handles = [blk.register_forward_pre_hook(spy) for blk in model.blocks]
+    side, cpu = lab.Side.rollout(fam), torch.device("cpu")
     try:
         with view.applied():
             assert model.blocks[0].attn1.to_q.weight.dtype == torch.float32  # not cast yet
             assert model.proj_out.weight.dtype == torch.bfloat16  # outside the blocks: cast
-            lab.forward_side(model, inputs, lab.Side.rollout(fam))
+            # The model's own forward under the view (forward_side would refuse the bf16 casts
+            # it holds now as its fp32 master).
+            with torch.no_grad(), side_context(side, cpu, model):
+                model(**side_inputs(inputs, side, cpu).kwargs)
     finally:
         for h in handles:
             h.remove()

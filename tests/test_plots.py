@@ -190,7 +190,9 @@ def test_steps_by_layers_module_filter(result: Result) -> None:
     fig = plots.plot_steps_by_layers(
         [result, result], modules=["x_embedder", "<root>"], backend="plotly"
     )
-    assert set(fig.data[0].y) == {"x_embedder"} | {r.label() for r in result.root_rows()}
+    # Plotly draws tags in tick labels: a label reaches it escaped ("<root>" as "&lt;root&gt;").
+    labels = {"x_embedder"} | {r.label() for r in result.root_rows()}
+    assert set(fig.data[0].y) == {html.escape(label) for label in labels}
     with pytest.raises(ValueError, match=r"'x_embeder'\] match no paired output"):
         plots.plot_steps_by_layers([result], modules=["x_embeder"])
 
@@ -207,7 +209,7 @@ def test_ulp_histogram_sums_every_element(result: Result) -> None:
 def test_ulp_histogram_per_module_traces(result: Result) -> None:
     mods = ["transformer_blocks.0.attn.to_q", "<root>"]
     fig = plots.plot_ulp_histogram(_with_why(result), mods, backend="plotly")
-    assert [t.name for t in fig.data] == mods
+    assert [t.name for t in fig.data] == [html.escape(m) for m in mods]
     to_q = next(r for r in result.rows if r.module == mods[0])
     assert list(fig.data[0].y) == list(to_q.metrics.ulp_hist)
     hover = _hover(fig)

@@ -307,3 +307,114 @@ def test_how_a_pair_ran_is_no_setting(result: Result) -> None:
     settings = report._settings(moved)
     assert "pair_core" not in settings and "metric_batches" not in settings
     assert settings == report._settings(result)
+
+
+# ---- hostile names ------------------------------------------------------------------------------
+
+# Each would end or re-open a <script>, open a comment, or be drawn as markup by plotly.
+HOSTILE = "<!--<script>"
+HOSTILE_MODULE = "</script><b>bold"
+
+
+def _hostile(result: Result, side: str) -> Result:
+    """`result` with a hostile side name, model family and module names (labels) everywhere."""
+    rows = [
+        dataclasses.replace(r, module=f"{HOSTILE_MODULE}.{r.module}", module_class=HOSTILE)
+        for r in result.rows
+    ]
+    return Result(
+        result.mode,
+        {**result.side_a, "name": f"{side}{HOSTILE}"},
+        {**result.side_b, "name": f"</title>{HOSTILE}"},
+        rows,
+        [Skipped(HOSTILE_MODULE, 0, HOSTILE, f"reason {HOSTILE}")],
+        {**result.meta, "family": HOSTILE, "rule": {f"*{HOSTILE}*": "fp32"}},
+    )
+
+
+def _hostile_report(result: Result, path: Path) -> tuple[Path, list[str]]:
+    names = [f"before {HOSTILE}", f"after </script>{HOSTILE}"]
+    runs = {names[0]: _hostile(result, "a"), names[1]: _hostile(result, "b")}
+    return report.write_html(runs, path, title=f"title {HOSTILE}"), names
+
+
+def test_hostile_names_leave_every_section_and_figure_whole(result: Result, tmp_path: Path) -> None:
+    from html.parser import HTMLParser
+
+    path, names = _hostile_report(result, tmp_path / "hostile.html")
+    text = path.read_text()
+
+    class Count(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__(convert_charrefs=True)
+            self.tags: list[str] = []
+            self.h2: list[str] = []
+            self._in_h2 = False
+
+        def handle_starttag(self, tag, attrs):
+            self.tags.append(tag)
+            self._in_h2 = tag == "h2"
+
+        def handle_endtag(self, tag):
+            self._in_h2 = False if tag == "h2" else self._in_h2
+
+        def handle_data(self, data):
+            if self._in_h2:
+                self.h2.append(data)
+
+    parsed = Count()
+    parsed.feed(text)
+    assert parsed.tags.count("section") == 3, "overview and two runs"
+    assert parsed.h2 == ["Overview", *names], "each name shown as written"
+    # No raw "<" inside a figure's JSON: nothing there can end or re-open its <script>.
+    specs = re.findall(r'<script type="application/json" id="fig-\d+">(.*?)</script>', text, re.S)
+    assert len(specs) == 5 and all("<" not in s for s in specs)
+    traces = [t for s in specs for t in json.loads(s)["data"]]
+    hovers = [h for t in traces for h in (t.get("text") or []) if isinstance(h, str)]
+    assert any(html.escape(HOSTILE_MODULE) in h for h in hovers)
+    assert not any(HOSTILE_MODULE in h or f"{HOSTILE}" in h for h in hovers), "plotly markup"
+
+
+@pytest.mark.browser
+def test_hostile_names_in_chromium_keep_every_section_and_figure(
+    result: Result, tmp_path: Path
+) -> None:
+    """The page as a browser builds it: every section, every figure drawn, names as written."""
+    chromium = "/usr/bin/chromium"
+    if not Path(chromium).exists() or importlib.util.find_spec("playwright") is None:
+        (pytest.fail if os.environ.get("LAB_REQUIRE_BROWSER") else pytest.skip)(
+            f"needs {chromium} (apt-get install -y chromium) and playwright (the dev extra)"
+        )
+    from playwright.sync_api import sync_playwright
+
+    path, names = _hostile_report(result, tmp_path / "hostile.html")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=chromium, args=["--no-sandbox", "--disable-gpu"], headless=True
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1300, "height": 900})
+            dialogs: list[str] = []
+            page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+            page.goto(path.as_uri())
+            page.wait_for_function("(document.body.dataset.figures || '').length > 0")
+            figures = page.evaluate("document.body.dataset.figures")
+            sections = page.locator("section").count()
+            headings = page.locator("section h2").all_inner_texts()
+            title = page.title()
+            drawn = page.locator(".fig.drawn .main-svg").count()
+            page.locator("#fig-1-box").scroll_into_view_if_needed()
+            points = page.locator("#fig-1-box .scatterlayer .point")
+            box = points.nth(points.count() - 1).bounding_box()
+            page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+            hover = page.locator(".hoverlayer .hovertext").first.text_content()
+            skipped = page.locator("#run-0 table").last.inner_text()
+        finally:
+            browser.close()
+    assert (sections, figures) == (3, "drawn 5"), "a name swallowed part of the page"
+    assert drawn >= 5 and not dialogs
+    assert headings == ["Overview", *names]
+    assert title == f"title {HOSTILE}"
+    assert hover.startswith(f"{HOSTILE_MODULE}.<root>"), hover
+    assert f"class: {HOSTILE}" in hover
+    assert HOSTILE_MODULE in skipped and f"reason {HOSTILE}" in skipped

@@ -9,7 +9,16 @@ import torch
 
 import lab
 from lab.families import FAMILY_NAMES
-from lab.families._trained_init import _QK_NORM, DEFAULT_INIT, INIT_ATTRIBUTE, INITS, check_init
+from lab.families._trained_init import (
+    _OUTLIER_SHARE,
+    _QK_NORM,
+    _SALIENT_SHARE,
+    DEFAULT_INIT,
+    INIT_ATTRIBUTE,
+    INITS,
+    _width_channels,
+    check_init,
+)
 
 # sha256 (first 16 hex digits) of every state_dict entry (sorted by name: the name, then the
 # tensor's bytes) of Family.build("tiny", seed=0), computed from the code as it was BEFORE
@@ -127,6 +136,21 @@ def test_linear_weights_get_outlier_rows_and_salient_columns() -> None:
     # Mean-square-preserving gains: the layer's overall scale stays that of the class init
     # within the spread of a few outlier channels.
     assert 0.7 < (w.pow(2).mean() / w0.pow(2).mean()).sqrt().item() < 2.5
+
+
+def test_salient_columns_are_drawn_independently_of_the_outlier_channels() -> None:
+    # docs/notes/trained-like-weights.md: the two sets come from separate permutations and can
+    # share a channel; seed 1 at width 256 (the timestep embedders' linear_1 input) does.
+    salient = set(_width_channels(1, 256, _SALIENT_SHARE, "salient").tolist())
+    outliers = set(_width_channels(1, 256, _OUTLIER_SHARE, "outlier").tolist())
+    (shared,) = salient & outliers
+    # The built weight carries the salient gain on that column.
+    fam = lab.family("flux")
+    w = fam.build("tiny", seed=1).time_text_embed.timestep_embedder.linear_1.weight
+    w0 = fam.build("tiny", seed=1, init="plain").time_text_embed.timestep_embedder.linear_1.weight
+    col_ratio = (w.abs().mean(0) / w0.abs().mean(0)).detach()
+    assert w.shape[1] == 256
+    assert col_ratio[shared] > 2.0 * col_ratio.median()
 
 
 def test_outlier_channels_are_shared_across_layers_of_one_width() -> None:

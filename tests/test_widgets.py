@@ -156,23 +156,27 @@ def _click(panel: ControlPanel, trace_index: int, point_index: int) -> None:
 
 
 def test_run_selects_the_first_divergence_and_shows_its_buffer_dtypes(panel: ControlPanel) -> None:
-    first = panel.last_result.first_divergence()
-    assert first is not None and first.module == "pos_embed", "sd3 tiny diverges at pos_embed"
-    detail = panel.selected
-    assert detail.label == first.label()
+    result = panel.run()
+    first = result.first_divergence()
+    # The first block's norm (its autocast rounding point, or its modulation linear under the
+    # settings earlier tests left on this module's panel); never the positional table.
+    assert first is not None and first.module.startswith("transformer_blocks.0.norm1")
+    assert panel.selected.label == first.label()
+    assert first.module in panel._outputs["detail"].value
+    # SD3's positional table: built fp32 by its class, which an engine load keeps (the real
+    # engine does); FSDP2 leaves buffers alone. Both sides hold it fp32, and say why.
+    detail = panel.select("pos_embed")
     tensors = detail.param_dtypes.set_index("tensor")
-    # The engine casts the positional table with the weights; FSDP2 leaves the buffer alone.
     assert tensors.loc["pos_embed", "kind"] == "buffer"
     assert tuple(tensors.loc["pos_embed", ["rollout dtype", "rollout set by"]]) == (
-        "fp16",
-        "cast_buffers",
+        "fp32",
+        "built fp32 (an engine load keeps it)",
     )
     assert tuple(tensors.loc["pos_embed", ["trainer dtype", "trainer set by"]]) == (
         "fp32",
         "not cast",
     )
     assert tensors.loc["proj.weight", "trainer dtype"] == "fp16"
-    assert "pos_embed" in panel._outputs["detail"].value
 
 
 def test_click_on_a_point_shows_that_outputs_row_histogram_and_parameters(

@@ -13,8 +13,14 @@ removed and the old file is left exactly as it was.
 
 The temporary is `.<name>.<random>.tmp<suffix>` beside the target: same filesystem (so the rename
 is atomic), hidden, and with the target's suffix so writers that pick a format by suffix
-(matplotlib's savefig, pandas' compression="infer") still do. It is created with mode 0o666 minus
-the umask, as `open(path, "w")` would.
+(matplotlib's savefig, pandas' compression="infer") still do; `<name>` is shortened so the
+temporary's name fits wherever the target's does. It is created with mode 0o666 minus the umask,
+as `open(path, "w")` would.
+
+A target that is a symlink is written through: its target file gets the new contents and the
+link stays (replacing the link itself would leave the file it points at stale). A failure names
+the path the caller gave, never the temporary. `check_file_path` refuses, before any work, a
+path that cannot be written at all (a folder, a read-only or missing place, a name too long).
 """
 
 from __future__ import annotations
@@ -84,17 +90,28 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         FileNotFoundError: The writer removed the temporary instead of writing it.
         OSError: The fsync or rename failed; `path` is unchanged and the temporary removed.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _create_temporary(path)
+    given = Path(path)
+    path = written_path(given)
+    if path.is_dir():
+        raise IsADirectoryError(
+            errno.EISDIR, "Is a folder, not a file: name a file inside it", str(given)
+        )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _create_temporary(path)
+    except OSError as err:
+        raise _named(err, given) from None
     try:
         yield tmp
         if not tmp.is_file():
             raise FileNotFoundError(
-                f"atomic_path: the writer left no file at {str(tmp)!r}; {str(path)!r} is unchanged."
+                f"atomic_path: the writer left no file to write to {str(given)!r}; it is unchanged."
             )
-        _fsync_file(tmp)
-        os.replace(tmp, path)
+        try:
+            _fsync_file(tmp)
+            os.replace(tmp, path)
+        except OSError as err:
+            raise _named(err, given) from None
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
@@ -102,11 +119,41 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     _fsync_directory(path.parent)
 
 
+def written_path(path: str | Path) -> Path:
+    """The file a write to `path` changes: `path`, or the file its symlink(s) point at."""
+    path = Path(path)
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
+def _named(err: OSError, given: Path) -> OSError:
+    """The same kind of OSError, naming the path the caller gave instead of the temporary."""
+    return type(err)(err.errno, err.strerror or str(err), str(given))
+
+
+def _name_max(folder: Path) -> int:
+    """The longest file name (bytes) `folder`'s file system takes; 255 where it cannot say."""
+    try:
+        return int(os.pathconf(folder, "PC_NAME_MAX"))
+    except (OSError, ValueError, AttributeError):
+        return 255
+
+
+def _temporary_name(path: Path, token: str, limit: int) -> str:
+    """`.<stem>.<token>.tmp<suffix>`, the stem cut so the name fits `limit` bytes."""
+    fixed = f". .{token}.tmp{path.suffix}".encode()
+    room = limit - len(fixed) + 1  # the space stands for the stem
+    if room < 0:
+        return f".{token}.tmp"  # a suffix longer than any name: the format is the writer's
+    stem = path.stem.encode()[:room].decode("utf-8", "ignore")
+    return f".{stem}.{token}.tmp{path.suffix}"
+
+
 def _create_temporary(path: Path) -> Path:
     # O_EXCL on a fresh random name: two writers of one target never share a temporary.
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    limit = _name_max(path.parent)
     for _ in range(100):
-        tmp = path.with_name(f".{path.stem}.{secrets.token_hex(4)}.tmp{path.suffix}")
+        tmp = path.with_name(_temporary_name(path, secrets.token_hex(4), limit))
         try:
             os.close(os.open(tmp, flags, 0o666))
         except FileExistsError:
@@ -161,3 +208,37 @@ def folder_write_problem(folder: str | Path, *, keep: bool) -> str | None:
                 with contextlib.suppress(OSError):
                     p.rmdir()
     return None
+
+
+def file_write_problem(path: str | Path) -> str | None:
+    """Why `path` cannot be written as a file, or None: tried for real, leaving nothing behind.
+
+    A folder, a name longer than its file system takes, or a folder that cannot be made or
+    written (read-only, no permission); a symlink is judged by the file it points at.
+    """
+    path = written_path(path)
+    if path.is_dir():
+        return "it is a folder, not a file"
+    name_max = _name_max(next((p for p in path.parents if p.is_dir()), Path(".")))
+    if len(path.name.encode()) > name_max:
+        return (
+            f"its name is {len(path.name.encode())} bytes, longer than the {name_max} its file "
+            "system takes"
+        )
+    problem = folder_write_problem(path.parent, keep=False)
+    return f"its folder cannot be written ({problem})" if problem else None
+
+
+def check_file_path(path: str | Path, where: str) -> Path:
+    """Refuse, before any work, a file path no write can succeed at; returns it as a Path.
+
+    Raises:
+        ValueError: Naming `where`, the path as given, what is wrong and what to do.
+    """
+    problem = file_write_problem(path)
+    if problem:
+        raise ValueError(
+            f"{where}: cannot write {str(path)!r}: {problem}. Choose a file path in a folder "
+            "you can write."
+        )
+    return Path(path)

@@ -26,6 +26,9 @@ class PairError(RuntimeError):
         """Keep the partial result, and where the failure happened, next to the message."""
         super().__init__(message)
         self.result = result
+        if result is not None and result.partial is None:
+            # What a failed pair leaves is partial wherever it goes (saved, shown, compared).
+            result.partial = message or type(self).__name__
         self.side = side
         """Name of the side whose forward failed (None when no forward failed)."""
         self.module = module

@@ -3,10 +3,12 @@
 Format (one directory): `forward_<n>.safetensors` per root forward, holding every captured output
 tensor under the key `<module>#<call>:<output>`, plus `manifest.json`:
 
-    {"schema": "precision-lab/dump/2", "model_class": ..., "module_names": [...],
+    {"schema": "precision-lab/dump/3", "model_class": ..., "module_names": [...],
      "weights": {"covers": ..., "parameters": {name: {"shape", "dtype", "hashes"}}} | null,
-     "weights_unavailable": null | why,
-     "forwards": [{"forward", "step", "cfg_branch", "file", "inputs": {name: fingerprint}}],
+     "weights_unavailable": null | why, "weights_taken": "attach" | "forward 0",
+     "forwards": [{"forward", "step", "cfg_branch", "file", "inputs": {name: fingerprint},
+                   "weights": {...} (only where they differ from the manifest's),
+                   "weights_unavailable": why (only where they could not be read)}],
      "entries": [{"order", "module", "call", "output", "step", "cfg_branch", "forward",
                   "dtype", "shape", "file", "key", "complex"}, ...]}
 
@@ -17,7 +19,12 @@ written atomically (lab.base.atomic): a full disk never tears a manifest or a fo
 
 Fingerprints say which weights and inputs a dump came from, so a dump of other weights, other
 inputs or another width is refused instead of paired (`allow_mismatch=True` pairs it anyway and
-flags it in the Result's meta). `tensor_fingerprint` documents what a fingerprint covers.
+flags it in the Result's meta). `tensor_fingerprint` documents what a fingerprint covers. The
+weights are fingerprinted as each root forward starts (as the forward holds them: a lab side's
+casts), not only when `attach` is called: weights changed between forwards (or before the
+first) are the weights of the forwards that ran with them. The manifest's `weights` are the
+first forward's (those at `attach` until a forward runs: a dump of weights alone); a forward
+that ran with other weights carries its own.
 """
 
 from __future__ import annotations
@@ -40,9 +47,11 @@ from lab.pairing.capture import ROOT, flatten_output
 from lab.pairing.metrics import decode_stats, pair_stats
 from lab.pairing.result import LayerDivergence, Result, Skipped
 
-SCHEMA = "precision-lab/dump/2"
-SCHEMAS_READ: tuple[str, ...] = ("precision-lab/dump/1", SCHEMA)
-"""Schema 1 dumps (no fingerprints) still pair; their weights and inputs are unchecked."""
+SCHEMA = "precision-lab/dump/3"
+SCHEMA_ATTACH_WEIGHTS = "precision-lab/dump/2"
+SCHEMAS_READ: tuple[str, ...] = ("precision-lab/dump/1", SCHEMA_ATTACH_WEIGHTS, SCHEMA)
+"""Schema 1 dumps (no fingerprints) still pair, their weights and inputs unchecked; schema 2
+dumps fingerprinted the weights when `attach` was called (checked, and said so)."""
 MANIFEST = "manifest.json"
 _FORWARD_FILE = re.compile(r"^forward_\d+\.safetensors$")
 
@@ -68,6 +77,14 @@ FINGERPRINT_COVERS = (
 
 class DumpError(ValueError):
     """A dump directory that cannot be read or paired, with what disagrees."""
+
+
+class DumpWriteError(OSError):
+    """A forward's dump file could not be written (the writer's own error, the file named).
+
+    An OSError, like a full disk's: the forward that was being dumped is not at fault, so
+    `forward_side` and `pair` pass it on as it is instead of blaming a side or a module.
+    """
 
 
 # ---- fingerprints -------------------------------------------------------------------------------
@@ -240,9 +257,13 @@ class DumpHandle:
         self.entries: list[dict[str, Any]] = []
         self.forward_records: list[dict[str, Any]] = []
         self.forwards = 0
+        # Until a forward runs, the weights as attached (what `weight_sync` reads of a dump of
+        # weights alone); then the first forward's, taken as it starts (`_start`).
         self.weights, self.weights_unavailable = weight_fingerprints(model)
+        self.weights_taken = "attach"
         self._pending: list[dict[str, Any]] = []
         self._pending_inputs: dict[str, Any] = {}
+        self._pending_weights: tuple[dict[str, Any] | None, str | None] = (None, None)
         self._calls: dict[str, int] = {}
         self._tensors: dict[str, torch.Tensor] = {}
         self._handles: list[Any] = []
@@ -263,6 +284,7 @@ class DumpHandle:
     def _start(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         self._calls, self._tensors, self._pending = {}, {}, []
         self._pending_inputs = input_fingerprints(kwargs, args, module.forward)
+        self._pending_weights = weight_fingerprints(self.model)
 
     def _record(self, label: str) -> Any:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -302,18 +324,35 @@ class DumpHandle:
         from lab.base.atomic import atomic_path
 
         tensors, pending, self._tensors, self._pending = self._tensors, self._pending, {}, []
-        with atomic_path(self.directory / _forward_file(self.forwards)) as tmp:
-            save_file(tensors, str(tmp))
+        path = self.directory / _forward_file(self.forwards)
+        try:
+            with atomic_path(path) as tmp:
+                save_file(tensors, str(tmp))
+        except OSError:
+            raise  # a full disk, a read-only folder: the OS's words, naming the file
+        except Exception as err:  # safetensors' SafetensorError wraps its I/O errors
+            raise DumpWriteError(
+                f"attach: forward {self.forwards} of the dump could not be written to "
+                f"{str(path)!r}: {type(err).__name__}: {err}. The forwards before it are kept "
+                "(manifest.json lists them); free space or fix the folder, then dump again."
+            ) from err
+        weights, why = self._pending_weights
+        record: dict[str, Any] = {
+            "forward": self.forwards,
+            "step": self.step,
+            "cfg_branch": self.cfg_branch,
+            "file": _forward_file(self.forwards),
+            "inputs": self._pending_inputs,
+        }
+        if not self.forward_records:
+            self.weights, self.weights_unavailable = weights, why
+            self.weights_taken = f"forward {self.forwards}"
+        elif why is not None:
+            record["weights_unavailable"] = why
+        elif weights != self.weights:
+            record["weights"] = weights  # changed since the first forward: this one's own
         self.entries += pending
-        self.forward_records.append(
-            {
-                "forward": self.forwards,
-                "step": self.step,
-                "cfg_branch": self.cfg_branch,
-                "file": _forward_file(self.forwards),
-                "inputs": self._pending_inputs,
-            }
-        )
+        self.forward_records.append(record)
         self.forwards += 1
         self.write_manifest()
 
@@ -329,6 +368,7 @@ class DumpHandle:
             "torch": torch.__version__,
             "weights": self.weights,
             "weights_unavailable": self.weights_unavailable,
+            "weights_taken": self.weights_taken,
             "forwards": self.forward_records,
             "entries": self.entries,
         }
@@ -384,8 +424,10 @@ def attach(
 ) -> DumpHandle:
     """Start dumping every module output of `module`'s forwards into `directory`.
 
-    Fingerprints `module`'s parameters now (see `tensor_fingerprint`: one pass over the weights
-    on their device) and every forward's inputs as it starts.
+    Fingerprints `module`'s parameters and inputs as each root forward starts (see
+    `tensor_fingerprint`: one pass over the weights on their device per forward, about 0.5 s
+    for 12e9 bf16 parameters on an H200), so the weights recorded are the ones that forward ran
+    with, even when they change between `attach` and a forward or between forwards.
 
     Args:
         module: Any torch module (a diffusers DiT inside an engine process, a lab model).
@@ -400,6 +442,7 @@ def attach(
 
     Raises:
         DumpError: `directory` already holds a dump and overwrite is False.
+        DumpWriteError: (during a forward) its file could not be written, naming it.
     """
     return DumpHandle(
         module,
@@ -431,6 +474,16 @@ class Dump:
     def forward_record(self, forward: int) -> dict[str, Any] | None:
         """The manifest's record of one forward (its input fingerprints); None in schema 1."""
         return next((f for f in self.manifest.get("forwards", []) if f["forward"] == forward), None)
+
+    def weights_of(self, forward: int) -> tuple[dict[str, Any] | None, str | None]:
+        """The weight fingerprints `forward` ran with, or (None, why they are unknown)."""
+        record = self.forward_record(forward) or {}
+        if record.get("weights_unavailable"):
+            return None, str(record["weights_unavailable"])
+        if record.get("weights") is not None:
+            return record["weights"], None
+        weights = self.manifest.get("weights")
+        return weights, None if weights is not None else self.manifest.get("weights_unavailable")
 
     def entries(self, step: int | None = None, cfg_branch: str | None = None) -> list[dict]:
         """Entries of the first forward matching `step` / `cfg_branch` (None = any).
@@ -567,6 +620,7 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
                 f"entries[{i}].file {e['file']!r} points outside the dump directory "
                 "(only file names inside it are allowed)"
             )
+    problems += _duplicate_problems(manifest, entries)
     if problems:
         more = f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""
         raise DumpError(
@@ -574,6 +628,65 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
             f"{'; '.join(problems[:6])}{more}."
         )
     return manifest
+
+
+def _duplicate_problems(manifest: dict[str, Any], entries: list[Any]) -> list[str]:
+    """What a manifest lists twice, and entries of a forward no record lists.
+
+    Twice: an entry (its key in its file, or its output in its forward), a forward record, a
+    module name. Each would pair as a second row of the same output.
+    """
+    problems: list[str] = []
+    well_typed = [
+        (i, e)
+        for i, e in enumerate(entries)
+        if isinstance(e, dict)
+        and all(
+            isinstance(e.get(k), t) and not (t is int and isinstance(e.get(k), bool))
+            for k, t in _ENTRY_KINDS.items()
+        )
+    ]
+    first_key: dict[tuple[str, str], int] = {}
+    first_output: dict[tuple[int, str, int, str], int] = {}
+    for i, e in well_typed:
+        key, output = (e["file"], e["key"]), (e["forward"], e["module"], e["call"], e["output"])
+        if key in first_key:
+            problems.append(
+                f"entries[{i}]: a second entry for {e['key']!r} in {e['file']} (first: "
+                f"entries[{first_key[key]}]); each output is listed once"
+            )
+        elif output in first_output:
+            problems.append(
+                f"entries[{i}]: a second entry for forward {e['forward']}'s "
+                f"{e['module']}#{e['call']}:{e['output']} (first: entries[{first_output[output]}])"
+            )
+        first_key.setdefault(key, i)
+        first_output.setdefault(output, i)
+    names = manifest.get("module_names")
+    if isinstance(names, list):
+        twice = sorted({n for n in names if names.count(n) > 1}, key=str)
+        if twice:
+            problems.append(f"module_names: listed twice: {twice[:5]}")
+    records = manifest.get("forwards")
+    if manifest.get("schema") != SCHEMAS_READ[0] and records is not None:
+        if not isinstance(records, list) or not all(
+            isinstance(r, dict) and isinstance(r.get("forward"), int) for r in records
+        ):
+            return [*problems, "forwards: expected a list of forward records with a 'forward'"]
+        numbers = [r["forward"] for r in records]
+        twice = sorted({n for n in numbers if numbers.count(n) > 1})
+        if twice:
+            problems.append(f"forwards: forward(s) {twice[:5]} recorded twice")
+        files = {r["forward"]: r.get("file") for r in records}
+        for i, e in well_typed:
+            if e["forward"] not in files:
+                problems.append(f"entries[{i}]: forward {e['forward']} has no forward record")
+            elif files[e["forward"]] != e["file"]:
+                problems.append(
+                    f"entries[{i}]: file {e['file']!r}, but forward {e['forward']} was written "
+                    f"to {files[e['forward']]!r}"
+                )
+    return problems
 
 
 def _inside(directory: Path, file: str) -> bool:
@@ -825,12 +938,17 @@ def _live_capture(model: torch.nn.Module, inputs: Any, side: Any) -> dict[str, t
     return captured
 
 
-def _schema_note(dump: Dump, what: str) -> list[str]:
-    if dump.manifest.get("schema") != SCHEMA:
-        return [f"{what} was written before fingerprints ({dump.manifest.get('schema')})"]
-    if dump.manifest.get("weights") is None:
-        return [f"{what}'s weights: {dump.manifest.get('weights_unavailable')}"]
-    return []
+def _schema_note(dump: Dump, what: str, weights_why: str | None) -> list[str]:
+    schema = dump.manifest.get("schema")
+    if schema not in (SCHEMA, SCHEMA_ATTACH_WEIGHTS):
+        return [f"{what} was written before fingerprints ({schema})"]
+    notes = [f"{what}'s weights: {weights_why}"] if weights_why else []
+    if schema == SCHEMA_ATTACH_WEIGHTS and not weights_why:
+        notes.append(
+            f"{what} ({schema}) fingerprinted its weights when attach was called, not when the "
+            "forward ran: weights changed in between would not show"
+        )
+    return notes
 
 
 def pair_dump(
@@ -871,20 +989,24 @@ def pair_dump(
         DumpError: A bad dump, no matching forward, a model whose module names differ, or
             (unless allow_mismatch) a dump of other weights, other inputs or another width.
     """
+    from lab.pairing.guards import check_fp32_master
+
     dump = load_dump(directory)
     _check_same_model(
         dump.module_names, [n or ROOT for n, _ in model.named_modules()], "the dump", "the model"
     )
+    check_fp32_master(model, "pair_dump")
     entries = dump.entries(step, cfg_branch)
     record = dump.forward_record(entries[0]["forward"])
-    live_weights, why = weight_fingerprints(model) if dump.manifest.get("weights") else (None, "")
+    dump_weights, dump_why = dump.weights_of(entries[0]["forward"])
+    live_weights, why = weight_fingerprints(model) if dump_weights else (None, "")
     kwargs = inputs.kwargs if hasattr(inputs, "kwargs") else dict(inputs)
     prov, checks = _provenance(
-        dump.manifest.get("weights"),
+        dump_weights,
         live_weights,
         record["inputs"] if record else None,
         input_fingerprints(kwargs),
-        _schema_note(dump, "the dump") + ([f"the model's weights: {why}"] if why else []),
+        _schema_note(dump, "the dump", dump_why) + ([f"the model's weights: {why}"] if why else []),
     )
     what_a, what_b = f"the dump ({dump_name})", f"the live side ({side.name})"
     mismatch = _refuse_or_flag(
@@ -955,12 +1077,14 @@ def pair_dumps(
     entries_a, entries_b = a.entries(step, cfg_branch), b.entries(step, cfg_branch)
     record_a = a.forward_record(entries_a[0]["forward"])
     record_b = b.forward_record(entries_b[0]["forward"])
+    weights_a, why_a = a.weights_of(entries_a[0]["forward"])
+    weights_b, why_b = b.weights_of(entries_b[0]["forward"])
     prov, checks = _provenance(
-        a.manifest.get("weights"),
-        b.manifest.get("weights"),
+        weights_a,
+        weights_b,
         record_a["inputs"] if record_a else None,
         record_b["inputs"] if record_b else None,
-        _schema_note(a, "dump A") + _schema_note(b, "dump B"),
+        _schema_note(a, "dump A", why_a) + _schema_note(b, "dump B", why_b),
     )
     mismatch = _refuse_or_flag(prov, "dump A", "dump B", allow_mismatch, "pair_dumps")
     tensors_b = b.tensors(entries_b)

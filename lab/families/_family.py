@@ -96,8 +96,8 @@ class SamplerSettings:
     use_dynamic_shifting, mu comes from its base/max_image_seq_len and base/max_shift and the
     packed latent token count, as the pipelines' calculate_shift does."""
     pipeline_sigmas: bool = False
-    """The pipeline passes sigmas = linspace(1, 1/N, N) (Flux, Qwen-Image, LTX-2), not the
-    scheduler's own timestep grid (SD3)."""
+    """The pipeline passes sigmas = np.linspace(1, 1/N, N), float64 (Flux, Qwen-Image, LTX-2),
+    not the scheduler's own timestep grid (SD3)."""
     cfg_rescale_to_pos_norm: bool = False
     """Qwen-Image: rescale the guided velocity to the norm of the positive one (last dim)."""
     velocity_sign: float = 1.0
@@ -137,6 +137,9 @@ class Family:
     """How the pipeline presents the step: "t" = sigma*1000, "t/1000", "sigma", "1-sigma"."""
     cfg_layout: Literal["batched", "separate", "none"]
     """CFG as [neg, pos] in one batch, as a second forward, or not at all (guidance-distilled)."""
+    cfg_scale: float = 1.0
+    """The guidance scale the family's diffusers pipeline defaults to (its true CFG; 1.0 for a
+    guidance-distilled family): the CFG the drift table measures beside CFG 1."""
     max_batch: int | None = None
     """Most samples one forward holds (None: any); Cosmos3's packed sequence holds one."""
     rollout_dtype: str = "bf16"
@@ -376,7 +379,10 @@ class Family:
                 (the message lists the .safetensors files there are and the variants they hint).
             CheckpointError: Another class's checkpoint (naming both and the family it belongs
                 to), a truncated or unreadable safetensors file or index (naming it), a tensor
-                in two shards, or weights that do not fit the class.
+                in two shards, or weights that do not fit the class: missing or unexpected
+                names, a shape other than the config builds (a config wider than its weights),
+                or a stored dtype of another kind than the slot's (an int8 tensor for a float
+                parameter would load as its integer codes).
         """
         from lab.base.devices import resolve_device
         from lab.base.dtypes import dtype_name
@@ -406,7 +412,8 @@ class Family:
         # host holds at most one shard.
         with dev:
             model = cls.from_config(config)
-        expected = set(model.state_dict())
+        slots = model.state_dict()
+        expected = set(slots)
         seen: dict[str, str] = {}
         dtypes: dict[str, int] = {}
         unexpected: list[str] = []
@@ -424,6 +431,7 @@ class Family:
                 label = dtype_name(tensor.dtype)
                 dtypes[label] = dtypes.get(label, 0) + 1
             unexpected += sorted(k for k in state if k not in expected)
+            _check_fits(self.name, file, state, slots, self.model_class)
             model.load_state_dict(
                 {
                     k: v.to(torch.float32) if v.is_floating_point() else v
@@ -658,6 +666,68 @@ def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
             f"checkpoint file {str(file)!r} ({file.stat().st_size} bytes) cannot be read: {err}. "
             "It is truncated or corrupt; copy it again from the source."
         ) from None
+
+
+def _dtype_kind(dtype: torch.dtype) -> str:
+    """What a value of `dtype` can be loaded as: "float", "complex", "bool" or "integer"."""
+    if dtype.is_complex:
+        return "complex"
+    if dtype.is_floating_point:
+        return "float"
+    return "bool" if dtype == torch.bool else "integer"
+
+
+def _check_fits(
+    family_name: str,
+    file: Path,
+    state: Mapping[str, torch.Tensor],
+    slots: Mapping[str, torch.Tensor],
+    model_class: str,
+) -> None:
+    """Refuse stored tensors whose shape or kind of dtype differ from the model's slots.
+
+    Checked before anything is copied: torch would raise a bare RuntimeError for a shape
+    (a config.json wider than its weights), and copy an int8 tensor's integer codes into a
+    float parameter without a word (a quantized checkpoint is not an fp32 master).
+
+    Raises:
+        CheckpointError: Listing each tensor, what the file holds and what the model expects.
+    """
+    from lab.base.dtypes import dtype_name
+    from lab.base.errors import CheckpointError
+
+    shapes, kinds = [], []
+    for key, value in state.items():
+        slot = slots.get(key)
+        if slot is None:
+            continue  # listed as unexpected after every file is read
+        if tuple(value.shape) != tuple(slot.shape):
+            shapes.append(f"{key}: {tuple(value.shape)} stored, {tuple(slot.shape)} expected")
+        elif _dtype_kind(value.dtype) != _dtype_kind(slot.dtype):
+            kinds.append(
+                f"{key}: {dtype_name(value.dtype)} stored ({_dtype_kind(value.dtype)}), "
+                f"the model's is {dtype_name(slot.dtype)} ({_dtype_kind(slot.dtype)})"
+            )
+    if not shapes and not kinds:
+        return
+    problems = shapes + kinds
+    more = f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""
+    fix = []
+    if shapes:
+        fix.append(
+            "the shapes come from config.json: is it the config of these weights (a wider "
+            "or narrower model's config)?"
+        )
+    if kinds:
+        fix.append(
+            "a value of another kind cannot load into the slot exactly (integer codes of a "
+            "quantized checkpoint are not weights): load the unquantized checkpoint"
+        )
+    raise CheckpointError(
+        f"family {family_name!r}: {file.name} ({str(file)!r}) does not fit {model_class}: "
+        f"{len(problems)} tensor(s) differ: {'; '.join(problems[:6])}{more}. "
+        f"{' '.join(f[0].upper() + f[1:] + '.' for f in fix)}"
+    )
 
 
 def _family_hint(class_name: str) -> str:

@@ -272,6 +272,7 @@ FAMILY = Family(
     make_inputs_fn=make_inputs,
     timestep_presentation="t",
     cfg_layout="separate",
+    cfg_scale=6.0,  # Cosmos3OmniPipeline's guidance_scale default
     # One sample per forward (vision_tokens is a per-item list over one packed sequence): a
     # trajectory runs each sample of a prompt as its own forward, as the pipeline does.
     max_batch=1,

@@ -139,8 +139,8 @@ FAMILY = Family(
         "reduced": dict(height=1024, width=1024, text_len=512),
         "full": dict(height=1024, width=1024, text_len=512),
     },
-    # FluxPipeline: sigmas = linspace(1, 1/N, N), mu = calculate_shift(image_seq_len) with the
-    # FLUX.1-dev scheduler config (dynamic shifting, 256 -> 4096 tokens, shift 0.5 -> 1.15).
+    # FluxPipeline: sigmas = np.linspace(1, 1/N, N) in float64, mu = calculate_shift(image_seq_len)
+    # with the FLUX.1-dev scheduler config (dynamic shifting, 256 -> 4096 tokens, 0.5 -> 1.15).
     sampler=SamplerSettings(
         scheduler_config=dict(
             use_dynamic_shifting=True,

@@ -224,8 +224,8 @@ FAMILY = Family(
         "reduced": dict(num_frames=121, height=512, width=768, fps=24.0, text_len=1024),
         "full": dict(num_frames=121, height=512, width=768, fps=24.0, text_len=1024),
     },
-    # LTX2Pipeline: sigmas = linspace(1, 1/N, N), mu = calculate_shift(video tokens) with the
-    # pipeline's fallbacks (1024 -> 4096 tokens, 0.95 -> 2.05). shift_terminal 0.1 is the
+    # LTX2Pipeline: sigmas = np.linspace(1, 1/N, N) in float64, mu = calculate_shift(video tokens)
+    # with the pipeline's fallbacks (1024 -> 4096 tokens, 0.95 -> 2.05). shift_terminal 0.1 is the
     # LTX-Video scheduler config's; check it against the LTX-2 checkpoint's scheduler_config.json.
     # Video and audio share the grid (the pipeline deep-copies the scheduler). The pipeline's CFG
     # (x0-space guidance, rescale 0.7, STG) is not modelled: velocity-space CFG as Flow-GRPO.
@@ -243,6 +243,7 @@ FAMILY = Family(
     make_inputs_fn=make_inputs,
     timestep_presentation="t",
     cfg_layout="batched",
+    cfg_scale=3.0,  # LTX2Pipeline's guidance_scale default
     rollout_dtype="bf16",
     # The record's TrainPipelineConfig: the native forward anchors element-wise math (RoPE
     # positions included) on the latent dtype, and the rollout runs it bf16.

@@ -11,11 +11,15 @@ fp32 -> bf16 -> fp32 round trip on the int32 view, so a NaN whose payload bf16 c
 counts as off the grid) and holds only the exact ones. It records what it did on the model as
 `model.lab_master` (a `MasterRecord`) with a guard per held tensor (its data_ptr, dtype, shape
 and device), so a later `model.to(...)`, `.bfloat16()` or a replaced `.data` is caught rather
-than read as a master (`held_parameters`, `stale_held`).
+than read as a master (`held_parameters`, `stale_held`). A later `load_state_dict` whose value
+for a held parameter is off the bf16 grid (fp32 weights after optimizer steps) would be rounded
+into the bf16 tensor; instead that parameter is upcast to fp32 first (exact), holds the loaded
+value bit for bit, and a warning says how many were (`_hold_loads_exactly`).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -28,6 +32,8 @@ MASTER_MODES: tuple[str, ...] = ("auto", "fp32", "compact")
 fp32, "auto" compacts the "full" preset and loaded checkpoints (where the bytes matter)."""
 MASTER_ATTRIBUTE = "lab_master"
 """Attribute a compacted model carries: its `MasterRecord`."""
+_HELD_HERE = "_lab_held"
+"""Attribute of a module owning held parameters: the local names of those it owns."""
 CHECK = "bitwise fp32->bf16->fp32 per tensor"
 """How each tensor was found exact (recorded in meta["master"]["check"])."""
 _LOGICAL = torch.float32
@@ -129,7 +135,59 @@ def compact_master(model: torch.nn.Module) -> MasterRecord:
             guards[name] = _guard(p.data)
     record = MasterRecord(logical="fp32", held=held, kept=tuple(kept), guards=guards)
     setattr(model, MASTER_ATTRIBUTE, record)
+    _guard_loads(model, held)
     return record
+
+
+def _guard_loads(model: torch.nn.Module, held: Mapping[str, str]) -> None:
+    """Mark each module owning held parameters, and hook it (and the model) for state loads."""
+    owners: dict[str, set[str]] = {}
+    for name in held:
+        path, _, local = name.rpartition(".")
+        owners.setdefault(path, set()).add(local)
+    for path, names in owners.items():
+        module = model.get_submodule(path)
+        setattr(module, _HELD_HERE, set(getattr(module, _HELD_HERE, set())) | names)
+    for module in {id(m): m for m in [model, *(model.get_submodule(p) for p in owners)]}.values():
+        if not getattr(module, "_lab_load_hooked", False):
+            module.register_load_state_dict_pre_hook(_hold_loads_exactly)
+            module._lab_load_hooked = True
+
+
+def _hold_loads_exactly(
+    module: torch.nn.Module, state_dict: Mapping[str, Any], prefix: str, *_: Any
+) -> None:
+    """Before `load_state_dict` copies values into held (bf16) tensors: upcast those it cannot.
+
+    `copy_` into a bf16 tensor rounds, so a loaded fp32 value off the bf16 grid would become
+    its bf16 rounding while the record still says the model is an fp32 master. Each held
+    parameter of `module`'s subtree whose incoming value bf16 cannot hold exactly is upcast to
+    fp32 (exact) first, so the load stores it bit for bit; values on the grid stay compact.
+    Runs on the model first (the whole state, before any copy), then on each owning module
+    (a load of that module alone).
+    """
+    upcast: list[str] = []
+    with torch.no_grad():
+        for path, owner in module.named_modules():
+            for local in getattr(owner, _HELD_HERE, ()):
+                param = owner._parameters.get(local)
+                key = f"{prefix}{path + '.' if path else ''}{local}"
+                value = state_dict.get(key)
+                if param is None or param.dtype != _HELD or not isinstance(value, torch.Tensor):
+                    continue
+                if not value.is_floating_point() or value.shape != param.shape:
+                    continue  # load_state_dict refuses these in its own words
+                fp32 = value.detach().to(device=param.device, dtype=_LOGICAL)
+                if _held_copy(fp32) is None:
+                    param.data = param.data.to(_LOGICAL)
+                    upcast.append(key)
+    if upcast:
+        warnings.warn(
+            f"load_state_dict: {len(upcast)} parameter(s) that compact_master held at bf16 were "
+            f"given values bf16 cannot hold exactly (e.g. {upcast[0]!r}): each was upcast to fp32 "
+            "(exact) first and holds its loaded value bit for bit, no longer compact.",
+            stacklevel=4,
+        )
 
 
 def held_parameters(

@@ -156,6 +156,7 @@ FAMILY = Family(
     make_inputs_fn=make_inputs,
     timestep_presentation="t/1000",
     cfg_layout="separate",
+    cfg_scale=4.0,  # QwenImagePipeline's true_cfg_scale default
     rollout_dtype="bf16",
     input_dtype_policy={"latents": None, "cond": None, "timestep": None},
     param_dtype_rules={},

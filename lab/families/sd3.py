@@ -17,6 +17,11 @@ _TINY = dict(
 )  # fmt: skip
 _LARGE = dict(num_attention_heads=38, caption_projection_dim=2432, pos_embed_max_size=192,
               dual_attention_layers=())  # fmt: skip
+# Large at tiny differs from tiny the way Large differs from Medium: ~1.6x the heads (38 vs 24)
+# at the same head dim, the caption projection at the new width, half the positional table, no
+# dual-attention (attn2) block. Three layers still give a plain and the context_pre_only block.
+_TINY_LARGE = dict(num_attention_heads=6, caption_projection_dim=48, pos_embed_max_size=48,
+                   dual_attention_layers=())  # fmt: skip
 _MEDIUM = dict(
     sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24,
     attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096,
@@ -98,7 +103,11 @@ FAMILY = Family(
         "full": _MEDIUM,
     },
     variants={
-        "large": {"reduced": {**_LARGE, "num_layers": 5}, "full": {**_LARGE, "num_layers": 38}}
+        "large": {
+            "tiny": _TINY_LARGE,
+            "reduced": {**_LARGE, "num_layers": 5},
+            "full": {**_LARGE, "num_layers": 38},
+        }
     },
     geometry={
         "tiny": dict(height=128, width=128, text_len=12),
@@ -112,6 +121,7 @@ FAMILY = Family(
     make_inputs_fn=make_inputs,
     timestep_presentation="t",
     cfg_layout="batched",
+    cfg_scale=7.0,  # StableDiffusion3Pipeline's guidance_scale default
     # The SD3 Flow-GRPO recipe runs fp16 on both sides.
     rollout_dtype="fp16",
     input_dtype_policy={"latents": None, "cond": None, "timestep": None},

@@ -143,6 +143,7 @@ FAMILY = Family(
     make_inputs_fn=make_inputs,
     timestep_presentation="t",
     cfg_layout="separate",
+    cfg_scale=5.0,  # WanPipeline's guidance_scale default
     experts=("high_noise", "low_noise"),
     # WanPipeline(boundary_ratio=0.875) runs the high-noise expert while t >= 0.875 * 1000; with
     # flow-matching t = sigma * 1000 that is sigma >= 0.875, as expert_for_sigma compares.
@@ -151,34 +152,43 @@ FAMILY = Family(
     # The record's TrainPipelineConfig: the rollout casts the latent, passes the umT5 embeds fp32
     # and keeps t fp32 (a later config declares none).
     input_dtype_policy={"latents": "default", "cond": None, "timestep": "fp32"},
-    # The engine-like side runs eagerly without autocast, where an fp32 text tensor cannot meet
-    # a bf16 linear: it casts the embeds as diffusers' WanPipeline does (to the DiT dtype). Under
-    # the trainer's autocast the first context linear rounds fp32 text to bf16 identically.
+    # sglang runs Wan's DiT under autocast (its pipeline config's enable_autocast) and hands it
+    # the fp32 umT5 text. The emulation runs without autocast: the engine's Wan code casts
+    # explicitly wherever its autocast would act, except its first text linear, whose fp32
+    # input autocast rounds to bf16, which this boundary cast does instead (as diffusers'
+    # WanPipeline casts). lab.engine.sglang.check_emulation: bit-exact with the engine either
+    # way, under CPU or CUDA autocast lists or none (tests/test_engine_sglang.py).
     engine_input_dtype_policy={"latents": "default", "cond": "default", "timestep": "fp32"},
     # The record's FSDP plan. scale_shift_table and time_embedder were once pinned too, then
     # dropped: sglang-d loads them in bf16, and pinning them left blocks.0's output 1.45e-2 off.
     param_dtype_rules={"*.norm2.*": "fp32"},
     # The plan's norm2, the condition embedder (time MLP, time_proj modulation, text MLP), the
-    # patch embedding and the head. Not the scale_shift_tables nor the q/k RMSNorms: sglang-d
+    # patch embedding and the head. Not the scale_shift_tables nor the q/k RMSNorms: sglang
     # holds both at bf16 (see param_dtype_rules above), so pinning them adds a trainer-only
-    # difference (tiny, trained init, median of seeds 0-3: 6.0e-3 and 4.7e-3 where these give 0).
+    # difference (tiny at a production width's rounding, wan_norm_path="fused" on both sides,
+    # trained init, median of seeds 0-3: 6.0e-3 and 5.5e-3 where these give 0).
     fp32_rule_suggestions={
         "*.norm2.*": "fp32",
         "condition_embedder.*": "fp32",
         "patch_embedding.*": "fp32",
         "proj_out.*": "fp32",
     },
-    # sglang-d keeps every FP32LayerNorm's affine params fp32 (norm2 is the only one with params;
+    # sglang keeps every FP32LayerNorm's affine params fp32 (norm2 is the only one with params;
     # norm1/norm3 are affine-free, listed so a from_pretrained-like cast treats them as diffusers'
     # keep list does). scale_shift_table and time_embedder are loaded in bf16, unlike diffusers'
     # _keep_in_fp32_modules. rope holds only non-persistent tables the engine computes in fp32;
-    # listing it stops a `.to(bf16)` emulation from rounding them.
+    # listing it stops a `.to(bf16)` emulation from rounding them. The `wan` group runs sglang
+    # 0.5.23's norm + modulation ops as its CUDA dispatch places them (the torch definitions at
+    # the tiny width, its fused kernels' rounding at D % 256 == 0), its q/k RMSNorm and its
+    # bf16 root table + temb sum; RoPE rotates in fp32 as its GPU kernels do.
     engine_ops=("wan",),
     engine_fp32_modules=("norm1", "norm2", "norm3", "rope"),
     notes=(
-        "diffusers ties temb to the text dtype (`type_as(encoder_hidden_states)`), so with fp32 "
-        "text the time SiLU runs fp32 where sglang-d's runs bf16, a residue the boundary policy "
-        "cannot remove; the record's aligned stack (norm2 pinned fp32, the `wan` engine-op group) "
-        "otherwise reaches an exactly zero output difference."
+        "At the tiny width sglang runs its norms' torch definitions, which round the LayerNorm "
+        "output before the modulation and norm2 the unrounded residual: the rollout differs "
+        "from the trainer's fp32-once blocks from blocks.0.norm1 on. At a production width "
+        "(fused kernels, `wan_norm_path='fused'` at tiny) the rollout matches a trainer whose "
+        "umT5 text enters at the DiT dtype bit for bit; fed fp32 text, diffusers ties temb to "
+        "it and the trainer's root table + temb sum skips the engine's bf16 rounding."
     ),
 )

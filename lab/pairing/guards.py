@@ -14,6 +14,7 @@ import functools
 import gc
 import re
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -125,12 +126,19 @@ def _in_use_message(model: torch.nn.Module, where: str, holder: tuple[int, str])
 
 
 def _holding_model(where: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Run the decorated function (model first) inside `model_in_use(model, where)`."""
+    """Run the decorated function (model first) inside `model_in_use(model, where)`.
+
+    The model is checked as the fp32 master every side casts from (`check_fp32_master`) once
+    held: every plain forward of a side goes through here, so none takes a bf16 model for the
+    master. `pair` checks its own (memoized with its other guards, `WeightView.memo`).
+    """
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def holding(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             with model_in_use(model, where), gc_paused():
+                if where not in _CHECKS_ITS_OWN_MASTER and isinstance(model, torch.nn.Module):
+                    check_fp32_master(model, where)  # (not a module: the function names it)
                 return fn(model, *args, **kwargs)
 
         return holding
@@ -160,6 +168,15 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+_CHECKS_ITS_OWN_MASTER = frozenset({"pair"})
+"""Callers of `_holding_model` that run `check_fp32_master` themselves."""
+
+_MASTER_CHECKED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, ...]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Compact masters that passed `check_fp32_master`, with the state they passed in."""
+
+
 def check_fp32_master(
     model: torch.nn.Module, where: str, params: Iterable[torch.Tensor] | None = None
 ) -> None:
@@ -177,8 +194,13 @@ def check_fp32_master(
         ValueError: Naming how many parameters are in which dtype, one of them, and the fix;
             or a held parameter changed since compaction (a later .to(), .bfloat16(), ...).
     """
-    params = model.parameters() if params is None else params
+    params = list(model.parameters() if params is None else params)
     if not any(p.is_floating_point() and p.element_size() < 4 for p in params):
+        return
+    # A compact master passes the same way while none of its tensors changed: checked once.
+    record = getattr(model, "lab_master", None)
+    state = (id(record), tuple((p.data_ptr(), p.dtype) for p in params))
+    if _MASTER_CHECKED.get(model) == state:
         return
     stale = stale_held_message(model)
     if stale is not None:
@@ -191,6 +213,7 @@ def check_fp32_master(
         if p.is_floating_point() and p.element_size() < 4 and name not in held:
             low.setdefault(dtype_name(p.dtype), []).append(name)
     if not low:
+        _MASTER_CHECKED[model] = state
         return
     counts = ", ".join(f"{len(names)} {d}" for d, names in low.items())
     first = next(iter(low.values()))[0]
@@ -384,6 +407,11 @@ def check_master_fits(
 def check_inputs(model: torch.nn.Module, inputs: Inputs, where: str) -> None:
     """Refuse inputs `model` cannot run: not an Inputs record, meta tensors, another family's.
 
+    Also inputs no DiT forward runs: a latents or timestep kwarg set to None, one that the
+    model's lab family passes missing (Flux's `timestep`), and an empty batch (a latents, cond
+    or timestep tensor with no element); torch would otherwise fail deep inside the model, in
+    its own words.
+
     Raises:
         ValueError: Naming the bad kwarg, or the model's class and the inputs' family.
     """
@@ -395,6 +423,7 @@ def check_inputs(model: torch.nn.Module, inputs: Inputs, where: str) -> None:
     for label, record in (("inputs", inputs), ("inputs.negative", inputs.negative)):
         if record is None:
             continue
+        _check_forward_inputs(record, label, where, type(model).__name__)
         for key, value in record.kwargs.items():
             if any(t.device.type == "meta" for t in _tensors(value)):
                 raise ValueError(
@@ -417,6 +446,61 @@ def check_inputs(model: torch.nn.Module, inputs: Inputs, where: str) -> None:
             f"{family_name!r} (preset {preset!r}), whose model is a {made_for}. Make both from one "
             "family: fam.build(preset, seed) and fam.make_inputs(preset, seed)."
         )
+
+
+_NEEDED_ROLES: tuple[str, ...] = ("latents", "timestep")
+"""Roles every DiT forward needs at least one value of: what it denoises, and at which step."""
+
+
+def _check_forward_inputs(record: Inputs, label: str, where: str, model_class: str) -> None:
+    """Refuse a latents or timestep kwarg set to None or missing, or an empty tensor.
+
+    For a model of a lab family's class, every latents and timestep kwarg the family's own
+    inputs carry must be there (Flux's `timestep` and `guidance` both); other models (a test's
+    toy module) are held only to the None and empty checks.
+    """
+    needed = _family_needs(model_class)
+    for role in _NEEDED_ROLES:
+        keys = record.keys_with_role(role)  # type: ignore[arg-type]
+        unset = [k for k in keys if record.kwargs[k] is None]
+        unset += [k for k, r in needed.items() if r == role and k not in record.kwargs]
+        if unset or (not keys and role in needed.values()):
+            given = ", ".join(f"{k!r} ({r})" for k, r in record.roles.items()) or "none"
+            what = (
+                f"no {role!r} kwarg"
+                if not unset
+                else f"{unset[0]!r} (role {role!r}) "
+                + ("is None" if unset[0] in record.kwargs else f"missing ({model_class} needs it)")
+            )
+            raise ValueError(
+                f"{where}: {label} has {what}; a DiT forward needs its {role}. Given: {given}. "
+                "Make the inputs with fam.make_inputs(preset, seed), or add the kwarg with "
+                f"roles[name] = {role!r}."
+            )
+    for key, value in record.kwargs.items():
+        if record.roles.get(key) == "aux":
+            continue
+        empty = next((t for t in _tensors(value) if t.numel() == 0), None)
+        if empty is not None:
+            raise ValueError(
+                f"{where}: {label}[{key!r}] ({record.roles[key]}) is empty, shape "
+                f"{tuple(empty.shape)}: a forward of no sample. Give at least one sample "
+                "(fam.make_inputs(preset, seed, batch=1))."
+            )
+
+
+@functools.cache
+def _family_needs(model_class: str) -> dict[str, str]:
+    """The latents and timestep kwargs a lab family's inputs give a `model_class` forward."""
+    from lab.families import FAMILY_NAMES
+    from lab.families import family as get_family
+
+    for name in FAMILY_NAMES:
+        fam = get_family(name)
+        if fam.model_class == model_class:
+            made = fam.make_inputs("tiny", 0)
+            return {k: r for k, r in made.roles.items() if r in _NEEDED_ROLES}
+    return {}
 
 
 def inputs_mismatch_hint(model: torch.nn.Module, inputs: Inputs) -> str:

@@ -33,6 +33,9 @@ class LayerDivergence:
     dtype_b: str
     shape: tuple[int, ...]
     metrics: PairMetrics
+    module_a: str | None = None
+    """Side A's name for this output when the sides are two implementations (the engine's
+    module path, `path[i/n]` for piece i of a fused output); None when both run one tree."""
 
     @property
     def diverges(self) -> bool:
@@ -81,6 +84,7 @@ class LayerDivergence:
             "shape": "x".join(str(s) for s in self.shape),
             **m,
             "ulp_hist": list(hist),
+            **({"module_a": self.module_a} if self.module_a is not None else {}),
         }
 
 
@@ -113,6 +117,10 @@ class Result:
     flow: Any = field(default=None, repr=False, compare=False)
     """The pair's recorded dtype flow (a `lab.pairing.dtype_flow.DtypeFlow`) that `whys()` explains
     the rows from; None for a Result read from JSON (its rows carry their why) or a dump."""
+    partial: str | None = None
+    """None for a pair that finished; else what stopped it (the `PairError`'s message): the rows
+    are only what was compared before that. Every `PairError` that carries a Result sets it, it
+    is written to the file, and every view (describe, summary, table, report, compare) shows it."""
     _whys: list[Any] | None = field(default=None, init=False, repr=False, compare=False)
 
     # ---- views --------------------------------------------------------------------------
@@ -128,7 +136,10 @@ class Result:
         """
         import pandas as pd
 
-        return pd.DataFrame(self._why_rows())
+        table = pd.DataFrame(self._why_rows())
+        # A partial Result's table is not the whole forward: the frame says so wherever it goes.
+        table.attrs["partial"] = self.partial
+        return table
 
     def whys(self) -> list[Any]:
         """The `lab.why.Why` of each row, in row order (an empty Why where it does not differ).
@@ -251,6 +262,7 @@ class Result:
             "mode": self.mode,
             "side_a": self.side_a.get("name"),
             "side_b": self.side_b.get("name"),
+            "partial": self.partial,
             "pairs": len(self.rows),
             "bitexact_pairs": n_exact,
             "skipped": len(self.skipped),
@@ -273,13 +285,14 @@ class Result:
         """A few human lines for a notebook or a log."""
         s = self.summary()
         first = self.first_divergence()
+        none = "none (bit-exact)" if self.partial is None else "none among the outputs compared"
         lines = [
             f"{s['family'] or 'model'} [{s['preset'] or '?'}], {self.mode}: "
             f"{self.side_a.get('name')} (reference) vs {self.side_b.get('name')} (candidate)",
             f"  paired outputs: {s['pairs']}, bit-exact: {s['bitexact_pairs']}, "
             f"skipped: {s['skipped']}, degenerate: {s['degenerate_pairs']}, "
             f"max ULP: {s['max_ulp']:g}",
-            f"  first divergent module: {s['first_divergent_module'] or 'none (bit-exact)'}"
+            f"  first divergent module: {s['first_divergent_module'] or none}"
             + (
                 " (rounding only; first beyond rounding: "
                 f"{s['first_non_rounding_divergence'] or 'none'})"
@@ -298,6 +311,8 @@ class Result:
         ]
         if ran:
             lines.insert(1, "  " + "; ".join(ran))
+        if self.partial is not None:
+            lines.insert(1, f"  {partial_words(self.partial)}")
         if s["first_divergence_why"]:
             lines.append(f"  why: {s['first_divergence_why']}")
         beyond = s["first_non_rounding_divergence"]
@@ -337,7 +352,7 @@ class Result:
     # ---- JSON ---------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON document (schema in README, "Result JSON")."""
+        """The JSON document (schema in docs/files.md, "Result JSON")."""
         return {
             "schema": SCHEMA,
             "mode": self.mode,
@@ -348,6 +363,7 @@ class Result:
             "ulp_bins": list(ULP_BIN_LABELS),
             "rows": [_clean(r) for r in self._why_rows()],
             "skipped": [dataclasses.asdict(s) for s in self.skipped],
+            **({"partial": self.partial} if self.partial is not None else {}),
         }
 
     def to_json(self, path: str | Path) -> Path:
@@ -355,11 +371,18 @@ class Result:
 
         The document is serialized before the file is touched, and written to a temporary that
         replaces `path` only once complete (lab.base.atomic): a full disk or an unserializable meta
-        value leaves an earlier file whole and never a 0-byte one.
-        """
-        from lab.base.atomic import atomic_write_text
+        value leaves an earlier file whole and never a 0-byte one. A symlink is written through
+        (its target gets the document, the link stays).
 
-        return atomic_write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=True))
+        Raises:
+            ValueError: `path` cannot be written at all (a folder, a read-only place, a name too
+                long), naming it, before anything is serialized.
+        """
+        from lab.base.atomic import atomic_write_text, check_file_path
+
+        check_file_path(path, "Result.to_json")
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1, allow_nan=True))
+        return Path(path)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, where: str = "Result.from_dict") -> Result:
@@ -390,6 +413,7 @@ class Result:
                     dtype_b=r["dtype_b"],
                     shape=tuple(int(s) for s in r["shape"].split("x")) if r["shape"] else (),
                     metrics=PairMetrics(**m),
+                    module_a=r.get("module_a"),
                 )
             )
         result = cls(
@@ -399,6 +423,7 @@ class Result:
             rows=rows,
             skipped=[Skipped(**s) for s in data.get("skipped", [])],
             meta=data.get("meta", {}),
+            partial=data.get("partial"),
         )
         result._whys = _saved_whys(data["rows"], where)
         return result
@@ -509,6 +534,30 @@ def _check_document(data: Any, where: str) -> None:
             continue
         for key, kind in row_kinds.items():
             need(r, key, kind, f"rows[{i}].")
+    if (
+        "partial" in data
+        and data["partial"] is not None
+        and not (isinstance(data["partial"], str) and data["partial"].strip())
+    ):
+        problems.append(
+            f"partial: expected null or the failure's message, got {data['partial']!r:.60}"
+        )
+    bins = data.get("ulp_bins", list(ULP_BIN_LABELS))
+    if not isinstance(bins, list) or not all(isinstance(b, str) for b in bins):
+        problems.append(f"ulp_bins: expected a list of bin labels, got {bins!r:.60}")
+        bins = list(ULP_BIN_LABELS)
+    seen: dict[tuple[Any, ...], int] = {}
+    for i, r in enumerate(data.get("rows") if isinstance(data.get("rows"), list) else []):
+        if not isinstance(r, dict) or any(not _is_kind(r.get(k), t) for k, t in row_kinds.items()):
+            continue  # its missing or mistyped fields are listed above
+        problems += [f"rows[{i}].{p}" for p in _row_value_problems(r, len(bins))]
+        key = (r["module"], r["call"], r["output"])
+        if key in seen:
+            problems.append(
+                f"rows[{i}]: a second row for {_label(*key)!r} (first at rows[{seen[key]}]); "
+                "a pair writes each module output once"
+            )
+        seen.setdefault(key, i)
     for i, sk in enumerate(data.get("skipped") if isinstance(data.get("skipped"), list) else []):
         if not isinstance(sk, dict):
             problems.append(f"skipped[{i}]: expected an object, got {sk!r:.60}")
@@ -524,6 +573,61 @@ def _check_document(data: Any, where: str) -> None:
             f"{where}: not a valid Result document, {len(problems)} problem(s): "
             f"{'; '.join(problems[:6])}{more}."
         )
+
+
+# What each metric can be, by its formula (lab.pairing.metrics.decode_stats): (lowest, highest,
+# NaN possible). Differences, maxima and ULP counts are >= 0 and may overflow to inf, never NaN
+# (non-finite elements are left out of them and counted apart); cosine_dist is NaN only when
+# both norms overflow; the means are plain means of the finite elements.
+_METRIC_RANGES: dict[str, tuple[float, float, bool]] = {
+    "numel": (0, math.inf, False), "mean_abs_diff": (0, math.inf, False),
+    "max_abs_diff": (0, math.inf, False), "rel_max": (0, math.inf, False),
+    "max_ulp": (0, math.inf, False), "bitexact_frac": (0, 1, False),
+    "cosine_dist": (0, math.inf, True), "max_abs_diff_rounded": (0, math.inf, False),
+    "nonfinite_a": (0, math.inf, False), "nonfinite_b": (0, math.inf, False),
+    "mean_a": (-math.inf, math.inf, True), "mean_b": (-math.inf, math.inf, True),
+    "max_abs_a": (0, math.inf, False), "max_abs_b": (0, math.inf, False),
+}  # fmt: skip
+
+
+def _row_value_problems(row: dict[str, Any], bins: int) -> list[str]:
+    """Values no pair can produce in one well-typed row: out of range, NaN, counts too large."""
+    out = [
+        f"{key}: {row[key]!r} is outside [{low:g}, {high:g}]"
+        if not (isinstance(row[key], float) and math.isnan(row[key]))
+        else f"{key}: NaN, which this metric never is"
+        for key, (low, high, nan_ok) in _METRIC_RANGES.items()
+        if not (
+            (isinstance(row[key], float) and math.isnan(row[key]) and nan_ok)
+            or low <= row[key] <= high
+        )
+    ]
+    for key in ("order", "call"):
+        if row[key] < 0:
+            out.append(f"{key}: {row[key]!r} is negative")
+    for key in ("nonfinite_a", "nonfinite_b"):
+        if row[key] > row["numel"] >= 0:
+            out.append(f"{key}: {row[key]} of only {row['numel']} elements")
+    hist = row["ulp_hist"]
+    if len(hist) != bins or any(v < 0 for v in hist):
+        out.append(
+            f"ulp_hist: expected {bins} counts >= 0 (one per ulp_bins label), got {hist!r:.60}"
+        )
+    return out
+
+
+def _label(module: str, call: int, output: str) -> str:
+    """`LayerDivergence.label` of a row's key."""
+    return f"{module}{f':{output}' if output else ''}{f'#{call}' if call else ''}"
+
+
+def partial_words(partial: str) -> str:
+    """One line that says a Result is partial, for every view (describe, report, compare)."""
+    first = partial.strip().splitlines()[0] if partial.strip() else "the pair failed"
+    return (
+        f"PARTIAL: the pair failed part-way ({first:.300}); the rows are only the outputs "
+        "compared before that, not the whole forward"
+    )
 
 
 _ROW_KINDS: dict[str, str] = {

@@ -56,7 +56,10 @@ class WeightPlan:
     """Parameter name -> what decided its dtype: ("forward_dtype" | "param_dtype", None),
     ("keep_fp32_modules", component) or ("param_dtype_rules", glob). Read by `lab.pairing.why`."""
     buffer_sources: dict[str, tuple[str, str | None]] = field(default_factory=dict)
-    """Cast buffer name -> ("cast_buffers", None) or ("keep_fp32_modules", component)."""
+    """Buffer name -> ("cast_buffers", None), ("keep_fp32_modules", component) or
+    ("constructed", dtype name): a buffer the class builds in its own dtype (not the default),
+    which the side holds at that dtype (listed in `buffer_dtypes` only when that is not the
+    master's)."""
 
     def dtype_counts(self) -> dict[str, int]:
         """How many parameters run at each dtype (for summaries; a fresh dict each call)."""
@@ -74,6 +77,51 @@ def _component(name: str, components: tuple[str, ...]) -> str | None:
     """The first of `components` that is a dotted component of `name` (None: none is)."""
     parts = name.split(".")
     return next((c for c in components if c in parts), None)
+
+
+@functools.lru_cache(maxsize=32)
+def _constructed(cls: type, config_json: str, dtype: torch.dtype) -> dict[str, torch.dtype] | None:
+    import json
+
+    previous = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(dtype)
+        with torch.device("meta"):
+            built = cls.from_config(json.loads(config_json))
+    except Exception:  # a class that cannot be built on meta: no answer
+        return None
+    finally:
+        torch.set_default_dtype(previous)
+    return {
+        (f"{m}.{b}" if m else b): t.dtype
+        for m, module in built.named_modules()
+        for b, t in module._buffers.items()
+        if t is not None
+    }
+
+
+def constructed_buffer_dtypes(
+    model: torch.nn.Module, dtype: torch.dtype
+) -> dict[str, torch.dtype] | None:
+    """Each buffer's dtype when `model`'s class is built with `dtype` as torch's default.
+
+    That is the dtype an engine load holds a buffer at: sglang constructs its DiT under
+    `set_default_torch_dtype(dit_precision)` on the meta device and casts what it loads to each
+    tensor's constructed dtype, so a buffer the class builds explicitly in fp32 (SD3's
+    `pos_embed.pos_embed`) stays fp32 at a bf16 or fp16 precision. Built on the meta device
+    (no memory), once per class, config and dtype. None for a model without a diffusers
+    config, or one that cannot be built on meta.
+    """
+    import json
+
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(type(model), "from_config") or not dtype.is_floating_point:
+        return None
+    try:
+        text = json.dumps(dict(config), sort_keys=True, default=str)
+    except TypeError:
+        return None
+    return _constructed(type(model), text, dtype)
 
 
 def plan_weights(model: torch.nn.Module, side: Side) -> WeightPlan:
@@ -117,6 +165,7 @@ def plan_weights(model: torch.nn.Module, side: Side) -> WeightPlan:
     buffers: dict[str, torch.dtype] = {}
     buffer_sources: dict[str, tuple[str, str | None]] = {}
     if side.cast_buffers:
+        built = constructed_buffer_dtypes(model, default)
         for mod_name, module in model.named_modules():
             for buf_name, buf in module._buffers.items():
                 full = f"{mod_name}.{buf_name}" if mod_name else buf_name
@@ -124,6 +173,14 @@ def plan_weights(model: torch.nn.Module, side: Side) -> WeightPlan:
                 if buf is None or not buf.is_floating_point() or not persistent:
                     continue
                 keep = _component(full, side.keep_fp32_modules)
+                own = built.get(full) if built is not None else default
+                if keep is None and own is not None and own != default:
+                    # The class builds it in another dtype whatever the default (SD3's
+                    # pos_embed table: numpy float64 -> .float()): an engine load keeps that.
+                    buffer_sources[full] = ("constructed", dtype_name(own))
+                    if own != buf.dtype:
+                        buffers[full] = own
+                    continue
                 buffers[full] = fp32 if keep is not None else default
                 buffer_sources[full] = (
                     ("keep_fp32_modules", keep) if keep is not None else ("cast_buffers", None)
@@ -688,7 +745,8 @@ class PairedWeights:
             tensor = cache.get(cast_key)
             if tensor is None:
                 tensor = cache[cast_key] = view.cast(entry.master, entry.dtype)
-                self.casts += 1
+                # The master handed as it is (a buffer a side holds uncast) is no cast.
+                self.casts += len(cast_key) > 1
             out.append((entry, tensor))
         return out
 

@@ -52,6 +52,7 @@ CAUSES: dict[str, str] = {
     "engine_op": "an engine patch group replaces its forward on one side",
     "op_switch": "an engine op switch replaces its forward (or the model inputs) on one side",
     "attention_kernel": "the sides pin different attention kernels at this attention module",
+    "implementation": "the two implementations compute it differently (a named difference)",
     "submodule": "a module inside it differs first",
     "inherited": "its inputs already differ (propagated mode): the first divergent module upstream",
     "unexplained": "no recorded difference at this module",
@@ -510,6 +511,8 @@ def _source_text(source: tuple[str, str | None]) -> str:
         return f"engine fp32 keep {detail!r}"
     if kind == "cast_buffers":
         return "engine casts buffers"
+    if kind == "constructed":
+        return f"the class builds it {detail}; an engine load keeps that"
     return kind  # "forward_dtype" / "param_dtype"
 
 

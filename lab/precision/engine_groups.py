@@ -6,7 +6,7 @@ D model width, H heads, K head dim, F/Hh/Ww latent frames/height/width.
 
 Where the stock diffusers forward already rounds where the engine does, the group says so in its
 description instead of installing a copy (diffusers RoPE is computed in fp32/fp64 and rounded
-once in `apply_rotary_emb*`, as sglang-d's is; Wan's blocks already run "fp32 once").
+once in `apply_rotary_emb*`, as sglang-d's is and as sglang's GPU kernels are).
 """
 
 from __future__ import annotations
@@ -42,15 +42,25 @@ def _rms_norm_round_before_weight(module: torch.nn.Module) -> Callable[..., Any]
     return forward
 
 
-def _rms_norm_torch(module: torch.nn.Module) -> Callable[..., Any]:
-    """RMSNorm as the wan group runs it: torch semantics, weight in fp32, one rounding."""
+def _rms_norm_native(module: torch.nn.Module) -> Callable[..., Any]:
+    """RMSNorm as sglang's `RMSNorm.forward_native` runs it: one rounding, after the weight.
+
+    x in fp32, times rsqrt(mean(x^2) + eps), times the weight promoted to fp32, rounded once to
+    x's dtype (sglang 0.5.23, runtime/layers/layernorm.py). The wan group's q/k norms.
+    """
     dims = _normalized_ndim(module)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        shape = tuple(x.shape[-dims:])
-        out = F.rms_norm(x, shape, module.weight, module.eps)
+        eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+        x32 = x.float()
+        variance = x32.pow(2).mean(dim=tuple(range(-dims, 0)), keepdim=True)
+        out = x32 * torch.rsqrt(variance + eps)
+        if module.weight is not None:
+            out = out * module.weight
         bias = getattr(module, "bias", None)
-        return out + bias if bias is not None else out
+        if bias is not None:
+            out = out + bias
+        return out.to(x.dtype)
 
     return forward
 
@@ -209,13 +219,28 @@ def _ada_zero_x_eager(module: torch.nn.Module) -> Callable[..., Any]:
     return forward
 
 
-# ---- Wan: "fp32 once" blocks, sgld's anti-parity blocks, and the root table ---------------------
+# ---- Wan: the engine's blocks and root (by width), sgld's anti-parity blocks ------------------
+
+WAN_NORM_PATHS: tuple[str, ...] = ("by_width", "native", "fused")
+"""How the wan group runs Wan's norm + modulation ops (the `wan_norm_path` switch)."""
+
+
+def wan_fused_norm_width(width: int) -> bool:
+    """Whether sglang's CUDA dispatch runs its fused norm kernels at this model width.
+
+    `_NormScaleShift.forward_cuda` and `_ScaleResidualNormScaleShift.forward_cuda` (sglang
+    0.5.23, runtime/layers/layernorm.py) call their CuTe kernels only for D % 256 == 0 and
+    D <= 8192 and fall back to their torch `forward_native` otherwise: at the tiny preset's
+    D = 24 a GPU runs the engine's torch definitions, as a CPU does at every width.
+    """
+    return width % 256 == 0 and width <= 8192
 
 
 def _wan_block(fp32_once: bool) -> Callable[[torch.nn.Module], Callable[..., Any]]:
     """WanTransformerBlock.forward (wan2.1 / A14B temb layout (B, 6, D)).
 
-    fp32 once (wan): LayerNorm, modulation, gated residual and mul-add in fp32, one cast back.
+    fp32 once: LayerNorm, modulation, gated residual and mul-add in fp32, one cast back
+    (diffusers' own block, and the rounding points of sglang's fused CuTe norm kernels).
     eager (sgld): the SD3-shaped fused ops on Wan: table + temb, LayerNorm, scale/shift and the
     gated residual each round to the activation dtype; the record calls this anti-parity.
     """
@@ -270,60 +295,128 @@ def _wan_table(
     return (table.to(dt) + temb.to(dt)).to(dt)
 
 
-def _wan_root(module: torch.nn.Module) -> Callable[..., Any]:
-    """WanTransformer3DModel.forward with the root scale_shift_table re-rounded on every call.
+def _wan_fused(path: str, width: int) -> bool:
+    return path == "fused" or (path == "by_width" and wan_fused_norm_width(width))
 
-    The engine holds the root table promoted to fp32, re-rounds it to the activation dtype on
-    each call (the value the trainer gathers), and adds temb in fp32: the trainer's bf16-gathered
-    table plus its fp32 temb (diffusers ties temb to the fp32 text dtype) computes the same sum.
+
+def _wan_engine_block(path: str) -> Callable[[torch.nn.Module], Callable[..., Any]]:
+    """WanTransformerBlock.forward as sglang 0.5.23's WanTransformerBlock computes it.
+
+    The modulation is `e = scale_shift_table + temb.float()` (the table at the DiT dtype, the
+    sum fp32) in every path. Then, path "native" (the engine's torch `forward_native` of its
+    fused ops: on a CPU, and on a GPU at widths its kernels refuse):
+
+    - norm1 (LayerNormScaleShift): the fp32 LayerNorm rounded to the activation dtype, then
+      `* (1 + scale) + shift` in fp32 (fp32 modulation), rounded again;
+    - self_attn_residual_norm: `hs + attn * gate` in fp32, norm2 (fp32 affine) of that fp32
+      sum, both rounded;
+    - cross_attn_residual_norm: `hs + attn2` in the activation dtype, its LayerNorm rounded,
+      the fp32 modulation, rounded;
+    - mlp_residual (MulAdd): `hs + ff * gate` in fp32, rounded.
+
+    Path "fused": the rounding points of the CuTe kernels (`_wan_block(fp32_once=True)`).
+    Path "by_width": "fused" where `wan_fused_norm_width(D)`, else "native": as the engine's
+    CUDA dispatch chooses.
+    """
+
+    def factory(block: torch.nn.Module) -> Callable[..., Any]:
+        if _wan_fused(path, block.scale_shift_table.shape[-1]):
+            return _wan_block(fp32_once=True)(block)
+
+        def forward(
+            hidden_states: torch.Tensor,
+            encoder_hidden_states: torch.Tensor,
+            temb: torch.Tensor,
+            rotary_emb: Any,
+        ) -> torch.Tensor:
+            b = block
+            dt = hidden_states.dtype
+            if temb.ndim == 4:
+                table = b.scale_shift_table.unsqueeze(0)
+                chunks = [c.squeeze(2) for c in _wan_table(table, temb, True, dt).chunk(6, 2)]
+            else:
+                chunks = list(_wan_table(b.scale_shift_table, temb, True, dt).chunk(6, dim=1))
+            shift_msa, scale_msa, gate_msa, c_shift, c_scale, c_gate = chunks
+
+            # norm1 is an FP32LayerNorm: fp32 inside, its output at the input's dtype.
+            normed = (b.norm1(hidden_states) * (1 + scale_msa) + shift_msa).to(dt)
+            attn = b.attn1(normed, None, None, rotary_emb)
+            residual = hidden_states + attn * gate_msa
+            normed = b.norm2(residual).to(dt)
+            hidden_states = residual.to(dt)
+            hidden_states = hidden_states + b.attn2(normed, encoder_hidden_states, None, None)
+            normed = (b.norm3(hidden_states) * (1 + c_scale) + c_shift).to(dt)
+            return (hidden_states + b.ffn(normed) * c_gate).to(dt)
+
+        return forward
+
+    return factory
+
+
+def _wan_root(path: str) -> Callable[[torch.nn.Module], Callable[..., Any]]:
+    """WanTransformer3DModel.forward with the output norm and table as sglang 0.5.23 runs them.
+
+    sglang's `_unpatchify` adds its scale_shift_table (held at the DiT dtype) and temb (the time
+    MLP's output, at the activation dtype) in that dtype, so shift and scale are rounded sums.
+    norm_out (LayerNormScaleShift) then: path "native" rounds the fp32 LayerNorm to the
+    activation dtype and modulates with those bf16 tensors in bf16 (`(1 + scale)`, the product
+    and the shift each round); path "fused" keeps the LayerNorm fp32 and rounds once.
+    "by_width" picks as `_wan_engine_block` does.
     """
     from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
-    def forward(
-        hidden_states: torch.Tensor,
-        timestep: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        encoder_hidden_states_image: torch.Tensor | None = None,
-        return_dict: bool = True,
-        attention_kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        m = module
-        b, _, f, h, w = hidden_states.shape
-        p_t, p_h, p_w = m.config.patch_size
-        ppf, pph, ppw = f // p_t, h // p_h, w // p_w
-        rotary_emb = m.rope(hidden_states)
-        x_BLD = m.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
-        ts_seq_len = None
-        if timestep.ndim == 2:
-            ts_seq_len = timestep.shape[1]
-            timestep = timestep.flatten()
-        temb, timestep_proj, encoder_hidden_states, image_states = m.condition_embedder(
-            timestep,
-            encoder_hidden_states,
-            encoder_hidden_states_image,
-            timestep_seq_len=ts_seq_len,
-        )
-        timestep_proj = timestep_proj.unflatten(2 if ts_seq_len is not None else 1, (6, -1))
-        if image_states is not None:
-            encoder_hidden_states = torch.concat([image_states, encoder_hidden_states], dim=1)
-        for block in m.blocks:
-            x_BLD = block(x_BLD, encoder_hidden_states, timestep_proj, rotary_emb)
+    def factory(module: torch.nn.Module) -> Callable[..., Any]:
+        fused = _wan_fused(path, module.scale_shift_table.shape[-1])
 
-        table = m.scale_shift_table.to(x_BLD.dtype).float()
-        if temb.ndim == 3:
-            shift, scale = (table.unsqueeze(0) + temb.float().unsqueeze(2)).chunk(2, dim=2)
-            shift, scale = shift.squeeze(2), scale.squeeze(2)
-        else:
-            shift, scale = (table + temb.float().unsqueeze(1)).chunk(2, dim=1)
-        x_BLD = (m.norm_out(x_BLD.float()) * (1 + scale) + shift).type_as(x_BLD)
-        x_BLD = m.proj_out(x_BLD)
-        x = x_BLD.reshape(b, ppf, pph, ppw, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
-        output = x.flatten(6, 7).flatten(4, 5).flatten(2, 3)
-        if not return_dict:
-            return (output,)
-        return Transformer2DModelOutput(sample=output)
+        def forward(
+            hidden_states: torch.Tensor,
+            timestep: torch.Tensor,
+            encoder_hidden_states: torch.Tensor,
+            encoder_hidden_states_image: torch.Tensor | None = None,
+            return_dict: bool = True,
+            attention_kwargs: dict[str, Any] | None = None,
+        ) -> Any:
+            m = module
+            b, _, f, h, w = hidden_states.shape
+            p_t, p_h, p_w = m.config.patch_size
+            ppf, pph, ppw = f // p_t, h // p_h, w // p_w
+            rotary_emb = m.rope(hidden_states)
+            x_BLD = m.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
+            ts_seq_len = None
+            if timestep.ndim == 2:
+                ts_seq_len = timestep.shape[1]
+                timestep = timestep.flatten()
+            temb, timestep_proj, encoder_hidden_states, image_states = m.condition_embedder(
+                timestep,
+                encoder_hidden_states,
+                encoder_hidden_states_image,
+                timestep_seq_len=ts_seq_len,
+            )
+            timestep_proj = timestep_proj.unflatten(2 if ts_seq_len is not None else 1, (6, -1))
+            if image_states is not None:
+                encoder_hidden_states = torch.concat([image_states, encoder_hidden_states], dim=1)
+            for block in m.blocks:
+                x_BLD = block(x_BLD, encoder_hidden_states, timestep_proj, rotary_emb)
 
-    return forward
+            dt = x_BLD.dtype
+            table, temb = m.scale_shift_table.to(dt), temb.to(dt)
+            if temb.ndim == 3:
+                shift, scale = (table.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, dim=2)
+                shift, scale = shift.squeeze(2), scale.squeeze(2)
+            else:
+                shift, scale = (table + temb.unsqueeze(1)).chunk(2, dim=1)
+            normed = m.norm_out(x_BLD.float()) if fused else m.norm_out(x_BLD)
+            x_BLD = (normed * (1 + scale) + shift).to(dt)
+            x_BLD = m.proj_out(x_BLD)
+            x = x_BLD.reshape(b, ppf, pph, ppw, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+            output = x.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+            if not return_dict:
+                return (output,)
+            return Transformer2DModelOutput(sample=output)
+
+        return forward
+
+    return factory
 
 
 def _dispatch_rms(
@@ -378,14 +471,17 @@ register_group(
     PatchGroup(
         name="wan",
         description=(
-            "Wan 'fp32 once': LayerNorm, modulation, gated residual and mul-add in fp32 with a "
-            "single cast back; RMSNorm with torch semantics; the root scale_shift_table promoted "
-            "to fp32 and re-rounded to the activation dtype on every call."
+            "sglang 0.5.23's Wan DiT: norm + modulation, gated residuals and mul-add where its "
+            "CUDA dispatch puts them (its torch definitions at widths its fused kernels refuse, "
+            "e.g. tiny; the kernels' 'fp32 once' at D % 256 == 0; see the wan_norm_path "
+            "switch); q/k RMSNorm rounded once after the weight; the root scale_shift_table "
+            "plus temb summed in the activation dtype. RoPE stays diffusers' fp32 rotation "
+            "(the engine's GPU kernels; its CPU fallback is rope_table_dtype='bf16')."
         ),
         forwards={
-            "RMSNorm": _dispatch_rms(_rms_norm_torch, None),
-            "WanTransformerBlock": _wan_block(fp32_once=True),
-            "WanTransformer3DModel": _wan_root,
+            "RMSNorm": _dispatch_rms(_rms_norm_native, _rms_norm_native),
+            "WanTransformerBlock": _wan_engine_block("by_width"),
+            "WanTransformer3DModel": _wan_root("by_width"),
         },
     )
 )
@@ -516,10 +612,29 @@ register_switch(
 register_switch(
     Switch(
         name="rope_table_dtype",
-        description="Wan RoPE tables: 'as_built' (fp32, what from_pretrained keeps) or 'bf16' "
-        "(what a plain model.to(bf16) does to the non-persistent rope buffers).",
+        description="Wan RoPE tables: 'as_built' (fp32, what from_pretrained keeps; the rotation "
+        "in fp32, as the engine's GPU kernels rotate) or 'bf16' (what a plain model.to(bf16) "
+        "does to the non-persistent rope buffers; then the rotation runs in bf16, exactly as "
+        "the engine's CPU fallback apply_rotary_embedding_native does).",
         values=("as_built", "bf16"),
         forwards={"bf16": {"WanRotaryPosEmbed": _rope_tables_bf16}},
+    )
+)
+register_switch(
+    Switch(
+        name="wan_norm_path",
+        description="The wan group's norm + modulation ops: 'by_width' (as sglang's CUDA "
+        "dispatch picks: its fused kernels' 'fp32 once' at D % 256 == 0 and D <= 8192, its "
+        "torch definitions elsewhere), 'native' (its torch definitions at every width: the "
+        "engine on a CPU) or 'fused' (the fused kernels' rounding at every width).",
+        values=WAN_NORM_PATHS,
+        forwards={
+            path: {
+                "WanTransformerBlock": _wan_engine_block(path),
+                "WanTransformer3DModel": _wan_root(path),
+            }
+            for path in WAN_NORM_PATHS[1:]
+        },
     )
 )
 register_switch(

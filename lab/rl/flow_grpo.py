@@ -9,9 +9,11 @@ except `sigma_schedule`, which asks each family's own diffusers scheduler for it
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -69,6 +71,34 @@ def check_sigma_schedule(sigmas: torch.Tensor, *, where: str = "sigma schedule")
     return s
 
 
+def _dynamic_shift_mu(
+    fam: Family, scheduler_config: Mapping[str, Any], preset: str, variant: str | None
+) -> float:
+    """The pipelines' mu: calculate_shift of `latents.shape[1]`, the packed latent token count.
+
+    Raises:
+        ValueError: If the family's latents are not packed (B, tokens, C), where shape[1] would
+            be a channel count rather than the token count.
+    """
+    inputs = fam.make_inputs(preset, 0, 1, False, variant=variant, sigma=1.0)
+    key = inputs.keys_with_role("latents")[0]
+    first = inputs.kwargs[key]
+    if first.ndim != 3:
+        raise ValueError(
+            f"sigma_schedule({fam.name!r}): use_dynamic_shifting needs packed latents (B, tokens, "
+            f"C) for the token count mu is computed from, but {key!r} is shaped "
+            f"{tuple(first.shape)}. Turn use_dynamic_shifting off in the sampler's "
+            "scheduler_config (its static `shift` applies then)."
+        )
+    return calculate_shift(
+        first.shape[1],
+        base_seq_len=scheduler_config["base_image_seq_len"],
+        max_seq_len=scheduler_config["max_image_seq_len"],
+        base_shift=scheduler_config["base_shift"],
+        max_shift=scheduler_config["max_shift"],
+    )
+
+
 def sigma_schedule(
     family: Family | str,
     steps: int,
@@ -79,8 +109,10 @@ def sigma_schedule(
 ) -> torch.Tensor:
     """The family pipeline's sigma grid for `steps` denoising steps, from its diffusers scheduler.
 
-    Flux, Qwen-Image and LTX-2 compute mu from the packed latent token count of `preset`'s
-    geometry, as their pipelines do from `latents.shape[1]`.
+    As the pipeline's `__call__` builds it: Flux, Qwen-Image and LTX-2 pass sigmas =
+    `np.linspace(1, 1/N, N)` in float64 and mu from the packed latent token count of `preset`'s
+    geometry (their `latents.shape[1]`); SD3 and the others take the scheduler's own grid. Equal
+    bit for bit to the pipelines' `scheduler.sigmas` (tests/test_sigmas.py).
 
     Args:
         family: A Family or its name.
@@ -93,7 +125,8 @@ def sigma_schedule(
         1-D fp32 CPU tensor of steps + 1 sigmas, sigmas[0] == 1.0, strictly decreasing to 0.0.
 
     Raises:
-        ValueError: steps < 2, or a scheduler grid that is not strictly decreasing.
+        ValueError: steps < 2, a scheduler grid that is not strictly decreasing, or dynamic
+            shifting on a family whose latents are not packed (B, tokens, C).
     """
     from lab.families import family as get_family
 
@@ -119,19 +152,14 @@ def sigma_schedule(
 
         sched = FlowMatchEulerDiscreteScheduler(**config)
         kwargs: dict[str, Any] = {}
+        if sched.config.use_dynamic_shifting:
+            kwargs["mu"] = _dynamic_shift_mu(fam, sched.config, preset, variant)
         if settings.pipeline_sigmas:
-            kwargs["sigmas"] = torch.linspace(1.0, 1.0 / steps, steps).tolist()
-        if config.get("use_dynamic_shifting"):
-            inputs = fam.make_inputs(preset, 0, 1, False, variant=variant, sigma=1.0)
-            first = inputs.kwargs[inputs.keys_with_role("latents")[0]]
-            kwargs["mu"] = calculate_shift(
-                first.shape[1],
-                base_seq_len=config["base_image_seq_len"],
-                max_seq_len=config["max_image_seq_len"],
-                base_shift=config["base_shift"],
-                max_shift=config["max_shift"],
-            )
-        sched.set_timesteps(steps, **kwargs)
+            # float64, as the pipelines' np.linspace: the scheduler rounds it to fp32 itself.
+            # An fp32 torch.linspace lands 1-4 fp32 ULP off at 10, 28 and 40 steps.
+            sched.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), **kwargs)
+        else:
+            sched.set_timesteps(steps, **kwargs)
         sigmas = sched.sigmas
     sigmas = check_sigma_schedule(sigmas, where=f"sigma_schedule({fam.name!r}, {steps})")
     if sigmas.numel() != steps + 1:
@@ -355,7 +383,11 @@ def log_ratio_terms(
     Computed in float64 from the fp32 tensors; dm comes from the float64 difference of the
     velocities, never from the difference of the two fp32 means (which cancels to ~1e-3
     relative). `predicted` then matches the measured fp32 log_prob_new - log_prob_old to the
-    fp32 rounding of the log-probs (a few ulp of |log_prob|).
+    fp32 rounding of the log-probs: a few ulp of max |log_prob| from their reductions, plus the
+    rounding of the fp32 transition mean, which enters divided by the noise scale s (about
+    eps max|x_prev| / (s sqrt(N)) for N elements). Where s is small, at the end of a grid that
+    comes close to 0, that second part dominates: cosmos3 tiny, CFG 4.5, step 9 of 10 (sigma
+    1e-3, s = 7e-4) is 32 ulp of max |log_prob| over 16 samples (tests/test_flow_grpo.py).
 
     Args:
         v_old: The rollout's velocity (B, ...), diffusers convention.

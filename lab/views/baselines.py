@@ -311,7 +311,9 @@ def compare_to_baseline(
 
     old, new = keyed(base), keyed(result)
     model_old, model_new = _model_class(base), _model_class(result)
-    if (old and new and not set(old) & set(new)) or (model_old and model_new != model_old):
+    if (old and new and not set(old) & set(new)) or (
+        model_old and model_new and model_new != model_old
+    ):
         raise ValueError(
             f"{where}: the run and baseline {name!r} are different models: "
             f"{_model_words(result)} ({model_new}) vs {_model_words(base)} ({model_old}). "

@@ -126,6 +126,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     pair.add_argument("--report", action="store_true", help="also write OUT_DIR/report.html")
     pair.add_argument(
+        "--engine",
+        default=None,
+        choices=("sglang",),
+        help="run the rollout side in the real engine's own DiT class (sglang-diffusion, the "
+        "`engine` extra: bash scripts/install_engine.sh) and pair it module by module against "
+        "the trainer through the alignment of the two trees (notebook 12); CPU, propagated",
+    )
+    pair.add_argument(
         "--sharded",
         type=int,
         default=None,
@@ -243,6 +251,57 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--root", default=".", help="where runs are listed and looked up (.)")
     compare.add_argument("--metric", default="rel_max", help="per-module metric (rel_max)")
     compare.add_argument("--out-dir", default=None, help="write the overlay, diff and report")
+
+    contract = _command(
+        commands,
+        "contract",
+        "write a numerics contract of a pair, or check one (exit 1 when a clause fails)",
+        "write FILE: run the family's pair and record each module group's tier (bitwise where "
+        "bit-exact, else rel<=X or ulp<=K from the measured value times --margin), optionally a "
+        "drift clause. check FILE: re-run it and say which clauses hold; --rollout-overrides / "
+        "--trainer-overrides JSON for a what-if on one side, --dump DIR to read side A from a "
+        "dump. Exit 0 when every clause holds, 1 when one fails (with the table), 2 for a "
+        "malformed or newer-schema file.",
+    )
+    contract.add_argument("action", choices=("write", "check"), help="write or check")
+    contract.add_argument("file", help="the contract (JSON)")
+    contract.add_argument("--family", default="flux", help="write: the DiT family (flux)")
+    contract.add_argument("--preset", default="tiny", choices=PRESETS, help="write: (tiny)")
+    contract.add_argument("--seed", type=int, default=0, help="write: seed (0)")
+    contract.add_argument("--sigma", type=float, default=0.75, help="write: sigma (0.75)")
+    contract.add_argument("--tier", default="rel", choices=("rel", "ulp"), help="write: (rel)")
+    contract.add_argument("--margin", type=float, default=2.0, help="write: tolerance factor (2)")
+    contract.add_argument(
+        "--drift-steps", type=int, default=None, metavar="N",
+        help="write: add a drift clause over an N-step trajectory (no ratio clipped)",
+    )  # fmt: skip
+    contract.add_argument("--clip-range", type=float, default=1e-4, help="drift: (1e-4)")
+    contract.add_argument("--overwrite", action="store_true", help="write: replace FILE")
+    contract.add_argument("--rollout-overrides", default="{}", metavar="JSON",
+                          help="check: Side field overrides of side A")  # fmt: skip
+    contract.add_argument("--trainer-overrides", default="{}", metavar="JSON",
+                          help="check: Side field overrides of side B")  # fmt: skip
+    contract.add_argument("--dump", default=None, metavar="DIR", help="check: side A from a dump")
+
+    mismatch = _command(
+        commands,
+        "bench-mismatch",
+        "every family's default rollout vs trainer in one table: where, why, fix, cost, drift",
+        "Per family: the model output's rel_max, the first divergence and its why, the knob "
+        "with the largest Shapley share, the cheapest bit-exact prescription and its cost, the "
+        "transition KL and mean |log ratio| over a short trajectory at CFG 1 and at the "
+        "family's CFG, and the noise-floor verdict at --clip-range. Prints the table; --out "
+        "writes the record (JSON).",
+    )
+    from lab.families import FAMILY_NAMES
+
+    mismatch.add_argument("--families", nargs="+", default=list(FAMILY_NAMES), metavar="FAMILY",
+                          choices=FAMILY_NAMES, help="default: every family")  # fmt: skip
+    mismatch.add_argument("--preset", default="tiny", choices=PRESETS, help="default tiny")
+    mismatch.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    mismatch.add_argument("--steps", type=int, default=6, help="trajectory steps (6)")
+    mismatch.add_argument("--clip-range", type=float, default=1e-4, help="(1e-4)")
+    mismatch.add_argument("--out", default=None, help="write the record here (JSON)")
     return parser
 
 
@@ -277,8 +336,9 @@ def _pair(args: argparse.Namespace) -> int:
     out = Path(args.out_dir)
     # Before any work: an unknown baseline, or a name to save under that is taken, is a bad
     # argument, not something to learn after the forwards.
-    baseline = load_baseline(args.baseline) if args.baseline else None
-    if args.save_baseline:
+    # `is not None`: --baseline "" or --save-baseline "" is a bad name, not "no baseline".
+    baseline = load_baseline(args.baseline) if args.baseline is not None else None
+    if args.save_baseline is not None:
         free_baseline_path(args.save_baseline)
     with holding_folder(out, "pair --out-dir"):
         return _pair_into(args, out, rollout, trainer, baseline)
@@ -297,7 +357,9 @@ def _pair_into(
     from lab.views import plots
     from lab.views.baselines import compare_to_baseline, save_baseline
 
-    if args.sharded is not None:
+    if args.engine is not None:
+        result = _pair_engine(args, rollout, trainer)
+    elif args.sharded is not None:
         result = _pair_sharded(args, rollout, trainer)
         if isinstance(result, int):
             return result
@@ -335,13 +397,42 @@ def _pair_into(
         cmp = compare_to_baseline(result, baseline, metric=args.metric, baseline_name=args.baseline)
         print(cmp.describe())
         code = code if cmp.ok else EXIT_FAILED
-    if args.save_baseline:
+    if args.save_baseline is not None:
         if code == EXIT_OK:
             path = save_baseline(result, args.save_baseline)
             print(f"saved baseline {args.save_baseline!r}: {path}")
         else:
             print(f"not saved as baseline {args.save_baseline!r}: the run failed its gate above")
     return code
+
+
+def _pair_engine(args: argparse.Namespace, rollout: dict[str, Any], trainer: dict[str, Any]) -> Any:
+    """`pair --engine sglang`: the engine's own DiT against the trainer (lab.engine.sglang)."""
+    from lab.engine.sglang import EngineUnavailable, engine_family, pair_engine
+
+    if rollout:
+        raise UsageError(
+            "--rollout-overrides with --engine: the rollout side is the engine's own DiT, run "
+            "the engine's way; its settings are the engine's. Drop --rollout-overrides (or "
+            "drop --engine to pair the emulated rollout with those overrides)."
+        )
+    if args.device != "cpu" or args.mode != "propagated" or args.sharded is not None:
+        raise UsageError(
+            f"--engine {args.engine} runs on the CPU in propagated mode, unsharded (got "
+            f"--device {args.device} --mode {args.mode}"
+            + (f" --sharded {args.sharded}" if args.sharded is not None else "")
+            + "): the engine's GPU kernels (sglang-kernel) are not part of the extra."
+        )
+    try:
+        engine_family(args.family)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    try:
+        return pair_engine(
+            args.family, args.preset, seed=args.seed, sigma=args.sigma, side=trainer or None
+        )
+    except EngineUnavailable as err:
+        raise UsageError(str(err)) from None
 
 
 def _pair_sharded(
@@ -501,6 +592,8 @@ def _sweep(args: argparse.Namespace) -> int:
         if not eq or not key.strip():
             raise UsageError(f"--param {spec!r}: expected KEY=VALUE.")
         params[key.strip()] = parse_value(value)
+    if args.resume:
+        _check_resumable(Path(args.out))
     try:
         result = run_sweep(
             args.notebook,
@@ -517,6 +610,38 @@ def _sweep(args: argparse.Namespace) -> int:
         return stopped.exit_code
     print(result.describe())
     return EXIT_FAILED if result.failed else EXIT_OK
+
+
+def _check_resumable(out: Path) -> None:
+    """--resume reads the results.json of each point recorded ok: refuse a damaged one, named."""
+    import json
+
+    from lab.pairing.result import Result
+    from lab.views.sweep import RUN_RECORD
+
+    for record in sorted(out.glob(f"*/{RUN_RECORD}")):
+        path = record.parent / "results.json"
+        try:
+            recorded = json.loads(record.read_text(encoding="utf-8"))
+            # Where the run wrote it: its own out_dir (recorded), else its folder.
+            where = recorded.get("results_dir")
+            path = Path(where if isinstance(where, str) else record.parent) / "results.json"
+            if recorded.get("status") != "ok":
+                continue  # a failed point runs again; its results.json is not read
+            json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, AttributeError) as err:
+            if not path.is_file() or isinstance(err, AttributeError):
+                continue  # no results (or a damaged record): the point runs again
+            why = f"{str(path)!r} cannot be read: {err}"
+            if isinstance(err, ValueError):
+                try:
+                    Result.from_json(path)  # says empty, truncated or not JSON, naming the file
+                except ValueError as named:
+                    why = str(named)
+            raise UsageError(
+                f"--resume: {why} Delete its folder {str(path.parent)!r} (that point runs "
+                "again), or run without --resume."
+            ) from None
 
 
 def _scenarios(args: argparse.Namespace) -> int:
@@ -595,7 +720,54 @@ def _compare(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _contract(args: argparse.Namespace) -> int:
+    from lab.views import contract
+
+    if args.action == "write":
+        drift = None
+        if args.drift_steps is not None:
+            drift = {"steps": args.drift_steps, "clip_range": args.clip_range}
+        doc = contract.write(
+            args.file, args.family, args.preset, seed=args.seed, sigma=args.sigma,
+            tier=args.tier, margin=args.margin, drift=drift, overwrite=args.overwrite,
+        )  # fmt: skip
+        tiers = [c["tier"] for c in doc["clauses"]]
+        bitwise = sum(t == "bitwise" for t in tiers)
+        print(
+            f"wrote {args.file}: {len(tiers)} clauses ({bitwise} bitwise)"
+            + (", a drift clause" if doc["drift"] else "")
+        )
+        return EXIT_OK
+    rollout = _json_option("rollout_overrides", args.rollout_overrides, dict)
+    trainer = _json_option("trainer_overrides", args.trainer_overrides, dict)
+    found = contract.check(
+        args.file, rollout_overrides=rollout, trainer_overrides=trainer, dump=args.dump
+    )
+    print(found.describe())
+    if not found.holds:
+        print(found.table().to_string(index=False))
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _bench_mismatch(args: argparse.Namespace) -> int:
+    from lab.base.devices import resolve_device
+    from lab.causes import mismatch
+
+    resolve_device(args.device)
+    rows = mismatch.mismatch_table(
+        args.families, args.preset, device=args.device, steps=args.steps,
+        clip_range=args.clip_range,
+    )  # fmt: skip
+    print(mismatch.markdown(rows))
+    if args.out:
+        print(f"wrote {mismatch.write(rows, args.out)}")
+    return EXIT_OK
+
+
 _COMMANDS = {
+    "bench-mismatch": _bench_mismatch,
+    "contract": _contract,
     "pair": _pair,
     "drift": _drift,
     "report": _report,

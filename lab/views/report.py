@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lab.pairing.result import Result, results_table
+from lab.pairing.result import Result, partial_words, results_table
 from lab.views import plots
 
 if TYPE_CHECKING:
@@ -172,8 +172,13 @@ def write_html(
         The path of the HTML file.
 
     Raises:
-        ValueError: No Result given, an unknown metric, or neither `static` nor `interactive`.
+        ValueError: No Result given, an unknown metric, neither `static` nor `interactive`, or
+            a `path` that cannot be written (a folder, a read-only place, a name too long):
+            refused before any figure is drawn.
     """
+    from lab.base.atomic import atomic_write_text, check_file_path
+
+    check_file_path(path, "write_html")
     if not (static or interactive):
         raise ValueError(
             "write_html: static=False and interactive=False leave no way to show a figure; "
@@ -223,9 +228,7 @@ metrics are candidate vs reference.</p>
 {packed}
 </body></html>
 """
-    from lab.base.atomic import atomic_write_text  # a failed write leaves the old report whole
-
-    atomic_write_text(path, page, encoding="utf-8")
+    atomic_write_text(path, page, encoding="utf-8")  # a failed write leaves the old report whole
     print(f"wrote {path} ({_size(path.stat().st_size)})")
     return path
 
@@ -309,8 +312,7 @@ class _Figures:
         if self.interactive:
             spec = json.loads(pio.to_json(fig, validate=False, remove_uids=True))
             spec["config"] = {"displaylogo": False, "responsive": True}
-            # "</" inside a <script> would end it early; "<\/" is the same JSON string.
-            text = json.dumps(spec, separators=(",", ":")).replace("</", "<\\/")
+            text = _script_json(spec)
             parts += [
                 f'<script type="application/json" id="{fid}">{text}</script>',
                 '<div class="plot"></div>',
@@ -322,6 +324,17 @@ class _Figures:
         return f'<div class="fig" id="{fid}-box"{attrs}>{"".join(parts)}</div>'
 
 
+def _script_json(value: Any) -> str:
+    """JSON safe inside a <script> element: no "<", ">" or "&" left, each as its u-escape.
+
+    "</script" would end the element, and "<!--" followed by "<script" switches the HTML parser
+    into a state where the element's own "</script>" no longer ends it (a name holding
+    `<!--<script>` swallowed the rest of the report). The escapes are the same JSON strings.
+    """
+    text = json.dumps(value, separators=(",", ":"))
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
 # ---- sections -----------------------------------------------------------------------------
 
 
@@ -330,8 +343,10 @@ def _result_section(result: Result, name: str, i: int, metric: str, figs: _Figur
     why = _first_divergence_why(result)
     if why and not any("why" in k for k in summary):
         summary["first_divergence_why"] = why
+    stopped = f'<p class="bad">{_e(partial_words(result.partial))}</p>' if result.partial else ""
     parts = [
-        f'<section id="run-{i}"><h2>{_e(name)}</h2>',
+        f'<section id="run-{i}"><h2>{_e(name)}{" (PARTIAL)" if result.partial else ""}</h2>',
+        stopped,
         f"<pre>{_e(result.describe())}</pre>",
         "<h3>Summary</h3>",
         _kv_table(summary, row_class={"first_divergence_why": "first"}),
@@ -468,10 +483,16 @@ def _comparison_section(cmp: BaselineComparison, figs: _Figures) -> str:
         else f'<span class="bad">REGRESSED: {s["worse"]} worse, {s["missing"]} missing</span>'
     )
     runs = {f"baseline {cmp.baseline_name}": cmp.baseline, "this run": cmp.candidate}
+    stopped = [
+        f'<p class="bad">{_e(what)}: {_e(partial_words(r.partial))}</p>'
+        for what, r in runs.items()
+        if r.partial
+    ]
     parts = [
         '<section id="baseline"><h2>Baseline comparison</h2>',
         f"<p>{verdict} (baseline {_e(cmp.baseline_name)}; {_e(s['rule'])} on "
         f"{_e(cmp.metric)}).</p>",
+        *stopped,
         _kv_table(s),
         figs.embed(plots.plot_overlay(runs, cmp.metric, backend="plotly"), "baseline overlay"),
     ]

@@ -26,13 +26,14 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from lab.pairing.result import Result
+from lab.pairing.result import Result, partial_words
 from lab.views.baselines import BASELINE_DIR, BaselineComparison, compare_to_baseline
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ _VOLATILE_META: frozenset[str] = frozenset(
     {"timings_s", "timestamp", "created", "pair_core", "metric_batches"}
 )
 _SUMMARY_COLUMNS: tuple[str, ...] = (
-    "pairs", "bitexact_pairs", "max_ulp", "first_divergent_module",
+    "partial", "pairs", "bitexact_pairs", "max_ulp", "first_divergent_module",
     "model_output_rel_max", "model_output_max_abs_diff",
 )  # fmt: skip
 # Folders never searched: environments and caches hold other projects' JSON.
@@ -121,7 +122,9 @@ def list_runs(
         include_trajectories: Also list ratio-drift trajectories (kind "trajectory").
 
     Returns:
-        SavedRun records; files that are not lab results are ignored.
+        SavedRun records; files that are not lab results are ignored, and a lab result that
+        cannot be read (truncated, values no pair gives, a `results.json` that is not JSON) is
+        left out with a warning naming the file and what is wrong.
 
     Raises:
         ValueError: `root` is not a folder.
@@ -183,7 +186,7 @@ def find_run(ref: str | Path | SavedRun, runs: Sequence[SavedRun] | None = None,
     if path.is_dir() and (path / "results.json").is_file():
         path = path / "results.json"
     if path.is_file():
-        run = _read_run(path, _name_in(Path(root), path), _kind_of(path))
+        run = _read_run(path, _name_in(Path(root), path), _kind_of(path), strict=True)
         if run is None:
             raise ValueError(
                 f"find_run: {text!r} is not a lab result (no precision-lab/result schema and "
@@ -312,26 +315,35 @@ class RunComparison:
     def verdicts(self) -> pd.DataFrame:
         """One row per later run: how many module outputs got worse / better than the first.
 
-        A run of another model gets the verdict "not comparable" and the reason.
+        A run of another model gets the verdict "not comparable" and the reason. Where either
+        run is partial (its pair failed part-way, `Result.partial`), a verdict that would be
+        "ok" is "partial" instead, and `reason` says which run stopped and why: outputs it
+        never compared cannot be held to anything.
         """
         import pandas as pd
 
         (first_name, first), *rest = self.runs.items()
         rows = []
         for name, result in rest:
+            stopped = [
+                (n, r.partial) for n, r in ((first_name, first), (name, result)) if r.partial
+            ]
+            partial = "; ".join(f"{n}: {partial_words(why)}" for n, why in stopped)
             try:
                 s = compare_to_baseline(
                     result, first, metric=self.metric, baseline_name=first_name
                 ).summary()
             except ValueError as err:
                 rows.append({"run": name, "vs": first_name, "verdict": "not comparable",
-                             "reason": str(err)})  # fmt: skip
+                             "reason": "; ".join(filter(None, (str(err), partial)))})  # fmt: skip
                 continue
+            verdict = "worse" if not s["ok"] else "partial" if stopped else "ok"
             rows.append(
                 {
                     "run": name,
                     "vs": first_name,
-                    "verdict": "ok" if s["ok"] else "worse",
+                    "verdict": verdict,
+                    "reason": partial or None,
                     **{k: s[k] for k in ("worse", "improved", "unchanged", "new", "missing")},
                     "worst_module": s["worst_module"],
                     "worst_ratio": s["worst_ratio"],
@@ -356,12 +368,16 @@ class RunComparison:
         lines = [f"{len(self.runs)} runs, held against {first!r} on {self.metric}:"]
         for name, r in self.runs.items():
             s = r.summary()
+            none = "none (bit-exact)" if r.partial is None else "none among the outputs compared"
+            output = s.get("model_output_rel_max")
             lines.append(
                 f"  {name}: {s.get('family')} [{s.get('preset')}] {r.mode}, "
                 f"{r.side_a.get('name')} vs {r.side_b.get('name')}; model_output_rel_max "
-                f"{_fmt(s.get('model_output_rel_max'))}, first divergence "
-                f"{s.get('first_divergent_module') or 'none (bit-exact)'}"
+                f"{_fmt(output) if output is not None else 'not captured (no <root> row)'}, "
+                f"first divergence {s.get('first_divergent_module') or none}"
             )
+            if r.partial is not None:
+                lines.append(f"    {partial_words(r.partial)}")
         diff = self.settings_diff()
         shown = ", ".join(diff.index[:8]) + (", ..." if len(diff) > 8 else "")
         lines.append(f"  settings that differ ({len(diff)}): {shown or 'none'}")
@@ -495,27 +511,45 @@ def _kind_of(path: Path) -> Kind:
     return "sweep" if (path.parent.parent / "sweep.csv").is_file() else "run"
 
 
-def _read_run(path: Path, name: str, kind: Kind) -> SavedRun | None:
-    """The SavedRun of a Result or Trajectory JSON; None for any other (or unreadable) file."""
+def _read_run(path: Path, name: str, kind: Kind, *, strict: bool = False) -> SavedRun | None:
+    """The SavedRun of a Result or Trajectory JSON; None for any other file.
+
+    A Result is read as `Result.from_json` reads it (every field and value checked) and its
+    summary recomputed from its rows, so a listing never shows numbers the file's rows do not
+    hold. A file that is meant as a lab result but cannot be read (named results.json, or of
+    the result schema) is refused with why: raised when `strict` (a file the user named),
+    else warned about and left out.
+
+    Raises:
+        ValueError: (strict only) An unreadable, truncated or invalid lab result, naming it.
+    """
     try:
-        data = json.loads(path.read_text())
+        text = path.read_text(encoding="utf-8")
         modified = path.stat().st_mtime
-    except (OSError, ValueError):
+        data = json.loads(text)
+    except (OSError, ValueError) as err:
+        if path.name == "results.json" or strict:
+            _unreadable(path, err, strict)
         return None
     if not isinstance(data, dict):
         return None
     if str(data.get("schema", "")).startswith("precision-lab/result/"):
-        summary = data.get("summary") or {}
-        meta = data.get("meta") or {}
-        side_a, side_b = data.get("side_a") or {}, data.get("side_b") or {}
+        try:
+            result = Result.from_dict(data, where=f"saved run {name!r} ({str(path)!r})")
+        except ValueError as err:
+            if strict:
+                raise
+            warnings.warn(f"list_runs: left out: {err}", stacklevel=3)
+            return None
+        summary = result.summary()
         return SavedRun(
             name=name,
             path=path,
             kind=kind,
-            family=meta.get("family", summary.get("family")),
-            preset=meta.get("preset", summary.get("preset")),
-            mode=data.get("mode"),
-            sides=f"{side_a.get('name')} vs {side_b.get('name')}",
+            family=result.meta.get("family", summary.get("family")),
+            preset=result.meta.get("preset", summary.get("preset")),
+            mode=result.mode,
+            sides=f"{result.side_a.get('name')} vs {result.side_b.get('name')}",
             modified=modified,
             summary=summary,
         )
@@ -534,6 +568,21 @@ def _read_run(path: Path, name: str, kind: Kind) -> SavedRun | None:
             summary={k: overall.get(k) for k in _SUMMARY_COLUMNS if k in overall},
         )
     return None
+
+
+def _unreadable(path: Path, err: BaseException, strict: bool) -> None:
+    """Say why a file meant as a lab result cannot be read: `Result.from_json`'s own words."""
+    why = str(err)
+    if isinstance(err, ValueError):
+        try:
+            Result.from_json(path)  # names an empty, truncated or non-JSON file as such
+        except ValueError as named:
+            why = str(named)
+    elif isinstance(err, OSError):
+        why = f"{str(path)!r} cannot be read: {err.strerror or err}"
+    if strict:
+        raise ValueError(f"find_run: {why}") from None
+    warnings.warn(f"list_runs: left out: {why}", stacklevel=4)
 
 
 def _settings(result: Result) -> dict[str, Any]:

@@ -274,7 +274,11 @@ def _param_sources(model: Any, side: Side) -> dict[str, tuple[str, str, str]]:
     for name, buf in model.named_buffers():
         if buf is None or not buf.is_floating_point():
             continue
-        if name in plan.buffer_dtypes:
+        kind, detail = plan.buffer_sources.get(name, ("", None))
+        if kind == "constructed":
+            d = dtype_name(plan.buffer_dtypes.get(name, buf.dtype))
+            out[name] = ("buffer", d, f"built {detail} (an engine load keeps it)")
+        elif name in plan.buffer_dtypes:
             d = dtype_name(plan.buffer_dtypes[name])
             out[name] = ("buffer", d, "cast_buffers" if d == default else "keep_fp32_modules")
         else:

@@ -29,6 +29,7 @@ from lab.causes.checks.result import CheckResult, ulp_words
 from lab.families import Family, Inputs
 from lab.families import family as get_family
 from lab.pairing.capture import ROOT, ModuleHooks, depth_filter, flatten_output
+from lab.pairing.guards import check_fp32_master
 from lab.pairing.metrics import compare
 from lab.pairing.run import forward_side, model_device
 from lab.pairing.sides import Side
@@ -378,9 +379,11 @@ def batch_invariance(
 
     Raises:
         ValueError: Inputs that hold more than one sample or carry no origin, a bad batch or
-            position, or a batch above the family's `max_batch`.
+            position, a batch above the family's `max_batch`, or a model that is not the
+            fp32 master (a bf16 model's forwards would run on rounded weights).
     """
     where = "batch_invariance"
+    check_fp32_master(model, where)
     fam, preset, variant = _origin(inputs, where)
     columns = ["position", *_ROW_COLUMNS]
     meta = {**_base_meta(model, fam, preset, side), "batch": batch, "position": position}
@@ -526,9 +529,11 @@ def cfg_batching(
         applicable (no rows, passed) for guidance-distilled families and one-sample forwards.
 
     Raises:
-        ValueError: Inputs without CFG (no negative branch, or an odd batch), or cfg_scale <= 1.
+        ValueError: Inputs without CFG (no negative branch, or an odd batch), cfg_scale <= 1,
+            or a model that is not the fp32 master.
     """
     where = "cfg_batching"
+    check_fp32_master(model, where)
     fam, preset, variant = _origin(inputs, where)
     columns = ["branch", *_ROW_COLUMNS]
     meta = {**_base_meta(model, fam, preset, side), "cfg_layout": fam.cfg_layout}

@@ -12,6 +12,7 @@ and the row's `why`) or `backend="matplotlib"` (a static Figure for reviews).
     scenarios    plot_bug_vs_fixed                      (scenario runs)
     gradients    plot_gradient_divergence               (gradient results)
     attribution  plot_attribution                       (an Attribution)
+    settings     plot_setting_shares                    (a SettingAttribution)
     checks       plot_check                             (a lab.checks CheckResult)
     _show        show(fig, save_as=None), save_figure, figure_png, figure_mimebundle
 
@@ -52,6 +53,7 @@ from lab.views.plots.drift import (
 )
 from lab.views.plots.gradients import plot_gradient_divergence
 from lab.views.plots.scenarios import plot_bug_vs_fixed
+from lab.views.plots.settings import plot_setting_shares
 
 __all__ = [
     "BACKENDS",
@@ -75,6 +77,7 @@ __all__ = [
     "plot_overlay",
     "plot_ratio_drift",
     "plot_ratio_histogram",
+    "plot_setting_shares",
     "plot_steps_by_layers",
     "plot_ulp_histogram",
     "save_figure",

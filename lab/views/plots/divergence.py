@@ -155,17 +155,26 @@ def _hover_lines(table: pd.DataFrame, metric: str) -> list[str]:
     for row in table.itertuples(index=False):
         lines = [
             f"<b>{html.escape(row.label)}</b>",
-            f"class: {row.module_class} ({row.kind})",
-            f"dtype: {row.dtype_a} (ref) / {row.dtype_b} (cand), shape {row.shape}",
+            f"class: {_text(row.module_class)} ({_text(row.kind)})",
+            f"dtype: {_text(row.dtype_a)} (ref) / {_text(row.dtype_b)} (cand), shape {row.shape}",
         ]
         if row.params:
-            lines.append(row.params)
+            lines.append(_text(row.params))
         lines.append(f"{metric}: {_fmt(getattr(row, metric))}")
         lines += [f"{m}: {_fmt(getattr(row, m))}" for m in _HOVER_METRICS if m != metric]
         if why := _why_text(row):
             lines.append(why)
         texts.append("<br>".join(lines))
     return texts
+
+
+def _text(value: Any) -> str:
+    """A value escaped as plotly text, so that it reads as written.
+
+    Plotly reads tags and entities in hovers, titles, legends and ticks: a name holding `<b>`
+    or `<br>` would be drawn as markup.
+    """
+    return html.escape(str(value))
 
 
 def _fmt(value: Any) -> str:
@@ -247,7 +256,7 @@ def plot_divergence_by_layer(
                     x=sel.tolist(),
                     y=values.iloc[sel].tolist(),
                     mode="markers",
-                    name=kind,
+                    name=_text(kind),
                     marker={"color": colours[kind], "size": 7},
                     text=[hover[i] for i in sel],
                     hovertemplate="%{text}<extra></extra>",
@@ -264,12 +273,15 @@ def plot_divergence_by_layer(
             fig.add_vline(x=first_pos, line={"color": "crimson", "dash": "dash", "width": 1})
             fig.add_annotation(
                 x=first_pos, y=math.log10(values.iloc[first_pos]),
-                text=f"first divergence: {first.label()}", font={"color": "crimson", "size": 10},
+                text=f"first divergence: {_text(first.label())}",
+                font={"color": "crimson", "size": 10},
                 arrowcolor="crimson", ax=40, ay=-30, bgcolor="rgba(255,255,255,0.85)",
             )  # fmt: skip
-        fig.update_yaxes(type="log", title=_metric_axis(result, metric), exponentformat="e")
+        fig.update_yaxes(type="log", title=_text(_metric_axis(result, metric)), exponentformat="e")
         fig.update_xaxes(title="module output, forward completion order")
-        fig.update_layout(title=title, template="plotly_white", height=420, hovermode="closest")
+        fig.update_layout(
+            title=_text(title), template="plotly_white", height=420, hovermode="closest"
+        )
         return attach_static_twin(
             fig, lambda: plot_divergence_by_layer(result, metric, title=title, backend="matplotlib")
         )
@@ -389,7 +401,7 @@ def plot_steps_by_layers(
 
         hover = [
             [
-                f"step: {steps[i]}<br>"
+                f"step: {_text(steps[i])}<br>"
                 + hover_at[i].get(lab_, f"<b>{html.escape(lab_)}</b><br>missing at this step")
                 for lab_ in labels
             ]
@@ -410,8 +422,8 @@ def plot_steps_by_layers(
         fig = go.Figure(
             go.Heatmap(
                 z=zlog.T.tolist(),
-                x=steps,
-                y=labels,
+                x=[_text(step) for step in steps],
+                y=[_text(label) for label in labels],
                 text=[list(col) for col in zip(*hover, strict=True)],
                 hovertemplate="%{text}<extra></extra>",
                 zmin=zmin,
@@ -428,7 +440,9 @@ def plot_steps_by_layers(
             title="module output, forward order", tickfont={"size": 8}, autorange="reversed"
         )
         fig.update_xaxes(title="step", type="category")
-        fig.update_layout(title=title, template="plotly_white", height=160 + 14 * len(labels))
+        fig.update_layout(
+            title=_text(title), template="plotly_white", height=160 + 14 * len(labels)
+        )
         return attach_static_twin(
             fig,
             lambda: plot_steps_by_layers(
@@ -517,10 +531,10 @@ def plot_ulp_histogram(
                 line
                 for line in (
                     f"<b>{html.escape(entry)}</b>",
-                    f"class: {first.module_class}",
-                    f"dtype: {'/'.join(sorted(set(sub['dtype_a'])))} (ref) / "
-                    f"{'/'.join(sorted(set(sub['dtype_b'])))} (cand), {len(sub)} output(s)",
-                    first.params,
+                    f"class: {_text(first.module_class)}",
+                    f"dtype: {_text('/'.join(sorted(set(sub['dtype_a']))))} (ref) / "
+                    f"{_text('/'.join(sorted(set(sub['dtype_b']))))} (cand), {len(sub)} output(s)",
+                    _text(first.params) if first.params else "",
                     _why_text(first),
                 )
                 if line
@@ -537,7 +551,7 @@ def plot_ulp_histogram(
                 go.Bar(
                     x=list(ULP_BIN_LABELS),
                     y=counts.tolist(),
-                    name=name,
+                    name=_text(name),
                     text=[
                         f"{header}<br>ULP bin {b}: {int(c)} elements ({100 * c / total:.2f}%)"
                         for b, c in zip(ULP_BIN_LABELS, counts, strict=True)
@@ -548,7 +562,7 @@ def plot_ulp_histogram(
             )
         fig.update_yaxes(type="log", title="elements")
         fig.update_xaxes(title="ULP distance, coarser dtype of the pair", type="category")
-        fig.update_layout(title=title, template="plotly_white", barmode="group", height=380)
+        fig.update_layout(title=_text(title), template="plotly_white", barmode="group", height=380)
         return attach_static_twin(
             fig, lambda: plot_ulp_histogram(result, modules, title=title, backend="matplotlib")
         )
@@ -626,7 +640,7 @@ def plot_overlay(
             hover = _hover_lines(t, metric)
             if k:
                 hover = [
-                    f"{h}<br>vs {tables[0][0]}: {_ratio_text(v, base.get(lab_))}"
+                    f"{h}<br>vs {_text(tables[0][0])}: {_ratio_text(v, base.get(lab_))}"
                     for h, lab_, v in zip(hover, t["label"], t[metric].astype(float), strict=True)
                 ]
             fig.add_trace(
@@ -634,17 +648,17 @@ def plot_overlay(
                     x=[position[lab_] for lab_ in t["label"]],
                     y=t[metric].astype(float).clip(lower=_FLOOR).tolist(),
                     mode="lines+markers",
-                    name=name,
+                    name=_text(name),
                     line={"width": 1},
                     marker={"size": 5},
-                    text=[f"<b>{name}</b><br>{h}" for h in hover],
+                    text=[f"<b>{_text(name)}</b><br>{h}" for h in hover],
                     hovertemplate="%{text}<extra></extra>",
                 )
             )
         fig.add_hline(y=_FLOOR, line={"color": "#bbb", "dash": "dot", "width": 1})
-        fig.update_yaxes(type="log", title=ylabel, exponentformat="e")
+        fig.update_yaxes(type="log", title=_text(ylabel), exponentformat="e")
         fig.update_xaxes(title="module output, baseline forward order")
-        fig.update_layout(title=title, template="plotly_white", height=420)
+        fig.update_layout(title=_text(title), template="plotly_white", height=420)
         return attach_static_twin(
             fig, lambda: plot_overlay(runs, metric, title=title, backend="matplotlib")
         )

@@ -18,6 +18,7 @@ DataFrames, and an optional `meta` mapping (family, preset, clip_range, sides, .
 
 from __future__ import annotations
 
+import html
 import textwrap
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -149,7 +150,7 @@ def plot_ratio_drift(traj: Trajectory, *, backend: Backend = "plotly") -> Any:
         fig.update_yaxes(title="ratio - 1 (trainer / rollout)", exponentformat="e")
         legend = f"clip range +-{clip:g}" if clip is not None else ""
         fig.update_layout(
-            title=title, template="plotly_white", height=380, hovermode="closest",
+            title=html.escape(title), template="plotly_white", height=380, hovermode="closest",
             legend_title_text=legend,
         )  # fmt: skip
         return attach_static_twin(fig, lambda: plot_ratio_drift(traj, backend="matplotlib"))
@@ -217,7 +218,7 @@ def plot_ratio_histogram(traj: Trajectory, *, bins: int = 40, backend: Backend =
                 fig.add_vline(x=sign * clip, line={"color": "red", "dash": "dot", "width": 1})
         fig.update_xaxes(title="ratio - 1", exponentformat="e")
         fig.update_yaxes(title="samples x steps", dtick=1 if counts.max(initial=0) <= 10 else None)
-        fig.update_layout(title=title, template="plotly_white", height=360, bargap=0)
+        fig.update_layout(title=html.escape(title), template="plotly_white", height=360, bargap=0)
         return attach_static_twin(
             fig, lambda: plot_ratio_histogram(traj, bins=bins, backend="matplotlib")
         )
@@ -321,7 +322,9 @@ def plot_logprob_vs_velocity_gap(traj: Trajectory, *, backend: Backend = "plotly
             )  # fmt: skip
         fig.update_xaxes(title=xlabel, exponentformat="e")
         fig.update_yaxes(title=ylabel, exponentformat="e")
-        fig.update_layout(title=title, template="plotly_white", height=400, legend={"x": 0, "y": 1})
+        fig.update_layout(
+            title=html.escape(title), template="plotly_white", height=400, legend={"x": 0, "y": 1}
+        )
         return attach_static_twin(
             fig, lambda: plot_logprob_vs_velocity_gap(traj, backend="matplotlib")
         )
@@ -432,7 +435,8 @@ def plot_noise_floor(
         )  # fmt: skip
         fig.update_yaxes(title="ratios clipped (%)", range=[0, 100], secondary_y=True)
         fig.update_layout(
-            title={"text": f"{title}<br><sup>{floor.verdict}</sup>"}, template="plotly_white",
+            title={"text": f"{html.escape(title)}<br><sup>{html.escape(floor.verdict)}</sup>"},
+            template="plotly_white",
             height=420, legend={"x": 0, "y": -0.25, "orientation": "h"}, hovermode="closest",
         )  # fmt: skip
         return attach_static_twin(fig, lambda: _noise_floor_matplotlib(floor, title, lines))

@@ -1,0 +1,256 @@
+"""The real sglang engine's DiTs against the lab's models (the `engine` extra, marker `engine`).
+
+Run with `bash scripts/test.sh -m engine` after `bash scripts/install_engine.sh`; .ci/run does
+both and sets LAB_REQUIRE_ENGINE so a missing engine fails instead of skipping.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import lab
+
+pytestmark = pytest.mark.engine
+
+
+def _require_engine() -> None:
+    from lab.engine.sglang import SUPPORTED_VERSION, engine_version
+
+    version = engine_version()
+    if version != SUPPORTED_VERSION:
+        reason = (
+            f"sglang {SUPPORTED_VERSION} is not installed (found {version}): "
+            "bash scripts/install_engine.sh"
+        )
+        (pytest.fail if os.environ.get("LAB_REQUIRE_ENGINE") else pytest.skip)(reason)
+
+
+@pytest.fixture(scope="module")
+def sglang():
+    _require_engine()
+    from lab.engine import sglang as engine
+
+    return engine
+
+
+@pytest.fixture(scope="module")
+def checks(sglang):
+    return {name: sglang.check_emulation(name) for name in sglang.ENGINE_FAMILIES}
+
+
+@pytest.mark.parametrize("family_name", ["flux", "qwen_image", "sd3", "wan2_2"])
+def test_emulated_rollout_matches_the_engine_or_names_why(checks, family_name: str) -> None:
+    check = checks[family_name]
+    result = check.engine_vs_rollout
+    assert len(result.rows) > 20, "too few aligned outputs: the alignment found little"
+    root = result.root_rows()
+    assert root, "the model outputs were not paired"
+    assert check.unexplained() == [], check.unexplained()[:5]
+    # Every engine module is aligned or listed with its reason.
+    alignment = result.meta["alignment"]
+    engine_modules = {n or "<root>" for n, _ in check_engine_modules(family_name, checks)}
+    aligned = {m["a"] for m in alignment["modules"]}
+    assert engine_modules == aligned | set(alignment["unaligned_a"])
+    assert all(alignment["unaligned_a"].values())
+
+
+def check_engine_modules(family_name: str, checks):
+    return checks[family_name].engine.module.named_modules()
+
+
+def test_flux_and_sd3_emulations_are_bit_exact_with_the_engine(checks) -> None:
+    for name in ("flux", "sd3"):
+        result = checks[name].engine_vs_rollout
+        assert result.first_divergence() is None, (name, result.describe())
+        assert result.root_rows()[0].metrics.numel > 0
+
+
+def test_engine_vs_trainer_reads_like_the_emulated_rollout_vs_trainer(checks) -> None:
+    check = checks["sd3"]
+    engine, emulated = check.engine_vs_trainer, check.rollout_vs_trainer
+    assert engine.first_divergent_module == emulated.first_divergent_module
+    why = engine.why(engine.first_divergence())
+    assert why.startswith("autocast: layer_norm runs in fp32 on trainer"), why
+    assert engine.output_metrics()["model_output_rel_max"] == pytest.approx(
+        emulated.output_metrics()["model_output_rel_max"], rel=0, abs=0
+    )
+
+
+def test_wan_emulation_is_bit_exact_with_the_engine_on_cpu(checks) -> None:
+    check = checks["wan2_2"]
+    result = check.engine_vs_rollout
+    assert len(result.rows) >= 38 and result.root_rows()[0].metrics.numel > 0
+    assert result.first_divergence() is None, result.describe()
+    emulated = result.meta["emulated_on_cpu"]
+    assert emulated["op_switches.rope_table_dtype"].startswith("'bf16': the self-attention RoPE")
+    assert emulated["op_switches.wan_norm_path"].startswith("'native': norm1")
+    assert emulated["autocast"].startswith("off, as the side runs (the engine autocasts")
+    assert result.side_b["op_switches"] == {"rope_table_dtype": "bf16", "wan_norm_path": "native"}
+    # The emulation is exact, so the two trainer pairs are one gap, module by module.
+    by_engine = {r.label(): r.metrics.max_abs_diff for r in check.engine_vs_trainer.rows}
+    by_emulation = {r.label(): r.metrics.max_abs_diff for r in check.rollout_vs_trainer.rows}
+    assert by_engine and all(by_emulation[k] == v for k, v in by_engine.items())
+    rel = check.engine_vs_trainer.output_metrics()["model_output_rel_max"]
+    assert rel > 1e-3  # the trainer's fp32-once norms and fp32 RoPE against the engine's
+    assert check.rollout_vs_trainer.output_metrics()["model_output_rel_max"] == rel
+
+
+@pytest.fixture(scope="module")
+def wan(sglang):
+    from lab.engine.sglang.build import build_engine
+
+    fam = lab.family("wan2_2")
+    model = fam.build("tiny", 0, expert=fam.expert_for_sigma(0.75))
+    inputs = fam.make_inputs("tiny", 0, 1, False, sigma=0.75)
+    return fam, model, inputs, build_engine(model, sglang.engine_family("wan2_2"))
+
+
+def test_wan_default_rollout_differs_from_the_cpu_engine_only_by_its_rope_fallback(
+    sglang, wan
+) -> None:
+    fam, model, inputs, engine = wan
+    default = sglang.pair_with_engine(engine, model, inputs, lab.Side.rollout(fam))
+    # The default models the engine on a GPU, whose kernels rotate q/k in fp32: on this CPU the
+    # engine's torch fallback rotates in bf16, so the first output after the attention kernel
+    # (diffusers' attention runs as a function: no row between the q/k norms and to_out).
+    assert default.first_divergent_module == "blocks.0.attn1.to_out.0"
+    cpu_rope = lab.Side.rollout(fam, op_switches={"rope_table_dtype": "bf16"})
+    assert sglang.pair_with_engine(engine, model, inputs, cpu_rope).first_divergence() is None
+
+
+def test_wan_emulation_is_exact_with_no_autocast_and_under_either_list(sglang, wan) -> None:
+    fam, model, inputs, engine = wan
+    cpu = {"rope_table_dtype": "bf16"}
+    # The engine autocasts, but casts explicitly wherever its autocast would act, except the
+    # fp32 umT5 text at the text embedder, which the rollout's input policy casts instead.
+    for side in (
+        lab.Side.rollout(fam, op_switches=cpu),
+        lab.Side.rollout(fam, op_switches=cpu, autocast=True, input_dtype_policy={"cond": None}),
+        lab.Side.rollout(fam, op_switches=cpu, autocast=True, autocast_policy="cpu"),
+    ):
+        result = sglang.pair_with_engine(engine, model, inputs, side)
+        assert result.first_divergence() is None, (side, result.describe())
+
+
+def test_check_emulation_runs_an_autocast_side_with_the_cpu_lists(sglang) -> None:
+    check = sglang.check_emulation("wan2_2", rollout={"autocast": True})
+    side = check.engine_vs_rollout.side_b
+    assert side["autocast"] is True and side["autocast_policy"] == "cpu"
+    note = check.engine_vs_rollout.meta["emulated_on_cpu"]["autocast_policy"]
+    assert note.startswith("'cpu' (was 'cuda'): on a CPU the engine's pipeline autocasts")
+    assert check.engine_vs_rollout.first_divergence() is None
+    assert "emulated as the engine runs on a CPU: autocast_policy='cpu'" in check.describe()
+
+
+def test_wan_norms_at_a_fused_kernel_width_take_the_kernels_rounding(sglang) -> None:
+    from diffusers import WanTransformer3DModel
+
+    from lab.engine.sglang.build import build_engine
+    from lab.precision.engine_groups import wan_fused_norm_width
+
+    fam = lab.family("wan2_2")
+    torch.manual_seed(0)
+    # Two heads of 128: D = 256, the narrowest width sglang's fused CuTe norm kernels take.
+    config = {**fam.presets["tiny"], "attention_head_dim": 128, "ffn_dim": 64}
+    model = WanTransformer3DModel(**config).eval()
+    assert wan_fused_norm_width(256) and not wan_fused_norm_width(24)
+    inputs = fam.make_inputs("tiny", 0, 1, False, sigma=0.75, config=dict(model.config))
+    engine = build_engine(model, sglang.engine_family("wan2_2"))
+    on_gpu = lab.Side.rollout(fam, op_switches={"rope_table_dtype": "bf16"})
+    on_cpu = on_gpu.replace(op_switches={"rope_table_dtype": "bf16", "wan_norm_path": "native"})
+    # On this CPU the engine runs its torch forward_native at every width: the CPU choice is
+    # exact, and the GPU dispatch (the kernels' fp32-once rounding) is not.
+    assert sglang.pair_with_engine(engine, model, inputs, on_cpu).first_divergence() is None
+    fused = sglang.pair_with_engine(engine, model, inputs, on_gpu)
+    assert fused.first_divergent_module == "blocks.0.attn1.norm_q"
+
+
+def test_engine_weights_are_the_lab_models_cast_by_the_engines_loader(checks) -> None:
+    for name, check in checks.items():
+        weights = check.engine.weights
+        assert weights["equal"] == weights["parameters"] > 0, name
+    # SD3's pos_embed table is built fp32 by its class; the engine's loader keeps it.
+    assert checks["sd3"].engine.weights["fp32_params"] == ["pos_embed.pos_embed"]
+
+
+def test_unsupported_family_is_refused_with_the_reason(sglang) -> None:
+    with pytest.raises(ValueError, match=r"unknown family 'flx'.*Did you mean 'flux'"):
+        sglang.engine_family("flx")
+    for name, reason in sglang.UNSUPPORTED.items():
+        with pytest.raises(ValueError, match=f"family {name!r} is not supported"):
+            sglang.engine_family(name)
+        assert reason
+
+
+def test_cli_pairs_the_engine_against_the_trainer(sglang, tmp_path) -> None:
+    from lab.views.cli import main
+
+    out = tmp_path / "engine"
+    code = main(["pair", "--engine", "sglang", "--family", "flux", "--out-dir", str(out)])
+    assert code == 0
+    result = lab.Result.from_json(out / "results.json")
+    assert result.side_a["name"] == "sglang" and result.side_b["name"] == "trainer"
+    assert result.meta["alignment"]["counts"]["same"] > 100
+    assert any(r.module_a for r in result.rows)
+    assert main(["pair", "--engine", "sglang", "--family", "flux", "--rollout-overrides",
+                 '{"autocast": true}', "--out-dir", str(out)]) == 2  # fmt: skip
+
+
+def test_a_dump_written_inside_the_engine_pairs_against_the_trainer(sglang, tmp_path) -> None:
+    from lab.engine.dump import DumpError, attach
+    from lab.engine.sglang.build import build_engine
+
+    fam = lab.family("flux")
+    model = fam.build("tiny", 0)
+    inputs = fam.make_inputs("tiny", 0)
+    engine = build_engine(model, sglang.engine_family("flux"))
+    with attach(engine.module, tmp_path / "dump"):
+        engine.forward(inputs)
+    trainer = lab.Side.trainer(fam)
+    from_dump = sglang.pair_engine_dump(tmp_path / "dump", engine, model, inputs, trainer)
+    live = sglang.pair_with_engine(engine, model, inputs, trainer)
+    assert from_dump.meta["dump_checks"]["weights"] == "match"
+    assert [r.label() for r in from_dump.rows] == [r.label() for r in live.rows]
+    assert [r.metrics.max_abs_diff for r in from_dump.rows] == [
+        r.metrics.max_abs_diff for r in live.rows
+    ]
+    assert from_dump.first_divergent_module == live.first_divergent_module
+    # Other weights: refused by the fingerprints, or flagged when allowed.
+    other = fam.build("tiny", 1)
+    with pytest.raises(DumpError, match="ran with other weights"):
+        sglang.pair_engine_dump(tmp_path / "dump", engine, other, inputs, trainer)
+    flagged = sglang.pair_engine_dump(
+        tmp_path / "dump", engine, other, inputs, trainer, allow_mismatch=True
+    )
+    assert flagged.meta["dump_checks"]["weights"] == "differ" and flagged.meta["dump_mismatch"]
+
+
+@pytest.mark.parametrize("family_name", ["flux", "qwen_image", "sd3", "wan2_2"])
+def test_notebook_12_pairs_the_engine_and_checks_the_emulation(
+    sglang, family_name: str, tmp_path
+) -> None:
+    import json
+
+    import nbformat
+
+    from lab.views.notebooks import execute_notebook
+    from tests.test_notebooks import NOTEBOOKS, _check_clean_with_figures
+
+    out = tmp_path / "executed.ipynb"
+    execute_notebook(
+        NOTEBOOKS / "12_real_engine.ipynb",
+        out,
+        {"family": family_name, "out_dir": str(tmp_path / "run")},
+        cwd=tmp_path,
+    )
+    nb = nbformat.read(out, as_version=4)
+    _check_clean_with_figures(nb)
+    data = json.loads((tmp_path / "run" / "engine_vs_trainer.json").read_text())
+    assert data["side_a"]["name"] == "sglang" and data["side_b"]["name"] == "trainer"
+    assert data["meta"]["alignment"]["counts"]["same"] > 20
+    table = (tmp_path / "run" / "emulation.csv").read_text().splitlines()
+    assert len(table) == 4 and table[1].startswith(f"{family_name},engine vs emulated rollout")
+    assert (tmp_path / "run" / "divergence_by_layer.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
