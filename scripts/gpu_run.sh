@@ -29,7 +29,7 @@ for stage in "$@"; do
     case "$stage" in
     tests)
         gpu_pytest tests/test_metrics_gpu.py tests/test_metrics.py tests/test_dump.py tests/test_lockstep.py \
-            tests/test_pair_syncs_gpu.py >"$out/gpu_tests.log" 2>&1
+            tests/test_pair_syncs_gpu.py tests/test_docs.py >"$out/gpu_tests.log" 2>&1
         ;;
     fused) gpu_pytest tests/test_fused_stats.py tests/test_multi_pair_stats.py >"$out/fused_gpu.log" 2>&1 ;;
     paths) gpu_pytest -s tests/test_pairing_paths.py >"$out/paths_gpu.log" 2>&1 ;;

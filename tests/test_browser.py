@@ -5,10 +5,13 @@ Run with `pytest -m browser` (deselected by default; .ci/run runs it). Needs /us
 browser download is never used.
 
 One JupyterLab serves a temp dir for the whole file and one kernel drives the control panel
-(notebook 03) through the steps in file order: switch family, toggle autocast, add a rule,
-a failing run, hover and click a point, export. The last test executes notebook 01 with
-papermill into the served dir and opens its output. Each test saves a screenshot under
-runs/browser/ (and `<name>-failure.png` + `.html` when it fails).
+(notebook 03) through the steps in file order: switch family, toggle autocast (the verdict says
+the sides agree bit for bit), an edit marks the results stale, toggle the keep a row's why
+blames (wan2_2) and see the why change, Prescribe and Apply (flux: bit-exact), time Run to
+result, add a rule, a failing run, hover and click a point, export. The last test executes
+notebook 01 with papermill into the served dir and opens its output. Each test saves a
+screenshot under runs/browser/ (and `<name>-failure.png` + `.html` when it fails); the Run to
+result times go to runs/browser/run_to_result.txt and the test's output (`-s` shows it).
 """
 
 from __future__ import annotations
@@ -205,7 +208,7 @@ def panel(lab_server: str, browser: Any) -> Iterator[Any]:
         with _recorded(page, "panel-open"):
             _open_notebook(page, lab_server, "03_control_panel.ipynb")
             _run_all(page)
-            # interactive=False: run_and_export runs one pair and exports before the panel.
+            # run_and_export=True: the notebook runs one pair and exports it before the panel.
             exported = page.locator(".lab-status-text", has_text="exported")
             exported.wait_for(timeout=KERNEL_TIMEOUT_MS, state="attached")
             plot = page.locator(".lab-divergence .js-plotly-plot")
@@ -223,19 +226,34 @@ def _status(page: Any) -> str:
     return page.locator(".lab-status-text").inner_text()
 
 
-def _run(page: Any) -> str:
-    """Click Run and wait for this run's status line (runs are numbered, so it is new)."""
-    before = _status(page)
-    page.locator("button.lab-run").click()
+_LAST_RUN = [0]
+"""The number of the last run a test saw finish (the status line numbers runs)."""
+
+
+def _run(page: Any, button: str = "button.lab-run") -> str:
+    """Click Run (or `button`) and wait for the status line of a run after the last one.
+
+    A status line of an earlier run can still change after the click (an edit marks it
+    stale, undoing the edit clears that): only a higher run number is this click's.
+    """
+    page.locator(button).click()
     page.wait_for_function(
-        """([before]) => {
+        """([last]) => {
             const s = document.querySelector('.lab-status-text');
-            return s && s.innerText !== before && /^run \\d+: /.test(s.innerText);
+            const m = s && /^run (\\d+): /.exec(s.innerText);
+            return m && Number(m[1]) > last && !s.innerText.includes("(stale");
         }""",
-        arg=[before],
+        arg=[_LAST_RUN[0]],
         timeout=RUN_TIMEOUT_MS,
     )
-    return _status(page)
+    return _seen(_status(page))
+
+
+def _seen(status: str) -> str:
+    match = re.match(r"run (\d+): ", status)
+    if match:
+        _LAST_RUN[0] = max(_LAST_RUN[0], int(match.group(1)))
+    return status
 
 
 def _rel_max(page: Any) -> float:
@@ -291,9 +309,149 @@ def test_autocast_off_on_both_sides_gives_a_bit_exact_output(panel: Any) -> None
             assert "ran in" in status, status
             assert _rel_max(page) == 0.0
             first = page.locator(".lab-summary td[data-key='first_divergent_module']")
-            assert first.inner_text() == "None"
+            assert first.inner_text() == "none: the sides agree bit for bit"
+            verdict = page.locator(".lab-summary .lab-verdict").inner_text()
+            assert verdict.startswith("These sides agree bit for bit: all "), verdict
+            policy = page.locator(".lab-summary td[data-key='input policy trainer']").inner_text()
+            assert policy == "latents: passthrough, cond: passthrough, timestep: passthrough"
+            # On the plot too (plotly.js draws after the status line arrives).
+            page.locator(
+                ".lab-divergence .annotation-text", has_text="These sides agree bit for bit"
+            ).wait_for(timeout=10_000)
         finally:
             _checkbox(page, "trainer-autocast").check()
+
+
+def test_an_edit_marks_the_results_stale_until_run(panel: Any) -> None:
+    page = panel
+    with _recorded(page, "stale"):
+        _use_flux(page)
+        status = _run(page)
+        assert "ran in" in status and "stale" not in status, status
+        assert page.locator(".lab-results.lab-stale").count() == 0
+        _checkbox(page, "trainer-autocast").uncheck()
+        try:
+            note = page.locator(".lab-stale .lab-stale-note")
+            note.wait_for(timeout=10_000)
+            assert "trainer.autocast" in note.inner_text(), note.inner_text()
+            page.locator(".lab-results.lab-stale").wait_for(timeout=10_000)
+            assert "stale: settings changed since; press Run" in _status(page)
+            page.screenshot(path=str(SHOTS / "stale-note.png"))
+        finally:
+            _checkbox(page, "trainer-autocast").check()
+        # Back to the settings that ran: current again.
+        page.wait_for_function(
+            "() => !document.querySelector('.lab-results.lab-stale')", timeout=10_000
+        )
+        assert "stale" not in _status(page)
+
+
+def test_toggling_the_keep_a_why_blames_takes_it_out_of_that_why(panel: Any) -> None:
+    page = panel
+    with _recorded(page, "keep-why"):
+        page.locator(".lab-family select").select_option("wan2_2")
+        page.wait_for_function(
+            """() => document.querySelector('.lab-rollout-keep_fp32_modules input').value
+                === 'norm1, norm2, norm3, rope'""",
+            timeout=60_000,
+        )
+        # The trainer without its fp32 norm2 rule: the rollout's engine keep is what differs.
+        rules = page.locator(".lab-trainer-rules textarea")
+        rules.fill("")
+        rules.blur()
+        assert "ran in" in _run(page), _status(page)
+        detail = page.locator(".lab-detail")
+        page.locator(".lab-module select").select_option("blocks.0.norm2")
+        detail.locator("b", has_text="selected: blocks.0.norm2").wait_for(timeout=30_000)
+        why = detail.locator(".lab-why").all_inner_texts()
+        assert any("engine fp32 keep 'norm2'" in w for w in why), why
+        keep = page.locator(".lab-rollout-keep_fp32_modules input")
+        keep.fill("norm1, norm3, rope")
+        keep.blur()
+        page.locator(".lab-stale .lab-stale-note", has_text="rollout.keep_fp32_modules").wait_for(
+            timeout=10_000
+        )
+        assert "ran in" in _run(page), _status(page)
+        detail.locator("b", has_text="selected: blocks.0.norm2").wait_for(timeout=30_000)
+        why = detail.locator(".lab-why").all_inner_texts()
+        assert not any("keep 'norm2'" in w for w in why), why
+        params = detail.locator("table.lab-param-dtypes").inner_text()
+        assert "keep_fp32_modules" not in params, params
+        # Only what applies to wan2_2: its patch groups, no Qwen-Image or LTX switch.
+        groups = page.locator(".lab-trainer-engine_ops select option").all_inner_texts()
+        assert groups == ["sgld", "wan"], groups
+        assert not page.locator(".lab-trainer-rope_cache_device").is_visible()
+        assert page.locator(".lab-trainer-wan_patchify").is_visible()
+        assert page.locator(".lab-rollout-cast_buffers input[type=checkbox]").is_checked()
+
+
+def test_prescribe_then_apply_makes_flux_bit_exact(panel: Any) -> None:
+    page = panel
+    with _recorded(page, "prescribe-apply"):
+        _use_flux(page)
+        assert _rel_max(page) > 0
+        before = _status(page)
+        page.locator("button.lab-prescribe").click()
+        table = page.locator(".lab-prescriptions table.lab-prescriptions-table")
+        table.wait_for(timeout=RUN_TIMEOUT_MS)
+        page.wait_for_function(
+            "([b]) => document.querySelector('.lab-status-text').innerText !== b",
+            arg=[before],
+            timeout=RUN_TIMEOUT_MS,
+        )
+        assert _status(page).startswith("prescribed in "), _status(page)
+        first = table.locator("tbody tr").first.inner_text()
+        assert "autocast" in first and "True" in first, first  # meets: True
+        assert "forward time" in table.inner_text()
+        page.screenshot(path=str(SHOTS / "prescriptions.png"))
+        try:
+            status = _run(page, button="button.lab-apply")
+            assert "ran in" in status, status
+            assert not _checkbox(page, "trainer-autocast").is_checked()
+            assert _rel_max(page) == 0.0
+            verdict = page.locator(".lab-summary .lab-verdict").inner_text()
+            assert verdict.startswith("These sides agree bit for bit"), verdict
+            assert "applied prescription 1" in page.locator(".lab-prescriptions").inner_text()
+        finally:
+            _checkbox(page, "trainer-autocast").check()
+        assert "ran in" in _run(page)
+
+
+def test_run_to_result_on_tiny_is_logged(panel: Any) -> None:
+    """Click Run to the status line of the new result, timed in the page (not asserted)."""
+    page = panel
+    with _recorded(page, "run-to-result"):
+        _use_flux(page)
+        times = []
+        for _ in range(5):
+            ms = page.evaluate(
+                """() => new Promise((resolve) => {
+                    const box = document.querySelector('.lab-status');
+                    const before = box.innerText;
+                    const start = performance.now();
+                    const seen = new MutationObserver(() => {
+                        const now = box.innerText;
+                        if (now !== before && /^run \\d+: ran in/.test(now)
+                            && !now.includes("(stale")) {
+                            seen.disconnect();
+                            resolve(performance.now() - start);
+                        }
+                    });
+                    seen.observe(box, { subtree: true, childList: true, characterData: true });
+                    document.querySelector('button.lab-run').click();
+                })"""
+            )
+            times.append(ms / 1000)
+        kernel = re.search(r"ran in ([\d.]+) s", _seen(_status(page)))
+        line = (
+            f"flux tiny, Run click to result in the browser: median {sorted(times)[2]:.3f} s, "
+            f"min {min(times):.3f} s, max {max(times):.3f} s over {len(times)} runs "
+            f"(last run in the kernel: {kernel.group(1) if kernel else '?'} s)"
+        )
+        print(line)
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        with (SHOTS / "run_to_result.txt").open("a") as log:
+            log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
 
 
 def test_rule_shows_its_match_table_and_a_bad_combination_names_side_module_fix(

@@ -114,6 +114,22 @@ def test_every_parameter_parses_and_is_listed_with_its_help(
         assert len(match.group(1)) > 5, f"{name} has no help text"
 
 
+def test_a_parameter_name_means_one_thing_in_every_notebook() -> None:
+    """`interactive` meant "plotly, not matplotlib" in 01/04/08/09 and "run and export a pair"
+    in 03: a name a sweep sets across notebooks must mean one thing in all of them."""
+    import papermill as pm
+
+    declared: dict[str, dict[tuple[str, str], list[str]]] = {}
+    for path in PATHS:
+        for name, spec in pm.inspect_notebook(str(path)).items():
+            meaning = (spec["inferred_type_name"], spec["help"])
+            declared.setdefault(name, {}).setdefault(meaning, []).append(path.stem)
+    interactive = declared["interactive"]
+    assert len(interactive) == 1, interactive
+    assert "plotly" in next(iter(interactive))[1]
+    assert "run_and_export" in _defaults(NOTEBOOKS / "03_control_panel.ipynb")
+
+
 # ---- dict and list parameters as JSON text (papermill -p) -----------------------------------
 
 
@@ -210,6 +226,10 @@ def _check_02(out: Path, family: str, nb: Any) -> None:
 def _check_03(out: Path, family: str, nb: Any) -> None:
     data = json.loads((out / "results.json").read_text())
     assert data["summary"]["family"] == family
+    # The verdict in words: a pair with nothing to debug says so.
+    exact = data["summary"]["bitexact_pairs"] == data["summary"]["pairs"]
+    verdict = "These sides agree bit for bit" if exact else "The sides differ"
+    assert verdict in _text(nb) or "The model outputs agree bit for bit" in _text(nb)
     assert "<table" in (out / "report.html").read_text()
     assert (out / "divergence_by_layer.png").read_bytes()[:8] == PNG
 

@@ -18,6 +18,7 @@ import lab
 from lab.pairing.result import Result
 from lab.views import plots
 from lab.views.plots import _show
+from lab.views.plots.divergence import bitexact_words, divergence_spec
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -122,9 +123,10 @@ def test_hover_has_dtypes_of_both_sides_parameter_dtypes_metrics_and_why(
     assert text.startswith(f"<b>{row.label()}</b>") and "class: Linear" in text
     assert f"dtype: {row.dtype_a} (ref) / {row.dtype_b} (cand)" in text
     assert (row.dtype_a, row.dtype_b) == ("bf16", "fp16")
-    # lab.pairing.run records dtype -> count per side for the whole model.
-    n = sum(fp16_result.meta["param_dtypes_a"].values())
-    assert f"params: bf16 x{n} (ref) / fp16 x{n} (cand) (whole model)" in text
+    # The module's own parameters (a Linear's weight and bias), from the pair's weight plans,
+    # not the whole model's counts.
+    assert "params: bf16 x2 (ref) / fp16 x2 (cand)" in text
+    assert "whole model" not in text
     assert f"max_ulp: {row.metrics.max_ulp:g}" in text
     assert "rel_max: " in text and "bitexact_frac: " in text
     assert f"why: because &lt;{row.module}&gt; &amp; its inputs" in text
@@ -134,11 +136,38 @@ def test_hover_has_dtypes_of_both_sides_parameter_dtypes_metrics_and_why(
     assert "why:" not in _hover(plots.plot_divergence_by_layer(_with_why(fp16_result, why=False)))
 
 
+def test_hover_counts_each_modules_own_parameters_recursively(fp16_result: Result) -> None:
+    texts = plots.hover_texts(fp16_result)
+    n = sum(fp16_result.meta["param_dtypes_a"].values())
+    block = next(i for i, r in enumerate(fp16_result.rows) if r.module == "transformer_blocks.0")
+    root = next(i for i, r in enumerate(fp16_result.rows) if r.module == "<root>")
+    own = [
+        name
+        for name, _ in fp16_result.flow.plan_a.param_dtypes.items()
+        if name.startswith("transformer_blocks.0.")
+    ]
+    assert 2 < len(own) < n, "a block holds more than a Linear and less than the model"
+    assert f"params: bf16 x{len(own)} (ref) / fp16 x{len(own)} (cand)" in texts[block]
+    assert f"params: bf16 x{n} (ref) / fp16 x{n} (cand)" in texts[root]
+    norm = next(i for i, r in enumerate(fp16_result.rows) if r.module.endswith("norm1.norm"))
+    assert "<br>params:" not in texts[norm], "a LayerNorm without affine weights holds none"
+
+
+def test_a_saved_result_shows_no_whole_model_counts_as_a_modules(
+    fp16_result: Result, tmp_path
+) -> None:
+    fp16_result.to_json(tmp_path / "r.json")
+    saved = Result.from_json(tmp_path / "r.json")
+    assert saved.flow is None and isinstance(saved.meta["param_dtypes_a"]["bf16"], int)
+    texts = plots.hover_texts(saved)
+    assert not any("<br>params:" in t for t in texts), "dtype -> count is the whole model's"
+
+
 def test_hover_counts_a_modules_own_parameters_from_a_per_parameter_map(result: Result) -> None:
     meta = dict(result.meta)
     meta["param_dtypes_a"] = {"x_embedder.weight": "bf16", "x_embedder.bias": "bf16"}
     meta["param_dtypes_b"] = {"x_embedder.weight": "bf16", "x_embedder.bias": "fp32"}
-    texts = plots.hover_texts(dataclasses.replace(result, meta=meta))
+    texts = plots.hover_texts(dataclasses.replace(result, meta=meta, flow=None))
     i = next(i for i, r in enumerate(result.rows) if r.module == "x_embedder")
 
     assert "params: bf16 x2 (ref) / bf16 x1, fp32 x1 (cand)" in texts[i]
@@ -406,14 +435,78 @@ def test_drift_axes_say_which_steps_the_sde_window_leaves_out_and_tick_whole_num
 
 def test_all_bit_exact_divergence_plot_says_so_on_one_zero_tick() -> None:
     exact = lab.pair_family("flux", trainer={"autocast": False}, mode="local")
+    words = f"These sides agree bit for bit: all {len(exact.rows)} paired outputs are bit-exact."
+    assert bitexact_words(exact) == words
     fig = plots.plot_divergence_by_layer(exact)
     assert list(fig.layout.yaxis.tickvals) == [1e-12] and list(fig.layout.yaxis.ticktext) == ["0"]
-    assert fig.layout.annotations[0].text == f"all {len(exact.rows)} outputs bit-exact / zero"
+    # A decade either side of the floor: plotly.js collapses an autorange of one value (points
+    # and floor line alike) to zero height and then draws no annotation at all.
+    assert list(fig.layout.yaxis.range) == [-13, -11]
+    assert fig.layout.annotations[0].text == words
     mpl = plots.plot_divergence_by_layer(exact, backend="matplotlib")
     ax = mpl.axes[0]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["0"]
-    assert f"all {len(exact.rows)} outputs bit-exact / zero" in [t.get_text() for t in ax.texts]
+    assert words in [t.get_text() for t in ax.texts]
     plt.close(mpl)
+
+
+def test_outputs_that_agree_while_inside_differs_say_both() -> None:
+    # Some tiny families' default sides differ inside (an input's dtype) and agree at the
+    # output: the difference is rounded away before it. Which ones is the families' business.
+    cases = [
+        r
+        for r in (lab.pair_family(name) for name in lab.families())
+        if any(x.diverges for x in r.rows) and not any(x.diverges for x in r.root_rows())
+    ]
+    assert cases, "no tiny family differs inside only: nothing to check"
+    for result in cases:
+        inside = [r for r in result.rows if r.diverges]
+        words = bitexact_words(result)
+        assert words.startswith("The model outputs agree bit for bit; ")
+        assert f"{len(inside)} of {len(result.rows)} paired outputs inside" in words
+        assert f"(first: {inside[0].label()})" in words
+        fig = plots.plot_divergence_by_layer(result)
+        texts = [a.text or "" for a in fig.layout.annotations]
+        assert any(t.startswith("The model outputs agree") for t in texts), texts
+    assert bitexact_words(lab.pair_family("flux")) is None, "flux tiny differs at the output"
+
+
+def test_divergence_x_axis_is_labelled_by_block_and_points_can_be_coloured_by_block(
+    result: Result,
+) -> None:
+    fig = plots.plot_divergence_by_layer(result)
+    ticks = list(fig.layout.xaxis.ticktext)
+    assert {"transformer_blocks.0", "transformer_blocks.1", "single_transformer_blocks.0"} <= set(
+        ticks
+    )
+    # Each numbered block's outputs lie on its own shaded band.
+    bands = [s for s in fig.layout.shapes if s.type == "rect"]
+    assert len(bands) == 4, [(s.x0, s.x1) for s in bands]
+    labels = [r.label() for r in result.rows]
+    block0 = [i for i, r in enumerate(result.rows) if r.module.startswith("transformer_blocks.0")]
+    band0 = bands[0]
+    assert (band0.x0, band0.x1) == (block0[0] - 0.5, block0[-1] + 0.5), labels[block0[0]]
+    hover = plots.hover_texts(result)
+    assert "block: transformer_blocks.0" in hover[block0[0]]
+
+    by_block = plots.plot_divergence_by_layer(result, color_by="block")
+    assert [t.name for t in by_block.data][:1] == ["x_embedder"]
+    assert "transformer_blocks.1" in [t.name for t in by_block.data]
+    assert sum(len(t.x) for t in by_block.data) == len(result.rows)
+    mpl = plots.plot_divergence_by_layer(result, color_by="block", backend="matplotlib")
+    assert "transformer_blocks.0" in [t.get_text() for t in mpl.axes[0].get_xticklabels()]
+    plt.close(mpl)
+    with pytest.raises(ValueError, match=r"unknown color_by 'blok'\. Did you mean 'block'"):
+        plots.plot_divergence_by_layer(result, color_by="blok")
+
+
+def test_divergence_spec_is_the_figure_as_plain_json(result: Result) -> None:
+    spec = divergence_spec(result, "max_ulp", table=result.table())
+    fig = plots.plot_divergence_by_layer(result, "max_ulp")
+    assert json.loads(json.dumps(spec)) == spec, "plain JSON: the panel sends it as is"
+    assert [t["x"] for t in spec["data"]] == [list(t.x) for t in fig.data]
+    assert [t["text"] for t in spec["data"]] == [list(t.text) for t in fig.data]
+    assert spec["layout"]["xaxis"]["ticktext"] == list(fig.layout.xaxis.ticktext)
 
 
 def test_check_figures_label_the_model_output_bars_with_rel_max() -> None:

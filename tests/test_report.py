@@ -418,3 +418,19 @@ def test_hostile_names_in_chromium_keep_every_section_and_figure(
     assert hover.startswith(f"{HOSTILE_MODULE}.<root>"), hover
     assert f"class: {HOSTILE}" in hover
     assert HOSTILE_MODULE in skipped and f"reason {HOSTILE}" in skipped
+
+
+def test_a_bit_exact_run_says_so_in_words_not_nan(result: Result, tmp_path: Path) -> None:
+    exact = lab.pair_family("flux", trainer={"autocast": False})
+    assert exact.first_divergence() is None, "tiny flux without autocast is bit-exact"
+    one = report.write_html(exact, tmp_path / "one.html", static=False).read_text()
+    words = f"These sides agree bit for bit: all {len(exact.rows)} paired outputs are bit-exact."
+    assert f'<p class="ok bitexact">{words}</p>' in one
+    assert "<th>first_divergent_module</th><td>none: the sides agree bit for bit</td>" in one
+    both = report.write_html([exact, result], tmp_path / "both.html", static=False).read_text()
+    overview = both[
+        both.index('id="overview-table"') : both.index("</table>", both.index("overview-table"))
+    ]
+    assert ">nan<" not in overview and "none: the sides agree bit for bit" in overview
+    differs = report.write_html(result, tmp_path / "r.html", static=False).read_text()
+    assert 'class="ok bitexact"' not in differs, "flux tiny differs: no such sentence"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import re
 from pathlib import Path
@@ -10,7 +11,14 @@ import pytest
 
 import lab
 from lab.base.errors import PairError
-from lab.views.widgets import ControlPanel, control_panel, format_rules_text, parse_rules_text
+from lab.precision.engine_ops import SWITCHES
+from lab.views.widgets import (
+    ControlPanel,
+    control_panel,
+    format_rules_text,
+    nearest_rule_names,
+    parse_rules_text,
+)
 
 
 @pytest.fixture(scope="module")
@@ -344,3 +352,213 @@ def test_without_anywidget_the_plot_is_an_output_and_select_still_works(
     assert p.run() is not None, p.message
     assert p.selected.label == p.last_result.first_divergence().label()
     assert p.select("proj_out").rows["label"].tolist() == ["proj_out"]
+
+
+# ---- every setting a why can name, for this family ------------------------------------------
+
+
+def _norm2_why(result: lab.Result) -> str:
+    return result.why("blocks.0.norm2") or ""
+
+
+def test_keep_fp32_modules_toggles_the_setting_the_why_blames() -> None:
+    # wan2_2 tiny, the trainer without its fp32 norm2 rule: the rollout's engine keep holds
+    # norm2 in fp32 and the trainer gathers it in bf16, which the why of that row names.
+    p = control_panel("wan2_2")
+    assert p.get("rollout.keep_fp32_modules") == "norm1, norm2, norm3, rope"
+    p.set("trainer.param_dtype_rules", "")
+    assert p.run() is not None, p.message
+    assert "engine fp32 keep 'norm2'" in _norm2_why(p.last_result)
+    p.set("rollout.keep_fp32_modules", "norm1, norm3, rope")
+    assert p.message == "", p.message
+    assert p.run() is not None, p.message
+    assert p.last_result.side_a["keep_fp32_modules"] == ["norm1", "norm3", "rope"]
+    assert "norm2" not in _norm2_why(p.last_result)
+    detail = p.select("blocks.0.norm2").param_dtypes.set_index("tensor")
+    assert set(detail["rollout set by"]) == {"param_dtype"}, detail
+
+
+def test_cast_buffers_is_a_control_of_both_sides() -> None:
+    p = control_panel("sd3")
+    assert p.get("rollout.cast_buffers") is True and p.get("trainer.cast_buffers") is False
+    assert p.apply({"rollout.cast_buffers": False}) is None and p.message == ""
+    assert p.sides()[0].cast_buffers is False
+    assert p.run() is not None, p.message
+    assert p.last_result.side_a["cast_buffers"] is False
+
+
+def test_a_keep_naming_no_module_lists_the_nearest() -> None:
+    p = control_panel("wan2_2")
+    p.set("rollout.keep_fp32_modules", "nrom2")
+    assert "rollout.keep_fp32_modules: ['nrom2'] name no module" in p.message, p.message
+    assert "'nrom2': nearest 'norm2'" in p.message
+    assert p.run() is None and "nearest 'norm2'" in p.message
+
+
+def test_a_misspelt_glob_lists_the_globs_close_to_it_that_match() -> None:
+    p = control_panel("wan2_2")
+    p.set("trainer.param_dtype_rules", "*nrom2*: fp32")
+    assert "'*nrom2*' did not match any parameter" in p.message
+    assert "'*nrom2*': did you mean '*norm2*'?" in p.message, p.message
+    assert "did you mean '*norm2*'" in html.unescape(p._outputs["trainer.rules_table"].value)
+
+
+def test_nearest_rule_names_fixes_the_misspelt_piece_only() -> None:
+    names = ["blocks.0.norm2.weight", "blocks.0.norm2.bias", "blocks.0.ffn.net.0.proj.weight"]
+    assert nearest_rule_names("*nrom2*", names) == ["*norm2*"]
+    assert nearest_rule_names("blocks.*.ffn.net.0.porj.*", names) == ["blocks.*.ffn.net.0.proj.*"]
+    assert nearest_rule_names("*zzzz*", names) == []
+
+
+@pytest.mark.parametrize(
+    ("family_name", "groups", "switches"),
+    [
+        ("flux", [], []),
+        ("wan2_2", ["sgld", "wan"], ["wan_patchify", "rope_table_dtype", "wan_norm_path"]),
+        ("qwen_image", ["sgld", "qwen_image"], ["rope_cache_device"]),
+        ("ltx2", [], ["positions_dtype"]),
+    ],
+)
+def test_only_the_engine_ops_that_apply_to_the_family_are_offered(
+    family_name: str, groups: list[str], switches: list[str]
+) -> None:
+    p = control_panel(family_name)
+    for s in ("rollout", "trainer"):
+        assert list(p.controls[f"{s}.engine_ops"].options) == groups
+        shown = [n for n in SWITCHES if p.controls[f"{s}.op_switches.{n}"].layout.display != "none"]
+        assert shown == switches, (s, shown)
+    if not groups:
+        assert "no engine patch group applies" in p._outputs["trainer.no_ops"].value
+    hidden = next(n for n in SWITCHES if n not in switches)
+    assert not p.set(f"trainer.op_switches.{hidden}", SWITCHES[hidden].values[1])
+    assert f"op switch {hidden!r}" in p.message, p.message
+
+
+def test_engine_ops_follow_the_family_when_it_changes() -> None:
+    p = control_panel("flux")
+    p.set("family", "wan2_2")
+    assert p.get("rollout.engine_ops") == ("wan",)
+    assert list(p.controls["trainer.engine_ops"].options) == ["sgld", "wan"]
+    assert not p.set("trainer.engine_ops", ("qwen_image",))
+    assert "patch group 'qwen_image' patches" in p.message, p.message
+
+
+# ---- stale results, and runs on every change -----------------------------------------------
+
+
+def test_an_edit_marks_the_results_stale_until_the_next_run() -> None:
+    p = control_panel("flux")
+    assert p.run() is not None, p.message
+    assert p.stale_keys() == [] and "lab-stale" not in p.results._dom_classes
+    p.set("trainer.autocast", False)
+    assert p.stale_keys() == ["trainer.autocast"]
+    assert "Stale:" in p._outputs["stale"].value and "trainer.autocast" in p._outputs["stale"].value
+    assert "lab-stale" in p.results._dom_classes
+    assert "stale" in p._outputs["status"].value and "run 1: ran in" in p._outputs["status"].value
+    p.set("metric", "max_ulp")  # how the result is shown: not a setting of the pair
+    assert p.stale_keys() == ["trainer.autocast"]
+    p.set("trainer.autocast", True)
+    assert p.stale_keys() == [] and p._outputs["stale"].value == ""
+    p.set("trainer.autocast", False)
+    assert p.run() is not None, p.message
+    assert p.stale_keys() == [] and "stale" not in p._outputs["status"].value
+    assert "lab-stale" not in p.results._dom_classes
+
+
+def test_run_on_every_change_reruns_at_once() -> None:
+    p = control_panel("flux")
+    assert p.run() is not None, p.message
+    p.set("auto_run", True)
+    runs = p.runs
+    p.set("trainer.autocast", False)
+    assert p.runs == runs + 1 and p.last_result.side_b["autocast"] is False
+    assert p.stale_keys() == []
+
+
+# ---- a pair with nothing to debug says so ---------------------------------------------------
+
+
+def test_a_bit_exact_pair_says_so_in_words() -> None:
+    p = control_panel("flux")
+    p.set("trainer.autocast", False)
+    assert p.run() is not None, p.message
+    words = f"These sides agree bit for bit: all {len(p.last_result.rows)} paired outputs"
+    assert p.verdict().startswith(words)
+    summary = p._outputs["summary"].value
+    assert words in summary and "lab-agree" in summary
+    assert "<td data-key='first_divergent_module'>none: the sides agree bit for bit" in summary
+    assert "latents: passthrough, cond: passthrough, timestep: passthrough" in summary
+    assert "{" not in summary.split("input policy")[1], "the policy reads as the dropdowns do"
+    annotations = [a["text"] for a in p._spec["layout"]["annotations"]]
+    assert any(a.startswith(words) for a in annotations)
+    p.set("trainer.autocast", True)
+    assert p.run() is not None
+    assert p.verdict().startswith("The sides differ: model output rel_max ")
+
+
+def test_hover_in_the_panel_counts_the_modules_own_parameters() -> None:
+    p = control_panel("flux")
+    assert p.run() is not None, p.message
+    hovers = [t for trace in p._spec["data"] for t in trace["text"]]
+    to_q = next(h for h in hovers if "<b>transformer_blocks.0.attn.to_q</b>" in h)
+    assert "params: bf16 x2 (ref) / bf16 x2 (cand)" in to_q and "whole model" not in to_q
+    assert "block: transformer_blocks.0" in to_q
+
+
+def test_the_panel_pairs_bit_for_bit_as_lab_pair_does() -> None:
+    # The panel runs the tiny preset's forwards on one CPU thread: the rows must not change.
+    p = control_panel("sd3")
+    assert p.run() is not None, p.message
+    direct = lab.pair_family("sd3")
+
+    def rows(r: lab.Result) -> list[tuple]:
+        return [
+            (x.label(), x.metrics.max_abs_diff, x.metrics.mean_abs_diff, x.metrics.max_ulp)
+            for x in r.rows
+        ]
+
+    assert rows(p.last_result) == rows(direct)
+    assert set(p.timings) >= {"pair_s", "show_s", "total_s"}
+
+
+# ---- Prescribe and Apply ---------------------------------------------------------------------
+
+
+def test_prescribe_then_apply_makes_the_pair_bit_exact() -> None:
+    p = control_panel("flux")
+    assert p.apply_prescription() is None and "press Prescribe first" in p.message
+    assert p.run() is not None and p.last_result.first_divergence() is not None
+    found = p.prescribe()
+    assert found is not None, p.message
+    best = found.best()
+    assert best is found.prescriptions[0] and best.meets
+    assert best.side.autocast is False, best.labels()
+    table = p._outputs["prescriptions"].value
+    assert "autocast" in table and "extra parameter bytes on trainer" in table
+    assert "forward time" in table
+    assert p._outputs["prescription"].value == 1
+    result = p.apply_prescription()
+    assert result is not None, p.message
+    assert p.get("trainer.autocast") is False and p.sides()[1] == best.side
+    assert result.first_divergence() is None
+    assert p.verdict().startswith("These sides agree bit for bit")
+    assert "applied prescription 1 to side 'trainer'" in p._outputs["prescriptions"].value
+
+
+def test_apply_refuses_prescriptions_for_sides_that_changed() -> None:
+    p = control_panel("flux")
+    assert p.prescribe() is not None, p.message
+    p.set("rollout.forward_dtype", "fp16")
+    assert p.apply_prescription() is None
+    assert "the sides changed since Prescribe" in p.message
+
+
+def test_colour_by_block_replots_without_making_the_result_stale() -> None:
+    p = control_panel("flux")
+    assert p.run() is not None, p.message
+    assert "linear" in [t["name"] for t in p._spec["data"]]
+    p.set("color_by", "block")
+    names = [t["name"] for t in p._spec["data"]]
+    assert "transformer_blocks.0" in names and "linear" not in names
+    assert p.stale_keys() == [] and p.runs == 1
+    assert "transformer_blocks.1" in p._spec["layout"]["xaxis"]["ticktext"]

@@ -34,23 +34,28 @@ def mismatch_row(
     repeats: int = 3,
 ) -> dict[str, Any]:
     """One family's row (see the module docstring)."""
-    import lab
+    from lab.causes.prescribe import prescribe
+    from lab.causes.settings import attribute_settings
+    from lab.families import family
+    from lab.pairing.run import pair
+    from lab.pairing.sides import Side
+    from lab.rl.trajectory import trajectory
 
-    fam = lab.family(family_name)
+    fam = family(family_name)
     model = fam.build(preset, seed, device=device, expert=fam.expert_for_sigma(0.75))
     inputs = fam.make_inputs(preset, seed, device=device, sigma=0.75)
-    rollout = lab.Side.rollout(fam, device=device)
-    trainer = lab.Side.trainer(fam, device=device)
-    result = lab.pair(model, inputs, rollout, trainer, check_outputs=False)
+    rollout = Side.rollout(fam, device=device)
+    trainer = Side.trainer(fam, device=device)
+    result = pair(model, inputs, rollout, trainer, check_outputs=False)
     summary = result.summary()
-    shares = lab.attribute_settings(model, inputs, rollout, trainer)
+    shares = attribute_settings(model, inputs, rollout, trainer)
     top = shares.top()
     top_pct = (
         100 * shares.shares[shares.knobs.index(top)] / shares.total
         if top is not None and shares.total
         else 0.0
     )
-    found = lab.prescribe(model, inputs, rollout, trainer, repeats=repeats)
+    found = prescribe(model, inputs, rollout, trainer, repeats=repeats)
     best = found.best()
     row: dict[str, Any] = {
         "family": family_name,
@@ -74,7 +79,7 @@ def mismatch_row(
             row["noise_floor_cfg"] = row["noise_floor_cfg1"]
             row["cfg_scale"] = cfg
             continue
-        traj = lab.trajectory(
+        traj = trajectory(
             family_name, preset, steps=steps, cfg_scale=cfg, samples=samples, seed=seed,
             device=device, clip_range=clip_range, keep_tensors=False, progress=False,
         )  # fmt: skip

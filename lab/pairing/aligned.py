@@ -18,6 +18,7 @@ engine computes the module another way), a submodule that differs first.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -63,13 +64,16 @@ class _Call:
 
 
 def _digest(t: torch.Tensor) -> tuple[str, int, str]:
-    """(dtype, numel, checksum of the bytes in row-major order) of a tensor.
+    """(dtype, numel, hash of the bytes in row-major order) of a tensor.
 
     A view of the same values with another shape (a head split, a flatten) has the same digest.
+    The bytes go to the host: cross-implementation pairs run the engine on the CPU.
     """
-    from lab.engine.dump import _checksum
-
-    return dtype_name(t.dtype), t.numel(), _checksum(t.detach())
+    data = t.detach().contiguous().reshape(-1)
+    if data.is_complex():
+        data = torch.view_as_real(data).reshape(-1)
+    raw = data.cpu().view(torch.uint8).numpy().tobytes()
+    return dtype_name(t.dtype), t.numel(), hashlib.blake2b(raw, digest_size=16).hexdigest()
 
 
 def _main_input(args: tuple, kwargs: dict) -> torch.Tensor | None:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from lab.pairing.result import Result, partial_words, results_table
 from lab.views import plots
+from lab.views.plots.divergence import bitexact_words
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -344,9 +345,13 @@ def _result_section(result: Result, name: str, i: int, metric: str, figs: _Figur
     if why and not any("why" in k for k in summary):
         summary["first_divergence_why"] = why
     stopped = f'<p class="bad">{_e(partial_words(result.partial))}</p>' if result.partial else ""
+    agree = bitexact_words(result)
+    if agree is not None:
+        summary = _bitexact_summary(summary)
     parts = [
         f'<section id="run-{i}"><h2>{_e(name)}{" (PARTIAL)" if result.partial else ""}</h2>',
         stopped,
+        f'<p class="ok bitexact">{_e(agree)}</p>' if agree is not None else "",
         f"<pre>{_e(result.describe())}</pre>",
         "<h3>Summary</h3>",
         _kv_table(summary, row_class={"first_divergence_why": "first"}),
@@ -387,6 +392,19 @@ def _result_section(result: Result, name: str, i: int, metric: str, figs: _Figur
     return "\n".join(parts)
 
 
+_NO_DIVERGENCE = "none: the sides agree bit for bit"
+"""What a summary's first-divergence fields read for a pair where nothing differs."""
+
+
+def _bitexact_summary(summary: Mapping[str, Any]) -> dict[str, Any]:
+    """The summary with words, not an empty cell, where a field names no divergence."""
+    out = dict(summary)
+    for key in ("first_divergent_module", "first_non_rounding_divergence"):
+        if out.get(key) is None:
+            out[key] = _NO_DIVERGENCE if out.get("bitexact_pairs") == out.get("pairs") else "none"
+    return out
+
+
 def _first_divergence_why(result: Result) -> str | None:
     """The `why` of the first divergent row, when the Result's table has that column."""
     first = result.first_divergence()
@@ -401,6 +419,18 @@ def _first_divergence_why(result: Result) -> str | None:
 
 def _overview_section(named: list[tuple[str, Result]], metric: str, figs: _Figures) -> str:
     table = results_table([r for _, r in named])
+    # A run without a divergence has no name there (NaN in the frame): say what that means.
+    for j, (_, result) in enumerate(named):
+        words = _bitexact_summary(result.summary())
+        for key in (
+            "first_divergent_module",
+            "first_non_rounding_divergence",
+            "first_divergence_why",
+            "first_non_rounding_divergence_why",
+        ):
+            if key in table.columns and not isinstance(table.at[table.index[j], key], str):
+                table[key] = table[key].astype(object)
+                table.at[table.index[j], key] = words.get(key) or ""
     table.insert(0, "run", [n for n, _ in named])
     parts = [
         '<section id="overview"><h2>Overview</h2>',

@@ -4,23 +4,33 @@
     panel.set("trainer.input_dtype_policy.latents", "fp32")
     panel.run()                                 # what the Run button does
     panel.select("transformer_blocks.0.attn")   # what clicking that point does
-    panel.last_result, panel.selected, panel.message
+    panel.prescribe(); panel.apply_prescription(1)   # the Prescribe and Apply buttons
+    panel.last_result, panel.selected, panel.message, panel.stale_keys()
 
 Everything the widgets do goes through `ControlPanel` methods, so tests drive the panel
-without a browser. The model is built once per (family, preset, device, seed, expert) and
-kept, so a toggle and a re-run on the tiny preset only re-runs `pair`. A bad setting (a rule
-with an unknown dtype, a glob matching nothing, an unknown policy value) never raises out of
-the panel: it becomes `panel.message`, shown in red, and the last good result stays on screen.
-A forward that fails part-way is shown with its side, module and fix, and the pairs compared
-before it; the status line says the run failed. The divergence plot is plotly (hover: module,
-class, dtypes, metrics, why); a click on a point, the module picker below it and `select`
-show that output's row, its why, its ULP histogram and the dtype of every parameter and
-buffer on both sides with what set it. Clicks reach Python through `anywidget`; without it
-the plot still hovers and zooms and the picker selects.
+without a browser. Each side has a control for every setting a row's "why" can name: dtypes,
+each input role's policy, autocast, the rules, the engine fp32 keeps (`keep_fp32_modules`),
+the buffer casts (`cast_buffers`), the attention kernel, and the engine patch groups and op
+switches that apply to this family (the others are hidden). The model is built once per
+(family, preset, device, seed, expert) and kept, so a toggle and a re-run on the tiny preset
+only re-runs `pair`; an edit after a run marks the results stale (named settings, dimmed
+results) until the next run, or runs at once with "run on every change". A bad setting (a rule
+with an unknown dtype, a glob matching nothing, a keep naming no module) never raises out of
+the panel: it becomes `panel.message`, shown in red with the nearest names, and the last good
+result stays on screen. A forward that fails part-way is shown with its side, module and fix,
+and the pairs compared before it. The divergence plot is plotly (hover: module, class, block,
+dtypes and the module's own parameters, metrics, why); a click on a point, the module picker
+below it and `select` show that output's row, its why, its ULP histogram and the dtype of
+every parameter and buffer on both sides with what set it. Prescribe lists the cheapest
+verified changes to one side (`lab.prescribe`) with their costs; Apply sets that side's
+controls to a prescription and runs the pair. Clicks reach Python through `anywidget`;
+without it the plot still hovers and zooms and the picker selects.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime as _dt
 import functools
 import html
@@ -28,7 +38,7 @@ import io
 import re
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,11 +53,12 @@ from lab.pairing.capture import ROOT
 from lab.pairing.result import Result
 from lab.pairing.run import MODES, pair
 from lab.pairing.sides import ATTENTION_BACKENDS, AUTOCAST_POLICIES, PrecisionWarning, Side
-from lab.pairing.weights import plan_weights
+from lab.pairing.weights import WeightPlan, plan_weights
 from lab.precision.engine_ops import PATCH_GROUPS, SWITCHES, _load_definitions
 from lab.precision.input_policy import POLICY_KEYS
 from lab.precision.param_rules import RuleMatch, block_wraps, compile_param_dtype_maps
 from lab.precision.param_rules import explain_rules as _explain_rules
+from lab.views.plots.divergence import COLOR_BY, bitexact_words, divergence_spec
 
 SIDE_NAMES: tuple[str, ...] = ("rollout", "trainer")
 """The reference side first, the candidate second, as in every table of the lab."""
@@ -56,6 +67,17 @@ POLICY_CHOICES: tuple[str, ...] = ("default", *DTYPES, "passthrough")
 SAME_AS_FORWARD = "forward"
 """Choice meaning None for param_dtype / autocast_dtype: use the side's forward_dtype."""
 METRICS: tuple[str, ...] = ("rel_max", "max_abs_diff", "mean_abs_diff", "max_ulp", "cosine_dist")
+_VIEW_KEYS: frozenset[str] = frozenset(
+    {"metric", "color_by", "auto_run", "prescribe.movable", "prescribe.target"}
+)
+"""Controls that change how results are shown (or what Prescribe searches), not a pair's
+settings: editing them never makes the results on screen stale."""
+_STYLE = """<style>
+.lab-results.lab-stale { opacity: 0.45; }
+.lab-stale-note { background: #fff3cd; border: 1px solid #e0c060; padding: 3px 8px; }
+.lab-verdict { font-weight: 600; margin: 2px 0 4px; }
+.lab-verdict.lab-agree { color: #197319; }
+</style>"""
 _SUMMARY_KEYS: tuple[str, ...] = (
     "model_output_rel_max",
     "model_output_max_abs_diff",
@@ -122,6 +144,44 @@ def format_rules_text(rules: Mapping[str, str]) -> str:
     return "\n".join(f"{pattern}: {value}" for pattern, value in rules.items())
 
 
+def parse_keep_text(text: str) -> tuple[str, ...]:
+    """The panel's keep_fp32_modules text (names separated by commas or spaces) as a tuple.
+
+    Example: "norm1, norm2 rope" -> ("norm1", "norm2", "rope"); a name given twice is kept once.
+    """
+    return tuple(dict.fromkeys(n for n in re.split(r"[,\s]+", text) if n))
+
+
+def nearest_rule_names(pattern: str, names: Sequence[str], n: int = 3) -> list[str]:
+    """Globs close to `pattern` that do match some of `names` (for a rule that matches none).
+
+    Each literal piece of the glob that is in no name ("nrom2" of "*nrom2*") is replaced by
+    the closest dotted component of the names ("norm2"), so a misspelt glob with wildcards
+    gets a fix too, not only a full name.
+
+    Returns:
+        Up to `n` globs, each matching at least one name; [] when none is close.
+    """
+    import difflib
+    import fnmatch
+
+    pieces = [p for p in re.split(r"[*?]+|\[[^\]]*\]", pattern) if p]
+    parts = sorted({part for name in names for part in name.split(".")})
+    found: list[str] = []
+    for piece in pieces:
+        if any(piece in name for name in names):
+            continue
+        words = [w for w in piece.split(".") if w]
+        for word in words:
+            if word in parts:
+                continue
+            for close in difflib.get_close_matches(word, parts, n=n, cutoff=0.6):
+                glob = pattern.replace(word, close)
+                if glob not in found and any(fnmatch.fnmatchcase(m, glob) for m in names):
+                    found.append(glob)
+    return found[:n]
+
+
 def rule_matches_table(matches: Sequence[RuleMatch]) -> Any:
     """What each rule matched, one row per rule (a pandas DataFrame).
 
@@ -178,8 +238,9 @@ class ModuleDetail:
     """Why each row differs, from the Result's `why` column ("" where it has none)."""
     param_dtypes: Any
     """The module's parameters and floating buffers (recursive), one row each: tensor, kind,
-    then per side its dtype and what set it (the rule `glob: dtype`, "keep_fp32_modules",
-    "param_dtype", "cast_buffers" or "not cast")."""
+    then per side its dtype and what set it (the rule `glob: dtype`, "keep_fp32_modules
+    'norm2'", "param_dtype", "cast_buffers", "built fp32 (an engine load keeps it)" or
+    "not cast")."""
     ulp_figure: Any
     """`lab.views.plots.plot_ulp_histogram` of the entry, as a plotly go.Figure."""
 
@@ -253,36 +314,42 @@ def _cell(value: Any) -> str:
     return str(int(value)) if isinstance(value, float) else str(value)
 
 
-def _param_sources(model: Any, side: Side) -> dict[str, tuple[str, str, str]]:
-    """Every parameter's and floating buffer's dtype on `side`, and what set it.
+def _dtype_sources(
+    plan: WeightPlan, buffers: Sequence[tuple[str, str]]
+) -> dict[str, tuple[str, str, str]]:
+    """Every parameter's and floating buffer's dtype on one side, and what set it.
+
+    Args:
+        plan: The side's weight plan (`result.flow.plan_a` / `plan_b`: the pair's own).
+        buffers: (full name, dtype name as built) of every floating buffer of the model.
 
     Returns:
         name -> (kind "parameter" or "buffer", dtype name, what set it: the rule
-        `glob: dtype`, "keep_fp32_modules", "param_dtype", "cast_buffers" or "not cast").
+        `glob: dtype`, "keep_fp32_modules 'norm2'", "param_dtype", "cast_buffers",
+        "built fp32 (an engine load keeps it)" or "not cast").
     """
-    plan = plan_weights(model, side)
-    rule_of: dict[str, str] = {}
-    if side.param_dtype_rules:
-        for match in _explain_rules(model, side.param_dtype_rules):  # later rules win
-            rule_of.update(dict.fromkeys(match.names, f"{match.pattern}: {match.dtype_name}"))
-    default = side.resolved_param_dtype
     out = {}
     for name, dtype in plan.param_dtypes.items():
         d = dtype_name(dtype)
-        source = rule_of.get(name) or ("param_dtype" if d == default else "keep_fp32_modules")
+        kind, detail = plan.param_sources.get(name, ("param_dtype", None))
+        if kind == "param_dtype_rules":
+            source = f"{detail}: {d}"
+        elif kind == "keep_fp32_modules":
+            source = f"keep_fp32_modules {detail!r}"
+        else:
+            source = "param_dtype"
         out[name] = ("parameter", d, source)
-    for name, buf in model.named_buffers():
-        if buf is None or not buf.is_floating_point():
-            continue
+    for name, own in buffers:
         kind, detail = plan.buffer_sources.get(name, ("", None))
         if kind == "constructed":
-            d = dtype_name(plan.buffer_dtypes.get(name, buf.dtype))
+            d = dtype_name(plan.buffer_dtypes[name]) if name in plan.buffer_dtypes else own
             out[name] = ("buffer", d, f"built {detail} (an engine load keeps it)")
         elif name in plan.buffer_dtypes:
             d = dtype_name(plan.buffer_dtypes[name])
-            out[name] = ("buffer", d, "cast_buffers" if d == default else "keep_fp32_modules")
+            why = "cast_buffers" if kind == "cast_buffers" else f"keep_fp32_modules {detail!r}"
+            out[name] = ("buffer", d, why)
         else:
-            out[name] = ("buffer", dtype_name(buf.dtype), "not cast")
+            out[name] = ("buffer", own, "not cast")
     return out
 
 
@@ -332,10 +399,12 @@ class ControlPanel:
     """The control panel: widgets for both sides and the run, plus the methods they call.
 
     Keys name every control: "family", "preset", "device", "seed", "sigma", "mode",
-    "cfg_scale", "steps", "noise_level", "ratio_drift", "metric", and per side
-    ("rollout.", "trainer.") "master_dtype", "forward_dtype", "rollout_precision",
-    "param_dtype", "input_dtype_policy.latents|cond|timestep", "autocast", "autocast_dtype",
-    "autocast_policy", "param_dtype_rules" (text), "attention_backend", "engine_ops",
+    "cfg_scale", "steps", "noise_level", "ratio_drift", "metric", "color_by", "auto_run",
+    "prescribe.movable", "prescribe.target", and per side ("rollout.", "trainer.")
+    "master_dtype", "forward_dtype", "rollout_precision", "param_dtype",
+    "input_dtype_policy.latents|cond|timestep", "autocast", "autocast_dtype",
+    "autocast_policy", "param_dtype_rules" (text), "keep_fp32_modules" (text, names
+    separated by commas), "cast_buffers", "attention_backend", "engine_ops",
     "op_switches.<switch>". `keys()` lists them.
     """
 
@@ -348,6 +417,7 @@ class ControlPanel:
         self.last_trajectory: Any = None
         """The last ratio-drift Trajectory (when "ratio_drift" was on), else None."""
         self.last_run_s: float | None = None
+        """Seconds the last good run took, from the click to the result on screen."""
         self.runs = 0
         """Runs started (the status line numbers them, so each click shows its outcome)."""
         self.message: str = ""
@@ -357,10 +427,21 @@ class ControlPanel:
         self.exported: Path | None = None
         self.selected: ModuleDetail | None = None
         """The module shown below the plot (a click or `select`), else None."""
-        self.figure: Any = None
-        """The divergence plot on screen (a plotly go.Figure), None before the first run."""
-        self._param_dtypes: tuple[dict[str, tuple[str, str, str]], ...] = ({}, {})
+        self.prescriptions: Any = None
+        """The last `lab.Prescriptions` Prescribe found, else None."""
+        self.timings: dict[str, float] = {}
+        """Seconds each stage of the last good run took (sides, pair, drift, show, ...)."""
+        self._spec: dict[str, Any] | None = None
+        self._figure: Any = None
+        self._table: Any = None
+        self._status_text = ""
+        self._ran_settings: dict[str, Any] | None = None
+        self._ran_run = 0
+        self._prescribed_for: tuple[Side, Side, str] | None = None
+        self._param_dtypes: tuple[dict[str, tuple[str, str, str]], ...] | None = None
+        self._inapplicable: dict[str, str] = {}
         self._selecting = False
+        self._running = False
         self._models: dict[tuple, Any] = {}
         self._inputs: dict[tuple, Any] = {}
         self._loading = False
@@ -369,9 +450,23 @@ class ControlPanel:
         self._outputs: dict[str, W.DOMWidget] = {}
         self._build_widgets(family, preset, device, seed)
         self._load_family_defaults()
+        self._refresh_applicable()
         self.widget = self._layout()
 
     # ---- public methods -----------------------------------------------------------------
+
+    @property
+    def figure(self) -> Any:
+        """The divergence plot on screen as a plotly go.Figure, None before the first run.
+
+        The panel sends the figure to the browser as plain JSON (`divergence_spec`); the
+        go.Figure is built from it on first use here.
+        """
+        if self._figure is None and self._spec is not None:
+            import plotly.graph_objects as go
+
+            self._figure = go.Figure(self._spec)
+        return self._figure
 
     def keys(self) -> list[str]:
         """Every control key `set` and `get` accept."""
@@ -388,8 +483,9 @@ class ControlPanel:
     def set(self, key: str, value: Any) -> bool:
         """Change one control as a click would (observers fire: rules compile live).
 
-        A value the control does not offer (an unknown policy value, dtype or backend) is
-        not raised: it becomes `message` and the control keeps its value, as in the panel.
+        A value the control does not offer (an unknown policy value, dtype or backend, an
+        engine op that does not apply to this family) is not raised: it becomes `message`
+        and the control keeps its value, as in the panel.
 
         Returns:
             True if the value was taken.
@@ -400,6 +496,9 @@ class ControlPanel:
         control = self._control(key)
         if isinstance(value, list):
             value = tuple(value)
+        if key in self._inapplicable and value != control.value:
+            self._show_message(f"{key}: {self._inapplicable[key]}")
+            return False
         options = getattr(control, "options", None)
         if options is not None and not isinstance(control, W.SelectMultiple):
             allowed = [v for _, v in options] if options and isinstance(options[0], tuple) else []
@@ -413,8 +512,13 @@ class ControlPanel:
         if isinstance(control, W.SelectMultiple):
             unknown = [v for v in value if v not in control.options]
             if unknown:
+                why = "; ".join(self._inapplicable.get(f"{key}.{v}", "") for v in unknown).strip(
+                    "; "
+                )
                 self._show_message(
-                    f"{key}: unknown {unknown}. Allowed: {', '.join(map(repr, control.options))}."
+                    f"{key}: unknown {unknown}. Allowed: "
+                    f"{', '.join(map(repr, control.options)) or 'none for this family'}."
+                    + (f" {why}" if why else "")
                 )
                 return False
         control.value = value
@@ -456,8 +560,40 @@ class ControlPanel:
         """
         return self._side("rollout"), self._side("trainer")
 
+    def stale_keys(self) -> list[str]:
+        """The settings changed since the result on screen ran ([] when it is current).
+
+        View controls (the plot metric, the colouring, auto-run, what Prescribe searches)
+        never make a result stale.
+        """
+        if self._ran_settings is None:
+            return []
+        now = self._settings()
+        return [k for k, v in now.items() if v != self._ran_settings.get(k)]
+
+    def verdict(self) -> str:
+        """The last result in one sentence: they agree bit for bit, or where they part.
+
+        "" before the first run.
+        """
+        result = self.last_result
+        if result is None:
+            return ""
+        words = bitexact_words(result)
+        if words is not None:
+            return words
+        first = result.first_divergence()
+        rel = result.summary().get("model_output_rel_max")
+        why = result.why(first) if first is not None else None
+        return (
+            f"The sides differ: model output rel_max {_fmt(rel)}; first divergence at "
+            f"{first.label() if first is not None else '?'}" + (f" ({why})." if why else ".")
+        )
+
     def compile_rules(self, side_name: str) -> list[RuleMatch] | None:
         """Compile one side's rules text on the built model and show what each rule matched.
+
+        A rule that matches nothing is shown with the globs close to it that do match.
 
         Returns:
             The matches, or None when the rules are wrong (then `message` says why).
@@ -466,8 +602,9 @@ class ControlPanel:
         try:
             matches = self._explain(side_name)
         except ValueError as err:
-            table.value = _error_html(str(err))
-            self._show_message(str(err))
+            text = str(err) + self._rule_hint(side_name, str(err))
+            table.value = _error_html(text)
+            self._show_message(text)
             return None
         self.rule_matches[side_name] = matches
         if matches:
@@ -481,6 +618,17 @@ class ControlPanel:
         self._show_message("")
         return matches
 
+    def check_keep(self, side_name: str) -> bool:
+        """Check one side's keep_fp32_modules against the built model's module names.
+
+        Returns:
+            True when every name is a module-name component; else False, and `message`
+            names the ones that are not and the nearest that are.
+        """
+        error = self._keep_error(side_name)
+        self._show_message(error or "")
+        return error is None
+
     def run(self) -> Result | None:
         """What the Run button does: build Sides, pair them on the cached model, show results.
 
@@ -488,10 +636,21 @@ class ControlPanel:
             The new Result, or None when something was wrong (see `message` and the status
             line; the last good result stays in `last_result` and on screen).
         """
+        if self._running:  # an auto-run edit made inside a run (a family's defaults loading)
+            return None
+        self._running = True
+        try:
+            return self._run()
+        finally:
+            self._running = False
+
+    def _run(self) -> Result | None:
         bar = self._outputs["progress"]
         bar.value, bar.max, bar.bar_style = 0, _RUN_STAGES, "info"
         self.runs += 1
         start = time.perf_counter()
+        timings: dict[str, float] = {}
+        settings = self._settings()
         # Warnings are recorded, not printed: the PrecisionWarnings become notes on the panel
         # (each says what to change); the rest (library internals) are nothing a panel user
         # can act on.
@@ -499,26 +658,40 @@ class ControlPanel:
             warnings.simplefilter("always", PrecisionWarning)
             try:
                 side_a, side_b = self.sides()
+                for side_name in SIDE_NAMES:
+                    error = self._keep_error(side_name)
+                    if error:
+                        raise ValueError(error)
                 model, inputs = self._model_and_inputs()
+                timings["sides_s"] = time.perf_counter() - start
                 bar.value = 1
-                result = pair(model, inputs, side_a, side_b, self.get("mode"), meta=self._meta())
+                with self._threads():
+                    result = pair(
+                        model, inputs, side_a, side_b, self.get("mode"), meta=self._meta()
+                    )
+                timings["pair_s"] = time.perf_counter() - start - sum(timings.values())
                 bar.value = 2
-                traj = self._trajectory(side_a, side_b) if self.get("ratio_drift") else None
+                with self._threads():
+                    traj = self._trajectory(side_a, side_b) if self.get("ratio_drift") else None
+                timings["drift_s"] = time.perf_counter() - start - sum(timings.values())
                 bar.value = 3
-                sources = (_param_sources(model, side_a), _param_sources(model, side_b))
             except Exception as err:  # the panel shows every failure inline, never a traceback
                 self._show_failure(err, time.perf_counter() - start)
                 return None
         self.last_result, self.last_trajectory = result, traj
-        self._param_dtypes = sources
-        self._show_result(result, traj)
-        bar.value, bar.bar_style = _RUN_STAGES, "success"
-        self.last_run_s = time.perf_counter() - start
+        self._param_dtypes = self._table = None
+        self._ran_settings, self._ran_run = settings, self.runs
         notes = [str(w.message) for w in caught if issubclass(w.category, PrecisionWarning)]
         self._show_message("", notes=notes)
+        self._show_result(result, traj, timings)
+        bar.value, bar.bar_style = _RUN_STAGES, "success"
+        self.last_run_s = time.perf_counter() - start
+        timings["total_s"] = self.last_run_s
+        self.timings = timings
         self._set_status(
             f"run {self.runs}: ran in {self.last_run_s:.2f} s at {_dt.datetime.now():%H:%M:%S}"
         )
+        self._show_stale()
         return result
 
     def select(self, module: str) -> ModuleDetail:
@@ -544,8 +717,7 @@ class ControlPanel:
         result = self.last_result
         if result is None:
             raise ValueError("select: nothing to select yet; press Run (or call run()) first.")
-        table = result.table()
-        table.insert(0, "label", [r.label() for r in result.rows])
+        table = self._labelled()
         chosen = table[(table["label"] == module) | (table["module"] == module)]
         if not len(chosen):
             import difflib
@@ -562,7 +734,9 @@ class ControlPanel:
             side_names=names,
             rows=chosen[[c for c in (*_DETAIL_COLUMNS, "why") if c in chosen.columns]],
             why=tuple(str(w) for w in chosen["why"]) if "why" in chosen else ("",) * len(chosen),
-            param_dtypes=_module_param_table(chosen["module"].iloc[0], self._param_dtypes, names),
+            param_dtypes=_module_param_table(
+                chosen["module"].iloc[0], self._param_sources(), names
+            ),
             ulp_figure=plots.plot_ulp_histogram(result, [module], backend="plotly"),
         )
         self.selected = detail
@@ -577,6 +751,125 @@ class ControlPanel:
                 self._selecting = False
         _show_plotly(self._outputs["detail_plot"], detail.ulp_figure)
         return detail
+
+    def prescribe(self) -> Any:
+        """What the Prescribe button does: the cheapest verified changes to one side.
+
+        Searches changes to the side "prescribe.movable" names ("trainer" by default) that
+        bring the pair within "prescribe.target" ("bitexact", or JSON such as
+        {"metric": "rel_max", "max": 1e-3}), with `lab.prescribe`: each prescription is
+        verified by a paired forward and costed (parameter bytes, forward time). The table
+        shows them cheapest first; Apply (`apply_prescription`) takes one.
+
+        Returns:
+            The `lab.Prescriptions`, or None when something was wrong (see `message`).
+        """
+        from lab.causes.prescribe import parse_target
+        from lab.causes.prescribe import prescribe as find_prescriptions
+
+        start = time.perf_counter()
+        movable = "b" if self.get("prescribe.movable") == "trainer" else "a"
+        out = self._outputs["prescriptions"]
+        try:
+            target = parse_target(self.get("prescribe.target"))
+            # Warnings are library internals of the searched forwards (as in `run`).
+            with warnings.catch_warnings(record=True):
+                warnings.simplefilter("always")
+                side_a, side_b = self.sides()
+                model, inputs = self._model_and_inputs()
+                with self._threads():
+                    found = find_prescriptions(
+                        model, inputs, side_a, side_b, movable=movable, target=target, repeats=3
+                    )
+        except Exception as err:  # shown inline, as a run's failure is
+            self._show_message(f"Prescribe: {type(err).__name__}: {err}")
+            return None
+        self.prescriptions = found
+        self._prescribed_for = (side_a, side_b, movable)
+        out.value = _prescriptions_html(found, self.get("prescribe.movable"))
+        picker = self._outputs["prescription"]
+        picker.options = [
+            (f"{i}. {'; '.join(p.labels())}", i) for i, p in enumerate(found.prescriptions, 1)
+        ]
+        picker.value = 1 if found.prescriptions else None
+        self._show_message("")
+        seconds = time.perf_counter() - start
+        self._set_status(
+            f"prescribed in {seconds:.1f} s: {len(found)} prescription(s) for side "
+            f"{self.get('prescribe.movable')!r}"
+        )
+        return found
+
+    def apply_prescription(self, rank: int | None = None) -> Result | None:
+        """What the Apply button does: set the moved side to a prescription's side and run.
+
+        Args:
+            rank: 1 for the cheapest prescription; None takes the one the picker shows.
+
+        Returns:
+            The Result of the run (the sides as prescribed), or None when there is nothing to
+            apply, the sides changed since Prescribe, or the run failed (see `message`).
+        """
+        found = self.prescriptions
+        if found is None or not len(found):
+            self._show_message(
+                "Apply: no prescription to apply; press Prescribe first."
+                if found is None
+                else f"Apply: Prescribe found none. {found.describe()}"
+            )
+            return None
+        rank = rank if rank is not None else self._outputs["prescription"].value or 1
+        if not 1 <= rank <= len(found):
+            self._show_message(f"Apply: rank {rank!r} is not 1..{len(found)}.")
+            return None
+        side_a, side_b, movable = self._prescribed_for or (None, None, "b")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PrecisionWarning)
+            try:
+                now_a, now_b = self.sides()
+            except ValueError as err:
+                self._show_message(f"Apply: {err}")
+                return None
+        # Each prescription is a whole side: another one can replace an applied one, as long
+        # as the side that stays put is the one Prescribe held fixed.
+        if movable == "b":
+            fixed_then, fixed_now, moving_then, moving_now = side_a, now_a, side_b, now_b
+        else:
+            fixed_then, fixed_now, moving_then, moving_now = side_b, now_b, side_a, now_a
+        allowed = [moving_then, *(p.side for p in found.prescriptions)]
+        if fixed_now != fixed_then or moving_now not in allowed:
+            self._show_message(
+                "Apply: the sides changed since Prescribe, so its prescriptions are for other "
+                "settings; press Prescribe again."
+            )
+            return None
+        chosen = found.prescriptions[rank - 1]
+        side_name = "trainer" if movable == "b" else "rollout"
+        self._loading = True
+        try:
+            self._load_side(side_name, chosen.side)
+        finally:
+            self._loading = False
+        self._refresh_applicable()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PrecisionWarning)
+            loaded = self._side(side_name)
+        if loaded != chosen.side:
+            missing = [
+                f.name
+                for f in dataclasses.fields(Side)
+                if getattr(loaded, f.name) != getattr(chosen.side, f.name)
+            ]
+            self._show_message(
+                f"Apply: the panel has no control for {', '.join(missing)}, which prescription "
+                f"{rank} changes; not run."
+            )
+            return None
+        self._outputs["prescriptions"].value += (
+            f"<div class='lab-applied'>applied prescription {rank} to side {side_name!r}: "
+            f"{html.escape('; '.join(chosen.labels()))}</div>"
+        )
+        return self.run()
 
     def export(self, out_dir: str | Path | None = None) -> Path | None:
         """What the Export button does: results.json + report.html (+ PNGs) of the last result.
@@ -623,6 +916,10 @@ class ControlPanel:
             )
         return self.controls[key]
 
+    def _settings(self) -> dict[str, Any]:
+        """Every control that makes a pair what it is, key -> value (not the view's)."""
+        return {k: w.value for k, w in self.controls.items() if k not in _VIEW_KEYS}
+
     def _side(self, side_name: str) -> Side:
         fam = get_family(self.get("family"))
         maker = Side.rollout if side_name == "rollout" else Side.trainer
@@ -650,10 +947,36 @@ class ControlPanel:
             param_dtype_rules=parse_rules_text(
                 g("param_dtype_rules"), where=f"{side_name}.param_dtype_rules"
             ),
+            keep_fp32_modules=parse_keep_text(g("keep_fp32_modules")),
+            cast_buffers=g("cast_buffers"),
             attention_backend=g("attention_backend"),
             engine_ops=tuple(g("engine_ops")),
             op_switches=switches,
         )
+
+    def _load_side(self, side_name: str, side: Side) -> None:
+        """Set one side's controls to `side` (observers are the caller's to hold off)."""
+        c, s = self.controls, side_name
+        for attr in ("master_dtype", "forward_dtype", "rollout_precision"):
+            c[f"{s}.{attr}"].value = getattr(side, attr)
+        c[f"{s}.param_dtype"].value = side.param_dtype or SAME_AS_FORWARD
+        for key in POLICY_KEYS:
+            value = side.input_dtype_policy.get(key)
+            c[f"{s}.input_dtype_policy.{key}"].value = "passthrough" if value is None else value
+        c[f"{s}.autocast"].value = side.autocast
+        c[f"{s}.autocast_dtype"].value = side.autocast_dtype or SAME_AS_FORWARD
+        c[f"{s}.autocast_policy"].value = side.autocast_policy or "cuda"
+        c[f"{s}.param_dtype_rules"].value = format_rules_text(side.param_dtype_rules)
+        c[f"{s}.keep_fp32_modules"].value = ", ".join(side.keep_fp32_modules)
+        c[f"{s}.cast_buffers"].value = side.cast_buffers
+        c[f"{s}.attention_backend"].value = side.attention_backend
+        ops = c[f"{s}.engine_ops"]
+        # The options follow the family; a side's own groups are always among them.
+        ops.options = list(dict.fromkeys([*ops.options, *side.engine_ops]))
+        ops.value = tuple(g for g in ops.options if g in side.engine_ops)
+        for name, switch in SWITCHES.items():
+            c[f"{s}.op_switches.{name}"].value = side.op_switches.get(name, switch.values[0])
+        self._outputs[f"{s}.rules_table"].value = ""
 
     def _explain(self, side_name: str) -> list[RuleMatch]:
         rules = parse_rules_text(
@@ -670,6 +993,51 @@ class ControlPanel:
                 model, block_wraps(model, side.fsdp_wrap_classes), rules, side.forward_dtype
             )
         return matches
+
+    def _rule_hint(self, side_name: str, error: str) -> str:
+        """The globs close to each rule that matches no parameter (a line to add), else ""."""
+        import fnmatch
+
+        try:
+            rules = parse_rules_text(self.get(f"{side_name}.param_dtype_rules"))
+        except ValueError:
+            return ""
+        if "did not match" not in error:
+            return ""
+        names = [n for n, _ in self._model().named_parameters()]
+        hints = []
+        for pattern in rules:
+            if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                near = nearest_rule_names(pattern, names)
+                if near:
+                    hints.append(f"{pattern!r}: did you mean {', '.join(map(repr, near))}?")
+        return ("\n" + " ".join(hints)) if hints else ""
+
+    def _keep_error(self, side_name: str) -> str | None:
+        """What is wrong with one side's keep_fp32_modules on the built model, or None."""
+        import difflib
+
+        names = parse_keep_text(self.get(f"{side_name}.keep_fp32_modules"))
+        if not names:
+            return None
+        parts = self._module_parts()
+        missing = [n for n in names if n not in parts]
+        if not missing:
+            return None
+        near = {m: difflib.get_close_matches(m, sorted(parts), n=3, cutoff=0.5) for m in missing}
+        hints = "; ".join(
+            f"{m!r}: nearest {', '.join(map(repr, n))}" if n else f"{m!r}: none close"
+            for m, n in near.items()
+        )
+        return (
+            f"{side_name}.keep_fp32_modules: {missing} name no module of "
+            f"{type(self._model()).__name__} ({hints}). Entries are module-name components "
+            "such as 'norm2', separated by commas."
+        )
+
+    def _module_parts(self) -> frozenset[str]:
+        model = self._model()
+        return frozenset(part for n, _ in model.named_modules() for part in n.split(".") if n)
 
     def _model_key(self) -> tuple:
         fam = get_family(self.get("family"))
@@ -714,6 +1082,137 @@ class ControlPanel:
             )
         return model, self._inputs[key]
 
+    def _refresh_applicable(self) -> None:
+        """Offer the engine patch groups and op switches that apply to this family only.
+
+        A patch group applies when it is one of the family's own engine groups or patches its
+        model or block class (the "wan" group's RMSNorm alone does not make it Flux's); a
+        module switch when the model has a class it patches; an input switch when it changes
+        this family's inputs. A control a side has set away from stock stays shown.
+        """
+        fam = get_family(self.get("family"))
+        classes, input_switches = self._op_probe()
+        own = {fam.model_class, *fam.block_classes}
+        groups = [
+            g
+            for g, group in PATCH_GROUPS.items()
+            if g in fam.engine_ops or own & set(group.forwards)
+        ]
+        self._inapplicable = {}
+        for s in SIDE_NAMES:
+            ops = self.controls[f"{s}.engine_ops"]
+            held = tuple(ops.value)
+            options = [g for g in PATCH_GROUPS if g in groups or g in held]
+            was, self._loading = self._loading, True
+            try:
+                ops.options = options
+                ops.value = tuple(g for g in options if g in held)
+            finally:
+                self._loading = was
+            ops.layout.display = None if options else "none"
+            for g in PATCH_GROUPS:
+                if g not in options:
+                    patched = ", ".join(sorted(PATCH_GROUPS[g].forwards))
+                    self._inapplicable[f"{s}.engine_ops.{g}"] = (
+                        f"patch group {g!r} patches {patched}: not a class of {fam.title}'s "
+                        f"model ({fam.model_class}) or its blocks, nor one of its engine groups."
+                    )
+            for name, switch in SWITCHES.items():
+                key = f"{s}.op_switches.{name}"
+                control = self.controls[key]
+                if switch.transform_inputs is not None:
+                    applies = name in input_switches
+                    reason = f"op switch {name!r} changes none of {fam.title}'s inputs."
+                else:
+                    patched = {c for forwards in switch.forwards.values() for c in forwards}
+                    applies = bool(classes & patched)
+                    reason = (
+                        f"op switch {name!r} patches {', '.join(sorted(patched))}, which "
+                        f"{fam.model_class} has none of."
+                    )
+                shown = applies or control.value != switch.values[0]
+                control.layout.display = None if shown else "none"
+                if not applies:
+                    self._inapplicable[key] = reason
+            self._outputs[f"{s}.no_ops"].value = (
+                ""
+                if options
+                else f"<i>no engine patch group applies to {html.escape(fam.model_class)}</i>"
+            )
+
+    def _op_probe(self) -> tuple[frozenset[str], frozenset[str]]:
+        """(module class names, input switches that change the inputs) of this family.
+
+        From the panel's model on the tiny preset (built once, and the run reuses it); on a
+        larger preset from the family's tiny build, which has the same classes and inputs,
+        so picking a family never builds a full-size model.
+        """
+        fam = get_family(self.get("family"))
+        if self.get("preset") == "tiny" or self._model_key() in self._models:
+            try:
+                model, inputs = self._model_and_inputs()
+            except ValueError:  # a cfg_scale the family refuses: the run will say so
+                return _tiny_probe(fam.name)
+            return _probe(model, inputs)
+        return _tiny_probe(fam.name)
+
+    def _param_sources(self) -> tuple[dict[str, tuple[str, str, str]], ...]:
+        """Both sides' parameter and buffer dtypes with what set them, for the last result."""
+        if self._param_dtypes is None:
+            result = self.last_result
+            assert result is not None  # select() checked
+            flow = result.flow
+            if flow is not None:
+                buffers = [
+                    (name, dtype)
+                    for tensors in flow.modules.values()
+                    for name, dtype, _ in tensors.buffers
+                ]
+                plans = (flow.plan_a, flow.plan_b)
+            else:  # a Result without its dtype flow: plan the sides again on the model
+                model = self._model()
+                buffers = [
+                    (n, dtype_name(b.dtype))
+                    for n, b in model.named_buffers()
+                    if b is not None and b.is_floating_point()
+                ]
+                plans = tuple(
+                    plan_weights(model, Side.from_dict(d)) for d in (result.side_a, result.side_b)
+                )
+            self._param_dtypes = tuple(_dtype_sources(plan, buffers) for plan in plans)
+        return self._param_dtypes
+
+    def _labelled(self) -> Any:
+        """The last result's table with a `label` column, computed once a run."""
+        if self._table is None:
+            assert self.last_result is not None
+            table = self.last_result.table()
+            table.insert(0, "label", [r.label() for r in self.last_result.rows])
+            self._table = table
+        return self._table
+
+    @contextlib.contextmanager
+    def _threads(self) -> Iterator[None]:
+        """One intra-op thread for the forwards of the tiny preset on the CPU, then back.
+
+        A tiny model's matmuls are a few thousand elements: splitting one over threads only
+        adds their hand-over, which on a busy machine (other kernels on the cores) made a
+        flux pair 20x slower (2.1 s instead of 0.1 s). The per-element sums do not depend on
+        the thread count (tests/test_widgets.py checks the panel's rows against `lab.pair`'s
+        bit for bit). Larger presets keep every thread.
+        """
+        import torch
+
+        if self.get("preset") != "tiny" or self.get("device") != "cpu":
+            yield
+            return
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
     def _meta(self) -> dict[str, Any]:
         return dict(
             family=self.get("family"),
@@ -749,6 +1248,8 @@ class ControlPanel:
         self.controls[key] = widget
         if on_change is not None:
             widget.observe(lambda change: None if self._loading else on_change(), names="value")
+        # After the control's own observer (a family loads its sides, rules compile).
+        widget.observe(lambda change: None if self._loading else self._on_edit(key), "value")
 
     def _build_widgets(self, family: str, preset: str, device: str, seed: int) -> None:
         get_family(family)  # an unknown family raises here, with the known names
@@ -830,6 +1331,12 @@ class ControlPanel:
         self._add(
             "metric", _dropdown(METRICS, "rel_max", "plot metric", "lab-metric"), self._replot
         )
+        self._add(
+            "color_by", _dropdown(COLOR_BY, "kind", "colour by", "lab-color_by"), self._replot
+        )
+        auto = W.Checkbox(value=False, description="run on every change", indent=False)
+        auto.add_class("lab-auto_run")
+        self._add("auto_run", auto)
         dtypes = tuple(DTYPES)
         for s in SIDE_NAMES:
             for attr in ("master_dtype", "forward_dtype", "rollout_precision"):
@@ -870,6 +1377,20 @@ class ControlPanel:
             )
             rules.add_class(f"lab-{s}-rules")
             self._add(f"{s}.param_dtype_rules", rules, lambda s=s: self.compile_rules(s))
+            keep = W.Text(
+                value="",
+                placeholder="none (e.g. norm1, norm2)",
+                description="keep_fp32_modules",
+                continuous_update=False,
+                style=_style(),
+                layout=W.Layout(width="98%"),
+            )
+            keep.add_class(f"lab-{s}-keep_fp32_modules")
+            self._add(f"{s}.keep_fp32_modules", keep, lambda s=s: self.check_keep(s))
+            cast = W.Checkbox(value=False, description="cast_buffers", indent=False)
+            cast.add_class(f"lab-{s}-cast_buffers")
+            cast.tooltip = "Cast persistent floating buffers like parameters (an engine load)"
+            self._add(f"{s}.cast_buffers", cast)
             self._add(
                 f"{s}.attention_backend",
                 _dropdown(ATTENTION_BACKENDS, "default", "attention", f"lab-{s}-attention_backend"),
@@ -881,6 +1402,7 @@ class ControlPanel:
                 style=_style(),
                 layout=W.Layout(width="auto", height="60px"),
             )
+            ops.add_class(f"lab-{s}-engine_ops")
             self._add(f"{s}.engine_ops", ops)
             for name, switch in SWITCHES.items():
                 self._add(
@@ -890,19 +1412,43 @@ class ControlPanel:
                 self.controls[f"{s}.op_switches.{name}"].tooltip = switch.description
             self._outputs[f"{s}.rules_table"] = W.HTML()
             self._outputs[f"{s}.rules_table"].add_class(f"lab-{s}-rules-table")
+            self._outputs[f"{s}.no_ops"] = W.HTML()
+        self._add(
+            "prescribe.movable",
+            _dropdown(("trainer", "rollout"), "trainer", "move side", "lab-prescribe-movable"),
+        )
+        target = W.Text(
+            value="bitexact",
+            description="target",
+            continuous_update=False,
+            style=_style(),
+            layout=W.Layout(width="320px"),
+        )
+        target.add_class("lab-prescribe-target")
+        self._add("prescribe.target", target)
         run = W.Button(description="Run", button_style="primary", icon="play")
         run.add_class("lab-run")
         run.on_click(lambda _: self.run())
         export = W.Button(description="Export report", icon="download")
         export.add_class("lab-export")
         export.on_click(lambda _: self.export())
+        prescribe = W.Button(
+            description="Prescribe", icon="medkit", layout=W.Layout(min_width="120px")
+        )
+        prescribe.add_class("lab-prescribe")
+        prescribe.on_click(lambda _: self.prescribe())
+        apply = W.Button(description="Apply", icon="check")
+        apply.add_class("lab-apply")
+        apply.on_click(lambda _: self.apply_prescription())
         self.buttons = (run, export)
+        self.prescribe_buttons = (prescribe, apply)
         o = self._outputs
         o["progress"] = W.IntProgress(
             value=0, min=0, max=_RUN_STAGES, layout=W.Layout(width="200px")
         )
         o["status"] = W.HTML()
         o["message"] = W.HTML()
+        o["stale"] = W.HTML()
         o["summary"] = W.HTML("<i>press Run</i>")
         o["plot"] = W.VBox(layout=W.Layout(width="100%"))
         # One plot widget for the panel's life, updated in place (plotly.js reaches the
@@ -917,8 +1463,13 @@ class ControlPanel:
         o["detail_plot"] = W.Output(layout=W.Layout(width="100%"))
         o["drift_plot"] = W.Image(format="png", layout=W.Layout(max_width="100%", display="none"))
         o["top_modules"] = W.HTML()
+        o["prescription"] = W.Dropdown(
+            options=[], description="prescription", style=_style(), layout=W.Layout(width="50%")
+        )
+        o["prescriptions"] = W.HTML()
         for name in (
             "message",
+            "stale",
             "summary",
             "plot",
             "module",
@@ -927,6 +1478,8 @@ class ControlPanel:
             "drift_plot",
             "top_modules",
             "status",
+            "prescription",
+            "prescriptions",
         ):
             o[name].add_class(f"lab-{name.replace('_', '-')}")
 
@@ -939,14 +1492,17 @@ class ControlPanel:
                 W.HTML(f"<b>{title}</b>"),
                 W.HBox([c[f"{s}.master_dtype"], c[f"{s}.forward_dtype"]]),
                 W.HBox([c[f"{s}.rollout_precision"], c[f"{s}.param_dtype"]]),
-                W.HTML("input_dtype_policy"),
+                W.HTML("input_dtype_policy (per input role)"),
                 W.HBox([c[f"{s}.input_dtype_policy.{k}"] for k in POLICY_KEYS]),
                 W.HBox([c[f"{s}.autocast"], c[f"{s}.autocast_dtype"], c[f"{s}.autocast_policy"]]),
                 W.HTML("param_dtype_rules (one <code>glob: dtype</code> per line, later wins)"),
                 c[f"{s}.param_dtype_rules"],
                 self._outputs[f"{s}.rules_table"],
+                c[f"{s}.keep_fp32_modules"],
+                c[f"{s}.cast_buffers"],
                 c[f"{s}.attention_backend"],
                 c[f"{s}.engine_ops"],
+                self._outputs[f"{s}.no_ops"],
                 W.VBox(switches),
             ],
             layout=W.Layout(width="50%", border="1px solid #ddd", padding="4px"),
@@ -954,16 +1510,8 @@ class ControlPanel:
 
     def _layout(self) -> W.VBox:
         c, o = self.controls, self._outputs
-        panel = W.VBox(
+        self.results = W.VBox(
             [
-                W.HTML("<h3>Precision Lab control panel</h3>"),
-                W.HBox([c["family"], c["preset"], c["device"], c["seed"], c["mode"], c["sigma"]]),
-                W.HBox(
-                    [c["cfg_scale"], c["ratio_drift"], c["steps"], c["noise_level"], c["metric"]]
-                ),
-                W.HBox([self._side_box(s) for s in SIDE_NAMES]),
-                W.HBox([*self.buttons, o["progress"], o["status"]]),
-                o["message"],
                 o["summary"],
                 o["plot"],
                 o["module"],
@@ -971,6 +1519,37 @@ class ControlPanel:
                 o["detail_plot"],
                 o["drift_plot"],
                 o["top_modules"],
+            ]
+        )
+        self.results.add_class("lab-results")
+        panel = W.VBox(
+            [
+                W.HTML(_STYLE + "<h3>Precision Lab control panel</h3>"),
+                W.HBox([c["family"], c["preset"], c["device"], c["seed"], c["mode"], c["sigma"]]),
+                W.HBox(
+                    [
+                        c["cfg_scale"],
+                        c["ratio_drift"],
+                        c["steps"],
+                        c["noise_level"],
+                        c["metric"],
+                        c["color_by"],
+                    ]
+                ),
+                W.HBox([self._side_box(s) for s in SIDE_NAMES]),
+                W.HBox([*self.buttons, c["auto_run"], o["progress"], o["status"]]),
+                o["message"],
+                o["stale"],
+                W.HBox(
+                    [
+                        *self.prescribe_buttons,
+                        c["prescribe.movable"],
+                        c["prescribe.target"],
+                        o["prescription"],
+                    ]
+                ),
+                o["prescriptions"],
+                self.results,
             ]
         )
         panel.add_class("lab-panel")
@@ -984,45 +1563,57 @@ class ControlPanel:
         self._loading = True
         try:
             for s, side in zip(SIDE_NAMES, _default_sides(fam), strict=True):
-                c = self.controls
-                for attr in ("master_dtype", "forward_dtype", "rollout_precision"):
-                    c[f"{s}.{attr}"].value = getattr(side, attr)
-                c[f"{s}.param_dtype"].value = side.param_dtype or SAME_AS_FORWARD
-                for key in POLICY_KEYS:
-                    value = side.input_dtype_policy.get(key)
-                    c[f"{s}.input_dtype_policy.{key}"].value = (
-                        "passthrough" if value is None else value
-                    )
-                c[f"{s}.autocast"].value = side.autocast
-                c[f"{s}.autocast_dtype"].value = side.autocast_dtype or SAME_AS_FORWARD
-                c[f"{s}.autocast_policy"].value = side.autocast_policy or "cuda"
-                c[f"{s}.param_dtype_rules"].value = format_rules_text(side.param_dtype_rules)
-                c[f"{s}.attention_backend"].value = side.attention_backend
-                c[f"{s}.engine_ops"].value = tuple(side.engine_ops)
-                for name, switch in SWITCHES.items():
-                    c[f"{s}.op_switches.{name}"].value = side.op_switches.get(
-                        name, switch.values[0]
-                    )
-                self._outputs[f"{s}.rules_table"].value = ""
+                self._load_side(s, side)
         finally:
             self._loading = False
         if get_family(self.get("family")).cfg_layout == "none":
-            self.controls["cfg_scale"].value = 1.0
+            self._loading = True
+            try:
+                self.controls["cfg_scale"].value = 1.0
+            finally:
+                self._loading = False
 
     def _on_family(self) -> None:
         self._load_family_defaults()
         self._on_model()
 
     def _on_model(self) -> None:
+        self._refresh_applicable()
         for s in SIDE_NAMES:
             if self.get(f"{s}.param_dtype_rules").strip():
                 self.compile_rules(s)
+
+    def _on_edit(self, key: str) -> None:
+        """Any control changed: the results on screen are stale (or run again at once)."""
+        if key in _VIEW_KEYS and key != "auto_run":
+            return
+        if self.get("auto_run") and not self._running and (key != "auto_run" or self.stale_keys()):
+            self.run()
+        else:
+            self._show_stale()
 
     def _replot(self) -> None:
         if self.last_result is not None:
             self._show_result(self.last_result, self.last_trajectory)
 
     # ---- output -------------------------------------------------------------------------
+
+    def _show_stale(self) -> None:
+        """Mark the results stale (note, dimmed, status line) when settings changed since."""
+        keys = self.stale_keys() if self.last_result is not None else []
+        note = self._outputs["stale"]
+        if keys:
+            shown = ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+            note.value = (
+                f"<div class='lab-stale-note'><b>Stale:</b> the results below are run "
+                f"{self._ran_run}'s; changed since: {html.escape(shown)}. Press Run.</div>"
+            )
+            self.results.add_class("lab-stale")
+            self._set_status(self._status_text, stale=True)
+        else:
+            note.value = ""
+            self.results.remove_class("lab-stale")
+            self._set_status(self._status_text)
 
     def _show_message(self, text: str, *, notes: Sequence[str] = ()) -> None:
         self.message = text
@@ -1037,11 +1628,15 @@ class ControlPanel:
         parts += [f"<div style='color:#8a6d00'>note: {html.escape(n)}</div>" for n in notes]
         self._outputs["message"].value = "".join(parts)
 
-    def _set_status(self, text: str, *, failed: bool = False) -> None:
+    def _set_status(self, text: str, *, failed: bool = False, stale: bool = False) -> None:
+        self._status_text = text
         colour = "#b00020" if failed else "inherit"
+        shown = text + (" (stale: settings changed since; press Run)" if stale and text else "")
         self._outputs[
             "status"
-        ].value = f"<span class='lab-status-text' style='color:{colour}'>{html.escape(text)}</span>"
+        ].value = (
+            f"<span class='lab-status-text' style='color:{colour}'>{html.escape(shown)}</span>"
+        )
 
     def _show_failure(self, err: Exception, seconds: float) -> None:
         """Message, partial pairs and status line for a run that raised `err`."""
@@ -1072,8 +1667,8 @@ class ControlPanel:
 
     def _on_click(self, curve: int, point: int) -> None:
         """A click on point `point` of trace `curve` of the divergence plot (from the browser)."""
-        if self.figure is not None and self.last_result is not None:
-            trace = self.figure.data[curve]
+        if self._spec is not None and self.last_result is not None:
+            trace = self._spec["data"][curve]
             self._select_inline(_point_label(trace, point, self.last_result))
 
     def _select_inline(self, label: str) -> None:
@@ -1082,13 +1677,23 @@ class ControlPanel:
         except Exception as err:  # a callback's exception would only reach the browser console
             self._show_message(f"select: {type(err).__name__}: {err}")
 
-    def _show_result(self, result: Result, traj: Any) -> None:
-        from lab.views import plots
+    def _show_result(
+        self, result: Result, traj: Any, timings: dict[str, float] | None = None
+    ) -> None:
+        """Summary, plot, module detail and top table of `result`, updated in place.
 
+        The table is computed once and the plot is sent as plain JSON (no go.Figure): on the
+        tiny preset these took longer than the pair itself.
+        """
+        timings = timings if timings is not None else {}
+        start = time.perf_counter()
         metric = self.get("metric")
-        self._outputs["summary"].value = _summary_html(result, traj)
-        self.figure = plots.plot_divergence_by_layer(result, metric, backend="plotly")
-        _show_plotly(self.plot_widget, self.figure)
+        table = self._labelled()
+        self._outputs["summary"].value = _summary_html(result, traj, self.verdict())
+        self._spec = divergence_spec(result, metric, color_by=self.get("color_by"), table=table)
+        self._figure = None
+        _show_plotly(self.plot_widget, self._spec)
+        timings["plot_s"] = time.perf_counter() - start
         drift = self._outputs["drift_plot"]
         if traj is not None:
             from lab.views import plots
@@ -1097,7 +1702,7 @@ class ControlPanel:
             drift.layout.display = None
         else:
             drift.layout.display = "none"
-        labels = [r.label() for r in result.rows]
+        labels = list(table["label"])
         keep = self.selected.label if self.selected is not None else None
         first = result.first_divergence()
         self._selecting = True
@@ -1106,11 +1711,12 @@ class ControlPanel:
             self._outputs["module"].value = None
         finally:
             self._selecting = False
+        mark = time.perf_counter()
         if keep is not None and (keep in labels or any(r.module == keep for r in result.rows)):
             self.select(keep)
         elif first is not None:
             self.select(first.label())
-        table = result.table()
+        timings["detail_s"] = time.perf_counter() - mark
         if len(table):
             cols = ["module", "module_class", "dtype_a", "dtype_b", metric, "max_ulp"]
             cols += ["why"] if "why" in table.columns else []
@@ -1119,6 +1725,7 @@ class ControlPanel:
                 f"<b>most divergent module outputs by {html.escape(metric)}</b>"
                 + top.to_html(index=False, float_format=lambda v: f"{v:.3e}")
             )
+        timings["show_s"] = time.perf_counter() - start
 
 
 _ERR_RESULT_HINT = re.compile(
@@ -1149,18 +1756,19 @@ def _partial_html(result: Result, err: Exception) -> str:
 
 
 def _point_label(trace: Any, index: int, result: Result | None) -> str:
-    """The label of point `index` of a divergence-plot trace.
+    """The label of point `index` of a divergence-plot trace (a go trace or its JSON dict).
 
     plot_divergence_by_layer puts each output at x = its position in `result.rows`; a
     customdata label, where a trace carries one, is used first.
     """
-    custom = getattr(trace, "customdata", None)
+    get = trace.get if isinstance(trace, Mapping) else lambda k: getattr(trace, k, None)
+    custom = get("customdata")
     if custom is not None and len(custom) > index:
         value = custom[index]
         return str(value[0] if isinstance(value, list | tuple) else value)
     if result is None:
         raise ValueError("the plot shows no result")
-    return result.rows[int(trace.x[index])].label()
+    return result.rows[int(get("x")[index])].label()
 
 
 # A plotly figure that reports clicks to Python. plotly's own FigureWidget ships plotly.js as
@@ -1247,6 +1855,9 @@ def _plot_widget(on_click: Callable[[int, int], None], css: str) -> W.DOMWidget:
 
 
 def _plotly_spec(fig: Any) -> dict[str, Any]:
+    """A figure as plotly JSON: a dict (`divergence_spec`) as it is, a go.Figure converted."""
+    if isinstance(fig, Mapping):
+        return dict(fig)
     import json
 
     import plotly.io as pio
@@ -1255,7 +1866,10 @@ def _plotly_spec(fig: Any) -> dict[str, Any]:
 
 
 def _show_plotly(target: W.DOMWidget, fig: Any) -> None:
-    """Show `fig` in a plot widget, or in an Output through JupyterLab's plotly renderer."""
+    """Show `fig` (a go.Figure or its JSON) in a plot widget or, without one, an Output.
+
+    The Output shows it through JupyterLab's plotly renderer.
+    """
     if not isinstance(target, W.Output):
         target.spec = _plotly_spec(fig)
         return
@@ -1268,6 +1882,39 @@ def _show_plotly(target: W.DOMWidget, fig: Any) -> None:
 
     with target:
         display({"application/vnd.plotly.v1+json": _plotly_spec(fig)}, raw=True)
+
+
+@functools.cache
+def _tiny_probe(family_name: str) -> tuple[frozenset[str], frozenset[str]]:
+    """`_probe` of a family's tiny build (its classes and inputs are every preset's)."""
+    fam = get_family(family_name)
+    return _probe(fam.build("tiny", 0), fam.make_inputs("tiny", 0))
+
+
+def _probe(model: Any, inputs: Any) -> tuple[frozenset[str], frozenset[str]]:
+    """(module class names of `model`, input switches that change `inputs`).
+
+    An input switch is tried with the latents in bf16 (a rollout's dtype): LTX's positions
+    switch casts the coordinates to the latents' dtype, which changes nothing on fp32 ones.
+    """
+    import torch
+
+    classes = frozenset(type(m).__name__ for m in model.modules())
+    latents = {
+        k: v.to(torch.bfloat16)
+        for k in inputs.keys_with_role("latents")
+        if isinstance(v := inputs.kwargs[k], torch.Tensor) and v.is_floating_point()
+    }
+    probe = inputs.replace_kwargs(**latents) if latents else inputs
+    changes = set()
+    for name, switch in SWITCHES.items():
+        if switch.transform_inputs is None:
+            continue
+        for value in switch.values[1:]:
+            out = switch.transform_inputs(probe, value)
+            if any(out.kwargs.get(k) is not v for k, v in probe.kwargs.items()):
+                changes.add(name)
+    return classes, frozenset(changes)
 
 
 def _default_sides(fam: Any) -> tuple[Side, Side]:
@@ -1298,7 +1945,8 @@ def _fmt(value: Any) -> str:
     return html.escape(str(value))
 
 
-def _summary_html(result: Result, traj: Any) -> str:
+def _summary_html(result: Result, traj: Any, verdict: str) -> str:
+    """The summary table, under the result in one sentence (`ControlPanel.verdict`)."""
     summary = result.summary()
     roots = result.root_rows()
     rows = [
@@ -1306,19 +1954,55 @@ def _summary_html(result: Result, traj: Any) -> str:
         ("candidate (B)", f"{result.side_b.get('name')}"),
         ("model output dtype A / B", f"{roots[0].dtype_a} / {roots[0].dtype_b}" if roots else "-"),
     ]
-    rows += [(k, _fmt(summary.get(k))) for k in _SUMMARY_KEYS]
+    exact = all(not r.diverges for r in result.rows)
+    for k in _SUMMARY_KEYS:
+        value = summary.get(k)
+        if k == "first_divergent_module" and value is None:
+            value = "none: the sides agree bit for bit" if exact else "none"
+        rows.append((k, _fmt(value)))
     if traj is not None:
         overall = traj.overall()
         rows += [(k, _fmt(overall.get(k))) for k in _DRIFT_KEYS]
     rows += [
-        (f"input policy {side.get('name')}", html.escape(str(dict(side["input_dtype_policy"]))))
+        (f"input policy {side.get('name')}", html.escape(_policy_words(side["input_dtype_policy"])))
         for side in (result.side_a, result.side_b)
     ]
     body = "".join(
         f"<tr><th>{html.escape(k)}</th><td data-key='{html.escape(k)}'>{v}</td></tr>"
         for k, v in rows
     )
-    return f"<table class='lab-summary-table'>{body}</table>"
+    agree = " lab-agree" if bitexact_words(result) is not None else ""
+    return (
+        f"<div class='lab-verdict{agree}'>{html.escape(verdict)}</div>"
+        f"<table class='lab-summary-table'>{body}</table>"
+    )
+
+
+def _policy_words(policy: Mapping[str, Any]) -> str:
+    """The policy as the dropdowns say it: "latents: passthrough, ..., timestep: fp32"."""
+    return ", ".join(
+        f"{key}: {'passthrough' if policy.get(key) is None else policy[key]}"
+        for key in (*POLICY_KEYS, *(k for k in policy if k not in POLICY_KEYS))
+    )
+
+
+def _prescriptions_html(found: Any, side_name: str) -> str:
+    """The Prescribe table: each prescription's changes, whether it meets, and its costs."""
+    text = f"<pre class='lab-prescribe-words'>{html.escape(found.describe())}</pre>"
+    if not len(found):
+        return text
+    table = found.table()
+    table["extra_bytes"] = [f"{b:+,}" for b in table["extra_bytes"]]
+    table["time_ratio"] = [f"x{r:.2f}" for r in table["time_ratio"]]
+    table["value"] = [f"{v:.3g}" for v in table["value"]]
+    table = table.rename(
+        columns={
+            "extra_bytes": f"extra parameter bytes on {side_name}",
+            "time_ratio": "forward time",
+            "value": "verified value",
+        }
+    )
+    return text + table.to_html(index=False, classes="lab-prescriptions-table", escape=True)
 
 
 def control_panel(
@@ -1339,6 +2023,8 @@ __all__ = [
     "ControlPanel",
     "control_panel",
     "format_rules_text",
+    "nearest_rule_names",
+    "parse_keep_text",
     "parse_rules_text",
     "rule_matches_table",
 ]

@@ -7,18 +7,21 @@ for reviews). A plotly figure made here carries its matplotlib twin, drawn only 
 image is needed:
 
     plot_divergence_by_layer(result, metric)          one run across depth, by module kind
+                                                      (or block), x axis labelled by block
     plot_steps_by_layers(results_per_step, metric)    steps x module outputs heatmap
     plot_ulp_histogram(result, modules=None)          ULP distance counts, summed or per module
     plot_overlay([baseline, candidate], metric)       the same metric across depth for each run
 
 `plot_divergence_by_layer_plotly` is `plot_divergence_by_layer(..., backend="plotly")` under
 the name issue 6 gives it. Every figure keeps the Result's side order: the first side is the
-reference, the second the candidate, and axis labels say which is which.
+reference, the second the candidate, and axis labels say which is which. A pair with nothing to
+debug says so in words (`bitexact_words`), on the figure as in the panel and the report.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import html
 import math
 import textwrap
@@ -59,15 +62,19 @@ def module_kind(module_class: str) -> str:
 # ---- shared helpers ---------------------------------------------------------------------
 
 
-def _labelled_table(result: Result, metric: str, where: str) -> pd.DataFrame:
-    """`result.table()` plus `label`, `kind` and `params` columns, after checking `metric`.
+def _labelled_table(
+    result: Result, metric: str, where: str, table: pd.DataFrame | None = None
+) -> pd.DataFrame:
+    """`result.table()` plus `label`, `kind`, `block` and `params` columns, checking `metric`.
 
     `params` is the hover line for parameter dtypes of both sides (see `_param_dtypes`).
+    `table`: `result.table()` when the caller has it already (the panel computes it once a
+    run); it is copied, never changed.
 
     Raises:
         ValueError: For a Result without rows or a metric that is not a numeric column.
     """
-    table = result.table()
+    table = result.table() if table is None else table.copy()
     if not len(table):
         raise ValueError(f"{where}: the Result has no paired rows to plot.")
     if metric not in table.columns or table[metric].dtype.kind not in "fiub":
@@ -77,36 +84,106 @@ def _labelled_table(result: Result, metric: str, where: str) -> pd.DataFrame:
         raise ValueError(f"{where}: unknown metric {metric!r}.{hint} Choose from {numeric}.")
     table["label"] = [r.label() for r in result.rows]
     table["kind"] = table["module_class"].map(module_kind)
+    table["block"] = table["module"].map(block_of)
     table["params"] = _param_dtypes(result, table)
     return table
 
 
-def _param_dtypes(result: Result, table: pd.DataFrame) -> list[str]:
-    """Per row: "params: <reference> (ref) / <candidate> (cand)", or "" when nothing is known.
+def block_of(module: str) -> str:
+    """The block a module path belongs to: its path up to the first numbered component.
 
-    Read from per-row `param_dtypes_a/_b` table columns when a Result has them, else from
-    `meta["param_dtypes_a/_b"]`: either parameter name -> dtype (the row's module's own
-    parameters are counted) or dtype -> count for the whole model (`lab.pairing.run` writes these).
+    "transformer_blocks.3.attn.to_q" -> "transformer_blocks.3"; a module outside any numbered
+    container is its own top-level module ("norm_out.linear" -> "norm_out"); the model itself
+    is ROOT.
+    """
+    if module == ROOT:
+        return ROOT
+    parts = module.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return parts[0]
+
+
+def bitexact_words(result: Result) -> str | None:
+    """The sentence for a pair with nothing to debug, or None when the sides differ.
+
+    "These sides agree bit for bit: all 147 paired outputs are bit-exact." when every
+    paired output is; "The model outputs agree bit for bit; 3 of 150 paired outputs inside
+    differ (first: x), ..." when only internal ones differ (the difference is rounded away or
+    cancels before the output). A partial Result (a forward that stopped) says "so far".
+    """
+    rows = result.rows
+    if not rows:
+        return None
+    differ = [r for r in rows if r.diverges]
+    so_far = " so far (the forward stopped part-way)" if result.partial else ""
+    if not differ:
+        return (
+            f"These sides agree bit for bit: all {len(rows)} paired outputs are bit-exact{so_far}."
+        )
+    roots = result.root_rows()
+    if roots and not any(r.diverges for r in roots):
+        verb = "differs" if len(differ) == 1 else "differ"
+        return (
+            f"The model outputs agree bit for bit; {len(differ)} of {len(rows)} paired outputs "
+            f"inside {verb} (first: {differ[0].label()}), and the difference is rounded away or "
+            f"cancels before the output{so_far}."
+        )
+    return None
+
+
+def _param_dtypes(result: Result, table: pd.DataFrame) -> list[str]:
+    """Per row: "params: <reference> (ref) / <candidate> (cand)" of the row's module.
+
+    Counts that module's own parameters (its submodules' included); "" when it holds none or
+    none is known. Read from per-row `param_dtypes_a/_b` table columns when a Result has
+    them, else from the pair's weight plans (`result.flow`: every parameter's dtype on each
+    side), else from `meta["param_dtypes_a/_b"]` when those map parameter name -> dtype. A
+    saved result.json keeps only dtype -> count for the whole model there, which says nothing
+    about one module: no line then (the report's sides table shows those counts).
     """
     if "param_dtypes_a" in table.columns and "param_dtypes_b" in table.columns:
         return [
             _params_line(_dtype_counts_text(a), _dtype_counts_text(b))
             for a, b in zip(table["param_dtypes_a"], table["param_dtypes_b"], strict=True)
         ]
-    meta_a = result.meta.get("param_dtypes_a")
-    meta_b = result.meta.get("param_dtypes_b")
-    if not isinstance(meta_a, Mapping) or not isinstance(meta_b, Mapping):
-        return [""] * len(table)
-    if all(isinstance(v, int) for v in (*meta_a.values(), *meta_b.values())):
-        whole = _params_line(_dtype_counts_text(meta_a), _dtype_counts_text(meta_b))
-        return [f"{whole} (whole model)" if whole else ""] * len(table)
-    lines = []
-    for module in table["module"]:
-        prefix = "" if module == ROOT else f"{module}."
-        own_a = {n: d for n, d in meta_a.items() if n.startswith(prefix)}
-        own_b = {n: d for n, d in meta_b.items() if n.startswith(prefix)}
-        lines.append(_params_line(_dtype_counts_text(own_a), _dtype_counts_text(own_b)))
-    return lines
+    flow = getattr(result, "flow", None)
+    plan_a, plan_b = getattr(flow, "plan_a", None), getattr(flow, "plan_b", None)
+    if plan_a is not None and plan_b is not None:
+        from lab.base.dtypes import dtype_name
+
+        names_a = {n: dtype_name(d) for n, d in plan_a.param_dtypes.items()}
+        names_b = {n: dtype_name(d) for n, d in plan_b.param_dtypes.items()}
+    else:
+        names_a = result.meta.get("param_dtypes_a")
+        names_b = result.meta.get("param_dtypes_b")
+        if not isinstance(names_a, Mapping) or not isinstance(names_b, Mapping):
+            return [""] * len(table)
+        if any(isinstance(v, int) for v in (*names_a.values(), *names_b.values())):
+            return [""] * len(table)  # dtype -> count of the whole model
+    own_a, own_b = _per_module_counts(names_a), _per_module_counts(names_b)
+    return [
+        _params_line(
+            _dtype_counts_text(own_a.get(module, {})), _dtype_counts_text(own_b.get(module, {}))
+        )
+        for module in table["module"]
+    ]
+
+
+def _per_module_counts(names: Mapping[str, str]) -> dict[str, dict[str, int]]:
+    """Module path -> dtype -> how many parameters it holds (recursively), ROOT for all.
+
+    One pass over the names, each counted at every module above it: a full-size model has
+    ~1000 parameters and ~1000 rows, which a prefix filter per row would make 10^6 checks.
+    """
+    out: dict[str, dict[str, int]] = {}
+    for name, dtype in names.items():
+        parts = name.split(".")[:-1]
+        for module in (ROOT, *(".".join(parts[: i + 1]) for i in range(len(parts)))):
+            counts = out.setdefault(module, {})
+            counts[dtype] = counts.get(dtype, 0) + 1
+    return out
 
 
 def _dtype_counts_text(value: Any) -> str:
@@ -158,6 +235,9 @@ def _hover_lines(table: pd.DataFrame, metric: str) -> list[str]:
             f"class: {_text(row.module_class)} ({_text(row.kind)})",
             f"dtype: {_text(row.dtype_a)} (ref) / {_text(row.dtype_b)} (cand), shape {row.shape}",
         ]
+        block = getattr(row, "block", None)
+        if block and block != row.module:
+            lines.insert(2, f"block: {_text(block)}")
         if row.params:
             lines.append(_text(row.params))
         lines.append(f"{metric}: {_fmt(getattr(row, metric))}")
@@ -210,99 +290,81 @@ def _kind_colours(kinds: Sequence[str]) -> dict[str, str]:
 # ---- divergence across depth ------------------------------------------------------------
 
 
+COLOR_BY: tuple[str, ...] = ("kind", "block")
+"""What `plot_divergence_by_layer` colours points by: module kind, or the block they are in."""
+
+
 def plot_divergence_by_layer(
     result: Result,
     metric: str = "rel_max",
     *,
     title: str | None = None,
     backend: Backend = "plotly",
+    color_by: str = "kind",
 ) -> Any:
     """Divergence of every paired output across depth, log scale, coloured by module kind.
 
-    The x axis is forward completion order; the first divergent module is marked. Rows at
-    parity are drawn on a floor line (labelled) rather than dropped from the log axis.
+    The x axis is forward completion order, labelled by block (each numbered block's outputs
+    sit on a shaded band, its name under the axis); the first divergent module is marked.
+    Rows at parity are drawn on a floor line (labelled) rather than dropped from the log axis;
+    a pair with nothing to debug says so in words (`bitexact_words`).
 
     Args:
         result: A Result (or `Result.from_json(...)`).
         metric: Any numeric column of `result.table()` (rel_max, max_abs_diff, max_ulp, ...).
         title: Figure title; defaults to family, preset and the two sides.
-        backend: "plotly" (a go.Figure, one trace per module kind) or "matplotlib".
+        backend: "plotly" (a go.Figure, one trace per module kind or block) or "matplotlib".
+        color_by: "kind" (norm, attention, linear, ...) or "block" (one colour per block).
 
     Raises:
-        ValueError: For a metric that is not a numeric table column, or an unknown backend.
+        ValueError: For a metric that is not a numeric table column, an unknown backend or
+            an unknown `color_by`.
     """
     where = "plot_divergence_by_layer"
     check_backend(backend, where)
-    table = _labelled_table(result, metric, where)
-    values = table[metric].astype(float).clip(lower=_FLOOR)
-    colours = _kind_colours(table["kind"])
-    first = result.first_divergence()
-    first_pos = (
-        int((table["order"] == first.order).to_numpy().argmax()) if first is not None else None
-    )
-    title = title or _title(result)
-    # Every row at the floor: say so, and no decades of ticks around a value nobody measured.
-    flat = bool(len(values)) and bool((values <= _FLOOR).all())
-    floor_words = f"all {len(values)} outputs bit-exact / zero" if flat else "bit-exact / zero"
     if backend == "plotly":
         import plotly.graph_objects as go
 
-        fig = go.Figure()
-        hover = _hover_lines(table, metric)
-        for kind in sorted(colours):
-            sel = (table["kind"] == kind).to_numpy().nonzero()[0]
-            fig.add_trace(
-                go.Scatter(
-                    x=sel.tolist(),
-                    y=values.iloc[sel].tolist(),
-                    mode="markers",
-                    name=_text(kind),
-                    marker={"color": colours[kind], "size": 7},
-                    text=[hover[i] for i in sel],
-                    hovertemplate="%{text}<extra></extra>",
-                )
-            )
-        fig.add_hline(y=_FLOOR, line={"color": "#bbb", "dash": "dot", "width": 1})
-        fig.add_annotation(
-            x=0, y=math.log10(_FLOOR), text=floor_words, showarrow=False, yshift=8,
-            xanchor="left", font={"size": 12 if flat else 9, "color": "#888"},
-        )  # fmt: skip
-        if flat:
-            fig.update_yaxes(tickvals=[_FLOOR], ticktext=["0"])
-        if first is not None:
-            fig.add_vline(x=first_pos, line={"color": "crimson", "dash": "dash", "width": 1})
-            fig.add_annotation(
-                x=first_pos, y=math.log10(values.iloc[first_pos]),
-                text=f"first divergence: {_text(first.label())}",
-                font={"color": "crimson", "size": 10},
-                arrowcolor="crimson", ax=40, ay=-30, bgcolor="rgba(255,255,255,0.85)",
-            )  # fmt: skip
-        fig.update_yaxes(type="log", title=_text(_metric_axis(result, metric)), exponentformat="e")
-        fig.update_xaxes(title="module output, forward completion order")
-        fig.update_layout(
-            title=_text(title), template="plotly_white", height=420, hovermode="closest"
-        )
+        spec = divergence_spec(result, metric, title=title, color_by=color_by)
+        fig = go.Figure(spec)
         return attach_static_twin(
-            fig, lambda: plot_divergence_by_layer(result, metric, title=title, backend="matplotlib")
+            fig,
+            lambda: plot_divergence_by_layer(
+                result, metric, title=title, backend="matplotlib", color_by=color_by
+            ),
         )
-
+    d = _DepthPlot(result, metric, title, color_by, where)
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(11, 4.2), constrained_layout=True)
-    for kind in sorted(colours):
-        sel = (table["kind"] == kind).to_numpy()
-        ax.scatter(sel.nonzero()[0], values[sel], s=14, color=colours[kind], label=kind)
+    fig, ax = plt.subplots(figsize=(11, 4.6), constrained_layout=True)
+    for i, (start, stop, _) in enumerate(d.bands):
+        ax.axvspan(start - 0.5, stop + 0.5, color="0.93" if i % 2 == 0 else "0.97", lw=0, zorder=0)
+    for name, sel in d.groups:
+        ax.scatter(sel, d.values.iloc[sel], s=14, color=d.colours[name], label=name, zorder=2)
     ax.set_yscale("log")
     ax.axhline(_FLOOR, color="0.8", lw=0.8, ls=":")
-    ax.text(0, _FLOOR * 1.6, floor_words, fontsize=10 if flat else 7, color="0.5")
-    if flat:
+    ax.text(
+        0, _FLOOR * 1.6, d.floor_words, fontsize=10 if d.flat else 7,
+        color="#197319" if d.flat else "0.5",
+    )  # fmt: skip
+    if d.words and not d.flat:
+        ax.text(
+            0.99, 0.97, d.words_short, transform=ax.transAxes, fontsize=9, color="#197319",
+            va="top", ha="right", bbox={"fc": "white", "ec": "none", "alpha": 0.85},
+        )  # fmt: skip
+    if d.flat:
         ax.set_yticks([_FLOOR], ["0"])
         ax.minorticks_off()
-    if first is not None:
-        ax.axvline(first_pos, color="crimson", lw=1, ls="--")
+    ax.set_xticks(d.tickvals, d.ticktext, rotation=40, ha="right", fontsize=7)
+    if d.first_pos is not None:
+        ax.axvline(d.first_pos, color="crimson", lw=1, ls="--")
+        at = d.values.iloc[d.first_pos]
+        # Below the point when it is near the top, where a label above would cross the title.
+        below = at >= d.values.max() / 10
         ax.annotate(
-            f"first divergence: {first.label()}",
-            (first_pos, values.iloc[first_pos]),
-            xytext=(8, 12),
+            f"first divergence: {d.first_label}",
+            (d.first_pos, at),
+            xytext=(8, -14 if below else 12),
+            va="top" if below else "baseline",
             textcoords="offset points",
             color="crimson",
             fontsize=8,
@@ -310,12 +372,205 @@ def plot_divergence_by_layer(
             bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "crimson", "lw": 0.5,
                   "alpha": 0.85},
         )  # fmt: skip
-    ax.set_xlabel("module output, forward completion order")
+    ax.set_xlabel(d.xlabel)
     ax.set_ylabel(_metric_axis(result, metric))
-    ax.set_title(title)
-    fig.legend(fontsize=7, loc="outside right upper", title="module kind", title_fontsize=7)
+    ax.set_title(d.title)
+    fig.legend(fontsize=7, loc="outside right upper", title=f"module {color_by}", title_fontsize=7)
     ax.grid(alpha=0.3, which="both", axis="y")
     return fig
+
+
+def divergence_spec(
+    result: Result,
+    metric: str = "rel_max",
+    *,
+    title: str | None = None,
+    color_by: str = "kind",
+    table: pd.DataFrame | None = None,
+) -> dict[str, Any]:
+    """`plot_divergence_by_layer`'s plotly figure as plain JSON data (`data`, `layout`).
+
+    What the control panel sends to the browser: building a go.Figure validates every value
+    (a third of a second for a tiny model's 150 points), and this is the same figure without
+    that. `table`: `result.table()` when the caller has it already.
+
+    Raises:
+        ValueError: As `plot_divergence_by_layer`.
+    """
+    d = _DepthPlot(result, metric, title, color_by, "plot_divergence_by_layer", table)
+    hover = _hover_lines(d.table, metric)
+    values = [float(v) for v in d.values]
+    data = [
+        {
+            "type": "scatter",
+            "x": [int(i) for i in sel],
+            "y": [values[i] for i in sel],
+            "mode": "markers",
+            "name": _text(name),
+            "marker": {"color": d.colours[name], "size": 7},
+            "text": [hover[i] for i in sel],
+            "hovertemplate": "%{text}<extra></extra>",
+        }
+        for name, sel in d.groups
+    ]
+    shapes: list[dict[str, Any]] = [
+        {"type": "rect", "xref": "x", "yref": "paper", "x0": start - 0.5, "x1": stop + 0.5,
+         "y0": 0, "y1": 1, "fillcolor": "#eef1f5" if i % 2 == 0 else "#f7f8fa",
+         "line": {"width": 0}, "layer": "below"}
+        for i, (start, stop, _) in enumerate(d.bands)
+    ]  # fmt: skip
+    shapes.append(
+        {"type": "line", "xref": "paper", "yref": "y", "x0": 0, "x1": 1, "y0": _FLOOR,
+         "y1": _FLOOR, "line": {"color": "#bbb", "dash": "dot", "width": 1}}
+    )  # fmt: skip
+    annotations: list[dict[str, Any]] = [
+        {"x": 0, "y": math.log10(_FLOOR), "text": _text(d.floor_words), "showarrow": False,
+         "yshift": 24 if d.flat else 8, "xanchor": "left", "font": {"size": 13 if d.flat else 9,
+         "color": "#197319" if d.flat else "#888"}}
+    ]  # fmt: skip
+    if d.words and not d.flat:
+        annotations.append(
+            {"xref": "paper", "yref": "paper", "x": 0.99, "y": 0.99, "xanchor": "right",
+             "yanchor": "top", "showarrow": False, "text": _text(d.words_short),
+             "font": {"size": 11, "color": "#197319"}, "bgcolor": "rgba(255,255,255,0.85)"}
+        )  # fmt: skip
+    yaxis: dict[str, Any] = {
+        "type": "log",
+        "title": {"text": _text(_metric_axis(result, metric))},
+        "exponentformat": "e",
+    }
+    if d.flat:
+        # Every point and the floor line at one value: plotly.js's autorange collapses to
+        # zero height there and draws no annotation, so the range is a decade either side.
+        floor = math.log10(_FLOOR)
+        yaxis.update(tickvals=[_FLOOR], ticktext=["0"], range=[floor - 1, floor + 1])
+    if d.first_pos is not None:
+        shapes.append(
+            {"type": "line", "xref": "x", "yref": "paper", "x0": d.first_pos, "x1": d.first_pos,
+             "y0": 0, "y1": 1, "line": {"color": "crimson", "dash": "dash", "width": 1}}
+        )  # fmt: skip
+        annotations.append(
+            {"x": d.first_pos, "y": math.log10(values[d.first_pos]),
+             "text": f"first divergence: {_text(d.first_label)}",
+             "font": {"color": "crimson", "size": 10}, "arrowcolor": "crimson", "ax": 40,
+             "ay": -30, "bgcolor": "rgba(255,255,255,0.85)"}
+        )  # fmt: skip
+    layout = {
+        "title": {"text": _text(d.title)},
+        "template": _plotly_white(),
+        "height": 460,
+        "hovermode": "closest",
+        "legend": {"title": {"text": f"module {color_by}"}},
+        "margin": {"b": 110},
+        "shapes": shapes,
+        "annotations": annotations,
+        "xaxis": {
+            "title": {"text": d.xlabel},
+            "tickvals": d.tickvals,
+            "ticktext": [_text(t) for t in d.ticktext],
+            "tickangle": -40,
+            "tickfont": {"size": 9},
+            "range": [-1, len(values)],
+            "zeroline": False,
+        },
+        "yaxis": yaxis,
+    }
+    return {"data": data, "layout": layout}
+
+
+@functools.cache
+def _plotly_white() -> dict[str, Any]:
+    """The "plotly_white" template as JSON data, read once.
+
+    A template name would be resolved by the browser's plotly.js, which knows none.
+    """
+    import plotly.io as pio
+
+    return pio.templates["plotly_white"].to_plotly_json()
+
+
+class _DepthPlot:
+    """What both backends of `plot_divergence_by_layer` draw, computed once."""
+
+    _MAX_TICKS = 30
+    """At most this many block labels fit under the axis."""
+
+    def __init__(
+        self,
+        result: Result,
+        metric: str,
+        title: str | None,
+        color_by: str,
+        where: str,
+        table: pd.DataFrame | None = None,
+    ) -> None:
+        if color_by not in COLOR_BY:
+            close = difflib.get_close_matches(str(color_by), COLOR_BY, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(
+                f"{where}: unknown color_by {color_by!r}.{hint} Choose from {list(COLOR_BY)}."
+            )
+        import numpy as np
+
+        self.table = table = _labelled_table(result, metric, where, table)
+        self.values = table[metric].astype(float).clip(lower=_FLOOR)
+        column = table[color_by]
+        # Kinds sorted by name (the same colour per kind in every plot); blocks in depth order.
+        names = sorted(set(column)) if color_by == "kind" else list(dict.fromkeys(column))
+        self.colours = _kind_colours(names) if color_by == "kind" else _block_colours(names)
+        codes = column.to_numpy()
+        self.groups = [(name, np.flatnonzero(codes == name)) for name in names]
+        first = result.first_divergence()
+        self.first_pos = (
+            int((table["order"] == first.order).to_numpy().argmax()) if first is not None else None
+        )
+        self.first_label = first.label() if first is not None else ""
+        self.title = title or _title(result)
+        # Every row at the floor: say so, and no decades of ticks around a value nobody measured.
+        self.flat = bool(len(self.values)) and bool((self.values <= _FLOOR).all())
+        self.words = bitexact_words(result)
+        self.words_short = (self.words or "").split(", and the difference")[0]
+        self.floor_words = self.words if self.flat and self.words else "bit-exact / zero"
+        # Consecutive rows of one block: a band per numbered block, a label per segment.
+        segments: list[tuple[int, int, str]] = []
+        for i, block in enumerate(table["block"]):
+            if segments and segments[-1][2] == block:
+                segments[-1] = (segments[-1][0], i, block)
+            else:
+                segments.append((i, i, block))
+        self.bands = [s for s in segments if _numbered(s[2])]
+        # A label per segment, skipping one that would sit on the last one shown (a few
+        # one-output embedders in a row; a full model's 60 blocks).
+        gap = len(table) / self._MAX_TICKS
+        self.tickvals: list[float] = []
+        self.ticktext: list[str] = []
+        for start, stop, block in segments:
+            middle = (start + stop) / 2
+            if not self.tickvals or middle - self.tickvals[-1] >= gap:
+                self.tickvals.append(middle)
+                self.ticktext.append(block)
+        self.xlabel = "module output, forward completion order (labelled by block)"
+
+
+def _numbered(block: str) -> bool:
+    return block.rpartition(".")[2].isdigit()
+
+
+def _block_colours(blocks: Sequence[str]) -> dict[str, str]:
+    """Blocks of one container share a hue ramp by depth; other modules get tab10 colours."""
+    import matplotlib
+
+    out: dict[str, str] = {}
+    containers = list(dict.fromkeys(b.rpartition(".")[0] for b in blocks if _numbered(b)))
+    ramps = ("Blues", "Oranges", "Greens", "Purples", "Reds")
+    for c, container in enumerate(containers):
+        members = [b for b in blocks if _numbered(b) and b.rpartition(".")[0] == container]
+        cmap = matplotlib.colormaps[ramps[c % len(ramps)]]
+        for k, block in enumerate(members):
+            out[block] = matplotlib.colors.to_hex(cmap(0.45 + 0.5 * k / max(1, len(members) - 1)))
+    rest = [b for b in blocks if b not in out]
+    out.update(_kind_colours(rest))
+    return out
 
 
 def plot_divergence_by_layer_plotly(
