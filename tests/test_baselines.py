@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -153,3 +154,34 @@ def test_names_and_overwrite_are_checked(result: Result, tmp_path: Path) -> None
         save_baseline(result, "../escape", directory=tmp_path)
     with pytest.raises(ValueError, match=r"Did you mean 'flux_tiny'\? Saved: \['flux_tiny'\]"):
         load_baseline("flux_tine", directory=tmp_path)
+
+
+def test_two_saves_of_one_name_at_once_leave_one_baseline(result: Result, tmp_path: Path) -> None:
+    # Issue 42: both passed the "exists?" check before either wrote, and both succeeded (the
+    # second silently replaced the first). Now the file is created exclusively.
+    import threading
+
+    other = dataclasses.replace(result, meta={**result.meta, "seed": 1})
+    start = threading.Barrier(8)
+    outcomes: list[Any] = [None] * 8
+
+    def save(i: int) -> None:
+        start.wait()
+        try:
+            outcomes[i] = save_baseline(other if i % 2 else result, "race", directory=tmp_path)
+        except ValueError as err:
+            outcomes[i] = err
+
+    threads = [threading.Thread(target=save, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    saved = [o for o in outcomes if isinstance(o, Path)]
+    refused = [o for o in outcomes if isinstance(o, ValueError)]
+    assert len(saved) == 1 and len(refused) == 7, outcomes
+    assert all("exists. Pass overwrite=True" in str(e) for e in refused)
+    winner = outcomes.index(saved[0])
+    kept = load_baseline("race", directory=tmp_path)
+    assert kept.meta["seed"] == (1 if winner % 2 else result.meta.get("seed"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["race.json"], "a temporary stayed"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -403,3 +404,119 @@ def test_pair_sharded_runs_both_sides_under_fsdp2_and_names_what_it_cannot(
     saved = json.loads((tmp_path / "part" / "results.json").read_text())
     assert [r["module"] for r in saved["rows"]][-2:] == ["transformer_blocks.0"] * 2
     assert f"saved the {len(saved['rows'])} pair(s) compared before the failure" in out
+
+
+# ---- issue 42: Ctrl-C and SIGTERM keep what finished and say so in one line; held folders ----
+
+
+def _interrupt_at_forward(monkeypatch: pytest.MonkeyPatch, forward: int, sig: str) -> None:
+    """Every model the run builds raises `sig` (Ctrl-C, or SIGTERM) in the main thread as its
+    `forward`-th forward (counted over all of them) ends."""
+    import _thread
+    import signal
+
+    from lab.families import Family
+
+    build, count = Family.build, [0]
+
+    def interrupting(self: Family, *args: object, **kwargs: object) -> torch.nn.Module:
+        model = build(self, *args, **kwargs)
+
+        def hook(module: torch.nn.Module, inputs: object, output: object) -> None:
+            count[0] += 1
+            if count[0] == forward:
+                _thread.interrupt_main(getattr(signal, sig))
+
+        model.register_forward_hook(hook)
+        return model
+
+    monkeypatch.setattr(Family, "build", interrupting)
+
+
+@pytest.mark.parametrize(("sig", "code"), [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_stopped_drift_saves_the_steps_before_and_says_so_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch,
+    sig: str, code: int,
+) -> None:  # fmt: skip
+    # Before: Ctrl-C lost every finished step (only Exception was kept) with a traceback, and
+    # SIGTERM killed the process where it stood.
+    _interrupt_at_forward(monkeypatch, 5, sig)  # step 2's rollout forward
+    out = tmp_path / "drift"
+    got, _, err = _run(capsys, "drift", "--out-dir", str(out), "--steps", "4")
+    assert got == code, err
+    assert err.splitlines() == [
+        f"drift: stopped by {sig} in step 2 of 4; the 2 step(s) before it are saved in {out}."
+    ]
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["completed_steps"] == 2 and len(data["per_step"]) == 2
+    assert data["meta"]["interrupted"] == {"step": 2, "signal": sig}
+    for name in ("ratio_drift.png", "ratio_hist.png", "logprob_vs_velocity_gap.png"):
+        assert (out / name).read_bytes()[:8] == PNG, name
+    assert not (out / ".lab-lock").exists()
+
+
+def test_a_stopped_pair_exits_130_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _interrupt_at_forward(monkeypatch, 1, "SIGINT")  # as the rollout side's forward ends
+    out = tmp_path / "pair"
+    code, _, err = _run(capsys, "pair", "--out-dir", str(out))
+    assert code == 130 and err.splitlines() == ["pair: stopped by SIGINT; nothing was saved."]
+    assert not out.exists(), "the stopped pair left its (empty) folder"
+
+
+def test_an_out_dir_another_run_holds_is_refused_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # Two commands writing one folder read (and overwrite) each other's results.json.
+    from lab.base.processes import holding_folder
+
+    out = tmp_path / "held"
+    with holding_folder(out, "another run"):
+        for command in (["pair"], ["drift", "--steps", "2"]):
+            code, _, err = _run(capsys, *command, "--out-dir", str(out))
+            assert code == EXIT_USAGE, err
+            assert f"--out-dir: {str(out)!r} is in use by another run, process {os.getpid()}" in err
+        assert [p.name for p in out.iterdir()] == [".lab-lock"]
+    code, _, err = _run(capsys, "drift", "--steps", "2", "--out-dir", str(out))
+    assert code == EXIT_OK, err
+
+
+def test_sigterm_on_pair_sharded_ends_every_rank_saves_the_pairs_and_says_so_in_one_line(
+    tmp_path: Path,
+) -> None:
+    # Before: a traceback (Terminated), nothing saved.
+    import signal
+    import time
+
+    temp, out = tmp_path / "tmp", tmp_path / "sharded"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp),
+           "LAB_FSDP2_FAULT": "hang@1:trainer:transformer_blocks.1"}  # fmt: skip
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "lab", "pair", "--family", "sd3", "--sharded", "2", "--out-dir",
+         str(out)],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not list(temp.glob("lab-fsdp2-*/tmp/hang1")):
+            assert cli.poll() is None, cli.communicate()
+            assert time.monotonic() < deadline, "the trainer's ranks never reached block 1"
+            time.sleep(0.2)
+        cli.send_signal(signal.SIGTERM)
+        stdout, stderr = cli.communicate(timeout=120)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+    assert cli.returncode == 143, stdout + stderr
+    assert stderr.strip().splitlines() == [
+        "pair --sharded: stopped by SIGTERM; every rank ended, saved."
+    ], stderr
+    saved = json.loads((out / "results.json").read_text())
+    # The rollout's whole forward against the trainer's up to where rank 0 waited for rank 1
+    # (FSDP2 gathers a block ahead, so rank 0 ran block 1 before it waited).
+    modules = [r["module"] for r in saved["rows"]]
+    assert "transformer_blocks.0" in modules and modules[-1] == "transformer_blocks.1", modules
+    assert f"saved the {len(saved['rows'])} pair(s) compared before SIGTERM" in stdout
+    assert list(temp.iterdir()) == [], "the launch's folder stayed"

@@ -840,3 +840,97 @@ def test_a_rank_holds_its_rows_and_too_few_ranks_are_refused_before_any_starts(
     # No budget on a CPU: no check.
     monkeypatch.delenv("LAB_MEMORY_BUDGET_GIB")
     fsdp.check_rank_build_fits(job, "cpu", 1)
+
+
+_THREAD_CALLER = """
+import sys, tempfile, threading, time
+tempfile.tempdir = sys.argv[1]
+import lab
+from lab.engine.fsdp import Fsdp2Job, run_fsdp2_forwards
+job = Fsdp2Job(family_name="wan2_2", side=lab.Side.trainer(lab.family("wan2_2")))
+worker = threading.Thread(target=run_fsdp2_forwards, args=([job],),
+                          kwargs=dict(nproc=2, device="cpu", timeout_s=600), daemon=True)
+worker.start()
+if sys.argv[2] == "wait":
+    worker.join()
+else:  # the main thread ends while the launch runs in its daemon thread
+    from pathlib import Path
+    while not list(Path(sys.argv[1]).glob("lab-fsdp2-*/tmp/hang1")):
+        time.sleep(0.2)
+    print(next(Path(sys.argv[1]).glob("lab-fsdp2-*")))
+"""
+
+
+def _start_thread_caller(tmp_path: Path, how: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", _THREAD_CALLER, str(tmp_path), how],
+        cwd=Path(__file__).resolve().parent.parent,
+        env={**os.environ, FAULT: "hang@1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_hang(caller: subprocess.Popen, tmp_path: Path) -> Path:
+    deadline = time.monotonic() + 300
+    while not list(tmp_path.glob("lab-fsdp2-*/tmp/hang1")):
+        assert caller.poll() is None, caller.communicate()
+        assert time.monotonic() < deadline, "the ranks never started"
+        time.sleep(0.2)
+    return next(tmp_path.glob("lab-fsdp2-*"))
+
+
+def test_a_caller_killed_in_a_worker_thread_leaves_a_folder_the_next_launch_removes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 42: SIGTERM reaches no handler while the launch runs in a worker thread (Python
+    runs handlers in the main thread only), and kill -9 none at all: the process dies on the
+    spot and its `lab-fsdp2-<pid>-*` folder stays. The next launch in any process removes it
+    (its lock died with its process); a live caller's folder is left alone."""
+    from lab.base.processes import owned_temp_dir, remove_stale_temp_dirs
+
+    killed = _start_thread_caller(tmp_path, "wait")
+    try:
+        folder = _wait_for_hang(killed, tmp_path)
+        assert folder.name.startswith(f"lab-fsdp2-{killed.pid}-"), folder.name
+        ranks = json.loads((folder / "ranks.json").read_text())
+        # A caller that is alive keeps its folder, however many cleaners look.
+        assert remove_stale_temp_dirs("lab-fsdp2-", tmp_path) == []
+        assert folder.is_dir()
+        killed.send_signal(signal.SIGTERM)  # its worker thread holds the launch: no handler
+        killed.communicate(timeout=120)
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+    assert killed.returncode == -signal.SIGTERM
+    deadline = time.monotonic() + 60
+    while any(_processes_naming(str(folder))) and time.monotonic() < deadline:
+        time.sleep(0.2)  # the ranks die with their caller (parent-death signal)
+    assert _processes_naming(str(folder)) == [], f"a rank of {ranks} outlived its caller"
+    assert folder.is_dir(), "the folder was removed: nothing left for the next launch to do"
+    # The next launch's folder, in this process: the stale one goes first.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with owned_temp_dir("lab-fsdp2-") as mine:
+        assert not folder.exists(), "the dead caller's folder stayed"
+        assert mine.name.startswith(f"lab-fsdp2-{os.getpid()}-") and mine.is_dir()
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_launch_in_a_daemon_thread_removes_its_folder_when_the_main_thread_ends(
+    tmp_path: Path,
+) -> None:
+    caller = _start_thread_caller(tmp_path, "exit")
+    try:
+        stdout, stderr = caller.communicate(timeout=300)
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+    assert caller.returncode == 0, stderr
+    folder = Path(stdout.strip())
+    assert folder.name.startswith(f"lab-fsdp2-{caller.pid}-"), stdout
+    assert not folder.exists() and _leftovers(tmp_path) == [], "the launch folder stayed"
+    deadline = time.monotonic() + 60
+    while _processes_naming(str(folder)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_naming(str(folder)) == [], "a rank outlived its caller"

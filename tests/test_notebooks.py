@@ -491,3 +491,44 @@ def test_a_value_the_declared_type_does_not_take_is_refused_and_true_false_are_b
         execute_notebook(notebook, out, {"family": 3})
     execute_notebook(notebook, out, {"sigma": 1, "trainer_overrides": '{"autocast": false}'})
     assert ran[-1]["parameters"] == {"sigma": 1, "trainer_overrides": '{"autocast": false}'}
+
+
+def test_a_stopped_headless_run_leaves_no_kernel_keys_and_exits_143(tmp_path: Path) -> None:
+    """Issue 42: the kernel's connection file (its HMAC and CurveZMQ keys) went to the shared
+    temporary folder as `tmp*.json` and stayed there when the papermill process was ended."""
+    import os
+    import signal
+    import time
+
+    from lab.base.processes import alive
+
+    temp, run = tmp_path / "tmp", tmp_path / "run"
+    temp.mkdir()
+    sleepy = REPO / "tests" / "data" / "sweep_sleep.ipynb"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lab.views.notebooks", str(sleepy), str(tmp_path / "out.ipynb"),
+         "-p", "x", "1", "-p", "out_dir", str(run), "--no-progress-bar"],
+        cwd=tmp_path, env={**os.environ, "TMPDIR": str(temp), "SWEEP_TOY_SLEEP_S": "600"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not (run / "pids.json").is_file():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the kernel never started"
+            time.sleep(0.2)
+        (keys,) = temp.glob(f"lab-kernel-{proc.pid}-*")
+        assert (keys / "kernel.json").is_file(), "the keys went elsewhere"
+        kernel = json.loads((run / "pids.json").read_text())["kernel"]
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, stderr
+    assert "papermill: stopped by SIGTERM." in stderr
+    assert list(temp.iterdir()) == [], "the kernel's connection file (or its folder) stayed"
+    deadline = time.monotonic() + 60
+    while alive(kernel) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(kernel), "the kernel outlived its papermill process"

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 from lab.base.processes import alive
 from lab.views.sweep import grid_points, parse_grid, run_sweep
@@ -21,10 +22,13 @@ REPO = Path(__file__).resolve().parent.parent
 TOY = REPO / "tests" / "data" / "sweep_toy.ipynb"
 
 
-def _sweep_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def _sweep_cli(
+    *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "lab", "sweep", *args, "--no-progress"],
         cwd=cwd,
+        env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
         timeout=300,
@@ -160,10 +164,11 @@ def _executions(folder: Path) -> int:
 
 
 def test_kill_9_of_the_sweep_leaves_no_worker_or_kernel_running(tmp_path: Path) -> None:
-    out = tmp_path / "sweep"
+    out, temp = tmp_path / "sweep", tmp_path / "tmp"
+    temp.mkdir()
     cli = _start_cli(
         str(SLEEPY), "--grid", "x=1,2,3", "--jobs", "2", "--out", str(out),
-        cwd=tmp_path, env={"SWEEP_TOY_SLEEP_S": "600"},
+        cwd=tmp_path, env={"SWEEP_TOY_SLEEP_S": "600", "TMPDIR": str(temp)},
     )  # fmt: skip
     try:
         running = [out / "000_x=1", out / "001_x=2"]
@@ -177,6 +182,17 @@ def test_kill_9_of_the_sweep_leaves_no_worker_or_kernel_running(tmp_path: Path) 
         if cli.poll() is None:
             cli.kill()
     assert not _pids(out / "002_x=3"), "a queued run started after the sweep died"
+    # kill -9 leaves its lock (stale: its flock died with it) and its kernels' keys folder; the
+    # next sweep takes the folder over and removes the dead one's keys.
+    assert (out / ".lab-lock").is_file()
+    (keys,) = temp.glob(f"lab-sweep-{cli.pid}-*")
+    assert sorted(p.name for p in keys.glob("kernel-*.json")) == [
+        "kernel-000.json", "kernel-001.json"
+    ]  # fmt: skip
+    proc = _sweep_cli(str(SLEEPY), "--grid", "x=0", "--out", str(out), cwd=tmp_path,
+                      env={"TMPDIR": str(temp)})  # fmt: skip
+    assert proc.returncode == 0 and "1/1 runs ok" in proc.stdout, proc.stdout + proc.stderr
+    assert list(temp.iterdir()) == [], "the dead sweep's kernel keys (or this one's) stayed"
 
 
 @pytest.mark.parametrize(
@@ -187,9 +203,10 @@ def test_kill_9_of_the_sweep_leaves_no_worker_or_kernel_running(tmp_path: Path) 
 def test_a_stopped_sweep_ends_its_runs_keeps_finished_rows_and_resumes(
     tmp_path: Path, sig: signal.Signals, code: int
 ) -> None:
-    out = tmp_path / "sweep"
+    out, temp = tmp_path / "sweep", tmp_path / "tmp"
+    temp.mkdir()
     args = (str(SLEEPY), "--grid", "x=0,1,2", "--jobs", "2", "--out", str(out))
-    cli = _start_cli(*args, cwd=tmp_path, env={"SWEEP_TOY_SLEEP_S": "600"})
+    cli = _start_cli(*args, cwd=tmp_path, env={"SWEEP_TOY_SLEEP_S": "600", "TMPDIR": str(temp)})
     try:
         sleeping = [out / "001_x=1", out / "002_x=2"]
         # x=0 does not sleep: its row is on disk while the other two still run.
@@ -202,8 +219,14 @@ def test_a_stopped_sweep_ends_its_runs_keeps_finished_rows_and_resumes(
         if cli.poll() is None:
             cli.kill()
     assert cli.returncode == code, stdout + stderr
-    assert f"stopped by {sig.name}; 1 of 3 runs finished (2 ended, 0 never started)" in stderr
+    assert stderr.strip().splitlines() == [
+        f"sweep: stopped by {sig.name}; 1 of 3 runs finished (2 ended, 0 never started); their "
+        f"rows are in {out / 'sweep.csv'}. Run again with resume=True (--resume) to run only "
+        "the rest."
+    ], stderr  # one line, no traceback
     assert "1/1 runs ok" in stdout
+    # Before: each ended run's kernel connection file (its HMAC and CurveZMQ keys) stayed.
+    assert list(temp.iterdir()) == [], "a kernel's connection file (or its folder) stayed"
     table = _rows(out)
     assert list(table["x"]) == [0] and list(table["status"]) == ["ok"]
     _wait_for(lambda: not any(alive(pid) for pid in pids), "the ended runs to be gone", 60)
@@ -268,3 +291,78 @@ def test_run_sweep_works_from_a_script_without_a_main_guard(tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2/2 runs ok" in proc.stdout
     assert proc.stdout.count("sweep of") == 1, "the script ran more than once"
+
+
+# ---- issue 42/43: every value before the first run, one output per run, one sweep a folder ---
+
+
+def test_every_grid_value_is_checked_before_the_first_run(tmp_path: Path) -> None:
+    # Before: family=flux ran, then the sdd3 run failed in its kernel, suggesting to create
+    # lab/families/sdd3.py.
+    cases = [
+        ({"family": ["flux", "sdd3"]}, {}, r"^sweep: grid value family='sdd3' is not a family\. "
+         r"Did you mean 'sd3'\? Known: cosmos3, flux, .* Nothing ran"),
+        ({"preset": ["tiny", "huge"]}, {"family": "sd3"},
+         r"grid value preset='huge' is not a preset of sd3\. Known: tiny, reduced, full\."),
+        ({"mode": ["propagated", "lockstep"]}, {}, r"mode='lockstep' is not a pairing mode"),
+        ({"seed": [0]}, {"family": "flx"}, r"^sweep: parameter family='flx' is not a family"),
+    ]  # fmt: skip
+    for grid, parameters, message in cases:
+        with pytest.raises(ValueError, match=message):
+            run_sweep("01_quickstart", grid, tmp_path / "s", parameters=parameters)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"device='cuda' cannot run here: .*no CUDA GPU"):
+            run_sweep("01_quickstart", {"device": ["cpu", "cuda"]}, tmp_path / "s")
+    with pytest.raises(ValueError, match=r"sde_type='ode' is not an SDE type"):
+        run_sweep("02_ratio_drift", {"sde_type": ["sde", "ode"]}, tmp_path / "s")
+    assert not list(tmp_path.iterdir()), "a refused sweep made its folder"
+    # The command line: exit 2, the user's words (no `run_sweep:`), nothing started.
+    proc = _sweep_cli("01_quickstart", "--grid", "family=flux,sdd3", "--out", str(tmp_path / "s"),
+                      cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("error: sweep: grid value family='sdd3' is not a family")
+    assert "run_sweep" not in proc.stderr and not (tmp_path / "s").exists()
+
+
+def test_a_parameter_giving_runs_one_output_folder_is_refused(tmp_path: Path) -> None:
+    # Before: every run wrote X/results.json over the others', and each row read the last.
+    shared = tmp_path / "X"
+    with pytest.raises(ValueError, match=r"^sweep: parameter out_dir='.*X' gives 2 runs one "
+                       r"output folder .* \(000_x=1, 001_x=2\): each would write"):  # fmt: skip
+        run_sweep(TOY, {"x": [1, 2]}, tmp_path / "s", parameters={"out_dir": str(shared)})
+    with pytest.raises(ValueError, match=r"^sweep: grid key out_dir='.*X' gives 2 runs"):
+        run_sweep(TOY, {"out_dir": [str(shared)] * 2}, tmp_path / "s", parameters={"x": 1})
+    assert not list(tmp_path.iterdir())
+    # A relative out_dir is taken inside each run's folder: one per run, and read from there.
+    sweep = run_sweep(SLEEPY, {"x": [0, 3]}, tmp_path / "s", parameters={"out_dir": "res"},
+                      progress=False)  # fmt: skip
+    assert not sweep.failed, sweep.describe()
+    assert list(sweep.table()["x_out"]) == [0, 3]
+    for name in ("000_x=0", "001_x=3"):
+        assert (tmp_path / "s" / name / "res" / "results.json").is_file()
+
+
+def test_a_second_sweep_into_a_held_folder_is_refused_naming_the_first(tmp_path: Path) -> None:
+    # Before: two sweeps of one folder both reported success, each reading the other's rows.
+    from lab.base.processes import FolderInUseError, holding_folder
+
+    out = tmp_path / "sweep"
+    with holding_folder(out, "test"):
+        with pytest.raises(FolderInUseError, match=rf"^sweep: '.*sweep' is in use by another "
+                           rf"run, process {os.getpid()} \("):  # fmt: skip
+            run_sweep(TOY, {"x": [1]}, out)
+        assert list(out.iterdir()) == [out / ".lab-lock"], "the refused sweep wrote"
+    # Two sweeps from the command line: the second exits 2 at once, the first finishes.
+    args = (str(SLEEPY), "--grid", "x=1", "--out", str(out))
+    first = _start_cli(*args, cwd=tmp_path, env={"SWEEP_TOY_SLEEP_S": "20"})
+    try:
+        _wait_for(lambda: bool(_pids(out / "000_x=1")), "the first sweep's run to start")
+        second = _sweep_cli(*args, cwd=tmp_path)
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert f"is in use by another run, process {first.pid} (" in second.stderr
+        stdout, stderr = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0 and "1/1 runs ok" in stdout, stdout + stderr
+    assert not (out / ".lab-lock").exists(), "the lock outlived its sweep"

@@ -698,3 +698,50 @@ def test_a_result_and_a_trajectory_each_name_the_reader_of_the_other(tmp_path: P
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"not valid JSON"):
         Trajectory.from_json(tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_keeps_the_steps_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sig: str
+) -> None:
+    """Issue 42: a Ctrl-C (or a SIGTERM raised as `Terminated`) in step 2 of 4 lost the steps
+    before it (only `Exception` was kept); now they come back on the interruption."""
+    import _thread
+    import signal
+
+    from lab.base.processes import sigterm_raises
+    from lab.families import Family
+    from lab.rl.trajectory import TrajectoryInterrupted
+
+    kwargs = dict(steps=4, samples=2, progress=False)
+    whole = trajectory("sd3", **kwargs)
+    build, forwards = Family.build, [0]
+
+    def interrupting(self: Family, *args: object, **kw: object) -> torch.nn.Module:
+        model = build(self, *args, **kw)
+
+        def hook(module: torch.nn.Module, inputs: object, output: object) -> None:
+            forwards[0] += 1
+            if forwards[0] == 5:  # step 2's rollout forward (two forwards a step, no CFG)
+                _thread.interrupt_main(getattr(signal, sig))
+
+        model.register_forward_hook(hook)
+        return model
+
+    monkeypatch.setattr(Family, "build", interrupting)
+    with sigterm_raises(), pytest.raises(TrajectoryInterrupted) as info:
+        trajectory("sd3", **kwargs)
+    err = info.value
+    assert isinstance(err, KeyboardInterrupt) and err.signal_name == sig
+    assert err.exit_code == {"SIGINT": 130, "SIGTERM": 143}[sig]
+    done = err.trajectory
+    assert done.meta["completed_steps"] == 2
+    assert done.meta["interrupted"] == {"step": 2, "signal": sig}
+    assert done.step_drifts == whole.step_drifts[:2]
+    assert done.sample_drifts == [s for s in whole.sample_drifts if s.step < 2]
+    assert str(err).startswith(f"trajectory('sd3'): stopped by {sig} in step 2 of 4;")
+    assert done.describe().endswith(
+        f"STOPPED by {sig} in step 2; the figures above are the 2 step(s) before it"
+    )
+    back = Trajectory.from_json(done.to_json(tmp_path / "partial.json"))
+    assert back.meta["interrupted"]["step"] == 2 and len(back.step_drifts) == 2

@@ -30,7 +30,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -44,6 +43,7 @@ from lab.base.arguments import checked_arguments
 from lab.base.devices import DeviceName
 from lab.base.dtypes import DtypeName, dtype_name
 from lab.base.errors import PairError
+from lab.base.processes import Interrupted
 from lab.families import Family, FamilyName, Inputs
 from lab.families.shards import ShardBuild, load_shards
 from lab.pairing.capture import ROOT, ModuleHooks, depth_filter, flatten_output
@@ -503,7 +503,8 @@ def run_fsdp2_forwards(
             wrote: each finished job's capture, the failing job's outputs up to the failure.
         Fsdp2TimeoutError: The launch ran past timeout_s (every rank ended, the rank logs
             quoted); `captures` as above.
-        lab.base.processes.Terminated: SIGTERM arrived (every rank ended; a KeyboardInterrupt).
+        Fsdp2Interrupted: Ctrl-C or SIGTERM (a KeyboardInterrupt): every rank ended, the
+            launch's folder removed; `captures` as above.
     """
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"run_fsdp2_forwards: nproc must be an int >= 1, got {nproc!r}.")
@@ -531,7 +532,12 @@ def run_fsdp2_forwards(
     for job in {(j.family_name, j.preset, j.variant): j for j in jobs}.values():
         check_rank_build_fits(job, device, nproc)
     if workdir is None:
-        with tempfile.TemporaryDirectory(prefix="lab-fsdp2-") as tmp:
+        from lab.base.processes import owned_temp_dir
+
+        # Removed on every way out; one left by a caller that died without removing it
+        # (kill -9, or SIGTERM while it ran in a worker thread, where no handler can run) is
+        # removed by the next launch of any process (its lock is free once its process died).
+        with owned_temp_dir("lab-fsdp2-") as tmp:
             return run_fsdp2_forwards(
                 jobs, nproc=nproc, device=device, timeout_s=timeout_s, workdir=tmp
             )
@@ -551,6 +557,18 @@ def run_fsdp2_forwards(
         # that cannot be read counts as none: the launch's own error comes first).
         err.captures = _written_captures(jobs, workdir, lenient=True)
         raise
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM as Terminated: every rank ended
+        from lab.base.processes import signal_name
+
+        captures = _written_captures(jobs, workdir, lenient=True)
+        name = signal_name(err)
+        raise Fsdp2Interrupted(
+            f"run_fsdp2_forwards: stopped by {name}; every rank was ended and the launch's "
+            f"temporaries removed; what rank 0 had captured ({_kept_text(jobs, captures)}) is "
+            "in err.captures.",
+            name,
+            captures,
+        ) from err
     captures = _written_captures(jobs, workdir)
     missing = [i for i, c in enumerate(captures) if c is None or c.meta.get("partial")]
     if missing:
@@ -674,6 +692,32 @@ class ShardedPairError(PairError, Fsdp2LaunchError):
         self.traceback: str = getattr(launch, "traceback", "")
 
 
+class Fsdp2Interrupted(Interrupted):
+    """Ctrl-C or SIGTERM stopped an FSDP2 launch: every rank was ended, what it had kept here.
+
+    `captures` as `Fsdp2LaunchError.captures` (rank 0 saves its running forward's outputs on
+    the way out); `result`, set by `pair_sharded`, the pairs of what both sides had captured
+    (None where nothing could be paired, and for a bare launch).
+    """
+
+    def __init__(self, message: str, signal_name: str, captures: list[Fsdp2Capture | None]) -> None:
+        """The message, "SIGINT" or "SIGTERM", and rank 0's captures per job."""
+        super().__init__(message, signal_name)
+        self.captures = captures
+        self.result: Result | None = None
+
+
+def _kept_text(jobs: Sequence[Fsdp2Job], captures: Sequence[Fsdp2Capture | None]) -> str:
+    """`rollout: 12 output(s), trainer: 5 output(s) (partial)`: what a launch kept per job."""
+    captures = (*captures, *[None] * len(jobs))[: len(jobs)]
+    return ", ".join(
+        f"{j.side.name}: "
+        + ("none" if c is None else f"{len(c.leaves)} output(s)")
+        + (" (partial)" if c is not None and c.meta.get("partial") else "")
+        for j, c in zip(jobs, captures, strict=True)
+    )
+
+
 LOOPBACK = "127.0.0.1"
 """Every socket of a single-node launch listens here only: the rendezvous store, gloo, NCCL."""
 
@@ -775,7 +819,16 @@ def _launch_ranks(
                         )
                     )
             (workdir / "ranks.json").write_text(json.dumps([p.pid for p in procs]))
-            _wait_for_ranks(procs, workdir, timeout_s, store)
+            try:
+                _wait_for_ranks(procs, workdir, timeout_s, store)
+            except KeyboardInterrupt:
+                # As on a failure: rank 0 saves what its running forward captured first
+                # (a second Ctrl-C skips the wait; the `finally` ends every rank either way).
+                _abort(store, "the caller was stopped (Ctrl-C or SIGTERM)")
+                grace = time.monotonic() + _FAILED_GRACE_S
+                while procs and procs[0].poll() is None and time.monotonic() < grace:
+                    time.sleep(0.05)
+                raise
     finally:
         for proc in procs:
             end_child(proc, group=True, grace_s=2.0)
@@ -1043,6 +1096,9 @@ def pair_fsdp2(
         ShardedPairError: A rank failed or the launch timed out (a `PairError`): `err.result`
             pairs the reference with what the FSDP2 forward captured before the failure
             (None where it captured nothing), `err.captures` keeps that capture.
+        Fsdp2Interrupted: Ctrl-C or SIGTERM during the launch: every rank ended, the
+            trainer's capture in `err.captures` (the reference side, run after the launch in
+            this process, is not run).
     """
     from lab.families import family as get_family
 
@@ -1271,6 +1327,8 @@ def pair_sharded(
             did not finish), `err.captures` keeps both jobs' captures, whole or partial,
             `err.side`/`err.module` say where it failed, `err.rank`/`err.traceback` which rank
             raised and how.
+        Fsdp2Interrupted: Ctrl-C or SIGTERM (a KeyboardInterrupt): every rank ended;
+            `err.result` pairs what both sides had captured (as on a failure), `err.captures`.
     """
     jobs = sharded_jobs(
         family_name,
@@ -1289,11 +1347,14 @@ def pair_sharded(
         capture_a, capture_b = run_fsdp2_forwards(
             jobs, nproc=nproc, device=device, timeout_s=timeout_s
         )
-    except Fsdp2LaunchError as err:
+    except (Fsdp2LaunchError, Fsdp2Interrupted) as err:
         a, b = (*err.captures, None, None)[:2]
         partial = None
         if a is not None and not a.meta.get("partial") and b is not None:
             partial = pair_sharded_captures(_reached(a, b), b)
+        if isinstance(err, Fsdp2Interrupted):
+            err.result = partial
+            raise
         raise _launch_failure("pair_sharded", err, jobs, partial) from err
     result = pair_sharded_captures(capture_a, capture_b)
     result.meta["timings_s"]["launch_s"] = time.perf_counter() - start
@@ -1324,12 +1385,6 @@ def _launch_failure(
         job = next((i for i, c in enumerate(captures) if c is None or c.meta.get("partial")), None)
     side = jobs[job].side.name if job is not None and job < len(jobs) else None
     module = getattr(err, "module", None)
-    kept = [
-        f"{j.side.name}: "
-        + ("none" if c is None else f"{len(c.leaves)} output(s)")
-        + (" (partial)" if c is not None and c.meta.get("partial") else "")
-        for j, c in zip(jobs, captures, strict=True)
-    ]
     return ShardedPairError(
         (
             f"{caller}: every job finished and the launch failed after them"
@@ -1342,7 +1397,7 @@ def _launch_failure(
             if partial is not None
             else "; nothing could be paired (err.result is None)"
         )
-        + f"; the ranks' captures ({', '.join(kept)}) are in err.captures.\n{err}",
+        + f"; the ranks' captures ({_kept_text(jobs, captures)}) are in err.captures.\n{err}",
         partial,
         err,
         side=side,
@@ -1900,10 +1955,11 @@ def _forward_fault(model: torch.nn.Module, rank: int, job: Fsdp2Job) -> Iterator
     """
     mine = [f for f in _faults() if f[1] == rank and f[2] == job.side.name]
     modules = dict(model.named_modules())
+    unknown = [name for _, _, _, name in mine if name not in modules]
+    if unknown:
+        raise ValueError(f"{_FAULT_ENV}: no module {unknown[0]!r} in {job.family_name}.")
     handles = []
     for kind, _, _, name in mine:
-        if name not in modules:
-            raise ValueError(f"{_FAULT_ENV}: no module {name!r} in {job.family_name}.")
 
         def fault(module: torch.nn.Module, args: Any, kind: str = kind, name: str = name) -> None:
             if kind == "hang":

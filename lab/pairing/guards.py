@@ -27,37 +27,102 @@ from lab.families.master import canonical_parameters, held_parameters, stale_hel
 from lab.pairing.capture import ROOT
 from lab.pairing.sides import Side
 
-_IN_USE: weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
-_IN_USE_GUARD = threading.Lock()
+
+class _Holds:
+    """Which thread holds each parameter and storage a pair or forward may swap, and how often.
+
+    Keyed on what the sides actually touch, not on the Module object: a `copy.copy` of a model
+    (or any other Module built around the same Parameters, or Parameters viewing the same
+    storage) is a second Module over the same tensors, and a pair of it in another thread would
+    take the first pair's casts for its masters (seen: a wrong Result, and the master left
+    bf16).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.owners: dict[tuple[Any, ...], list[Any]] = {}
+        """Key -> [holding thread id, how many holds, the holding model (its id, its class)]."""
+        self.keys: dict[tuple[int, int], tuple[tuple[Any, ...], ...]] = {}
+        """(thread id, id(model)) of an outermost hold -> the keys it took."""
+
+
+_HOLDS = _Holds()
+
+
+def _tensor_keys(model: torch.nn.Module) -> tuple[tuple[Any, ...], ...]:
+    """The model's parameters and buffers by identity, and the storages they view.
+
+    Storage by address (and device): two Parameter objects over one storage are one master.
+    A meta or empty tensor has no storage to share (address 0).
+    """
+    keys: dict[tuple[Any, ...], None] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        keys[("tensor", id(tensor))] = None
+        try:
+            address = tensor.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # a subclass without one storage (DTensor)
+            address = 0
+        if address:
+            keys[("storage", str(tensor.device), address)] = None
+    return tuple(keys)
 
 
 @contextlib.contextmanager
 def model_in_use(model: torch.nn.Module, where: str) -> Iterator[None]:
-    """Hold `model` for one pair or forward; another thread's call is refused, not queued.
+    """Hold `model`'s parameters for one pair or forward; another thread's call is refused.
 
-    Each side swaps the model's parameter tensors in place, so a second thread pairing the same
-    model meanwhile takes the first side's casts for the fp32 masters and "restores" them (seen:
-    every parameter left bf16 for later runs). The holding thread may nest calls (a trajectory
-    pairs between its forwards); lockstep's two side threads run inside the holder's call.
+    Each side swaps the parameter tensors in place, so a second thread pairing the same
+    parameters meanwhile takes the first side's casts for the fp32 masters and "restores"
+    them (seen: every parameter left bf16 for later runs). What is held is every parameter
+    and buffer and the storage each views, so a second Module over the same tensors (a
+    `copy.copy` of the model) is refused as the model itself is. The holding thread may
+    nest calls (a trajectory pairs between its forwards); lockstep's two side threads run
+    inside the holder's call.
 
     Raises:
-        ModelInUseError: Another thread holds the model, naming its class and the fix.
+        ModelInUseError: Another thread holds the model or a tensor of it, naming its class
+            and the fix.
     """
-    with _IN_USE_GUARD:
-        lock = _IN_USE.get(model)
-        if lock is None:
-            lock = _IN_USE[model] = threading.RLock()
-    if not lock.acquire(blocking=False):
-        raise ModelInUseError(
-            f"{where}: this {type(model).__name__} is being paired or run in another thread right "
-            "now. Its sides swap the parameter tensors in place, so a second call at the same "
-            "time would corrupt it. Wait for the other call to finish, or give this thread its "
-            "own model (copy.deepcopy(model), or fam.build(...) again)."
-        )
+    me = threading.get_ident()
+    hold = (me, id(model))
+    with _HOLDS.lock:
+        keys = None if hold in _HOLDS.keys else _tensor_keys(model)
+        if keys is not None:
+            other = next((_HOLDS.owners[k] for k in keys if k in _HOLDS.owners
+                          and _HOLDS.owners[k][0] != me), None)  # fmt: skip
+            if other is not None:
+                raise ModelInUseError(_in_use_message(model, where, other[2]))
+            holder = (id(model), type(model).__name__)
+            for key in keys:
+                owner = _HOLDS.owners.setdefault(key, [me, 0, holder])
+                owner[1] += 1
+            _HOLDS.keys[hold] = keys
     try:
         yield
     finally:
-        lock.release()
+        if keys is not None:
+            with _HOLDS.lock:
+                del _HOLDS.keys[hold]
+                for key in keys:
+                    owner = _HOLDS.owners[key]
+                    owner[1] -= 1
+                    if not owner[1]:
+                        del _HOLDS.owners[key]
+
+
+def _in_use_message(model: torch.nn.Module, where: str, holder: tuple[int, str]) -> str:
+    name = type(model).__name__
+    what = (
+        f"this {name} is being paired or run in another thread right now"
+        if holder[0] == id(model)
+        else f"this {name} shares parameter tensors with a {holder[1]} another thread is pairing "
+        "or running right now (a copy.copy of a model shares them)"
+    )
+    return (
+        f"{where}: {what}. Its sides swap the parameter tensors in place, so a second call at "
+        "the same time would corrupt it. Wait for the other call to finish, or give this "
+        "thread its own model (copy.deepcopy(model), or fam.build(...) again)."
+    )
 
 
 def _holding_model(where: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lab.base.processes import signals_deferred
 from lab.base.switches import env_choice
 from lab.pairing import pair_core
 from lab.pairing.capture import ROOT, flatten_output, instance_forwards
@@ -343,20 +344,27 @@ def _run_sides(step: _Lockstep) -> None:
     """Run both sides' forwards (`step.thread`) to the end, on the kept workers if free."""
     keep = step.run.device.type in KEEP_WORKERS_ON
     with _WORKERS.claimed() if keep else contextlib.nullcontext() as workers:
-        if workers is not None:
-            step.pinned_cpu = _WORKERS.pinned
-            step.probes, step.probe_s = dict(_WORKERS.probes), _WORKERS.probe_s
-            step.pin = _WORKERS.mode
-            waits = [workers[k].submit(lambda k=k: step.thread(k)).wait for k in ("a", "b")]
-        else:
-            threads = [
-                threading.Thread(target=step.thread, args=(k,), name=f"lab-pair-{k}", daemon=True)
-                for k in ("a", "b")
-            ]
-            for t in threads:
-                t.start()
-            waits = [t.join for t in threads]
+        # Ctrl-C waits until both sides are started and known to `waits`: one arriving while
+        # a thread started (`Thread.start` waits for it) left that side running unwaited. It
+        # is delivered as the block ends, inside the `try` that unwinds both sides.
+        waits: list[Callable[[], Any]] = []
         try:
+            with signals_deferred():
+                if workers is not None:
+                    step.pinned_cpu = _WORKERS.pinned
+                    step.probes, step.probe_s = dict(_WORKERS.probes), _WORKERS.probe_s
+                    step.pin = _WORKERS.mode
+                    waits = [workers[k].submit(lambda k=k: step.thread(k)).wait for k in "ab"]
+                else:
+                    threads = [
+                        threading.Thread(
+                            target=step.thread, args=(k,), name=f"lab-pair-{k}", daemon=True
+                        )
+                        for k in ("a", "b")
+                    ]
+                    for t in threads:
+                        t.start()
+                    waits = [t.join for t in threads]
             for wait in waits:
                 wait()
         except BaseException:  # KeyboardInterrupt: unwind both forwards first
@@ -762,23 +770,25 @@ def _run_once(run: PairRun, block_ids: set[int], stream: bool, segments: bool) -
     # A captured module that is no block reports its outputs from an instance forward
     # (`_reporting_forwards`), not a forward hook: any hook puts every call of its module on
     # `Module._call_impl`'s slow path. Blocks keep their hooks (the casts enter and leave there).
-    reporting: list[tuple[torch.nn.Module, str]] = []
-    for name, module in run.view_a.named_modules:
-        label = name or ROOT
-        captured = run.names_filter is None or run.names_filter(label)
-        block = id(module) in blocks
-        if block:
-            handles.append(module.register_forward_pre_hook(pre, prepend=True))
-            handles.append(
-                module.register_forward_hook(make_post(label, captured), with_kwargs=True)
-            )
-        elif captured:
-            reporting.append((module, label))
-    per_side = {k: (s.engine_ops, s.op_switches) for k, s in step.sides.items()}
-    start = time.perf_counter()
-    # The lockstep's own set-up: its state, the C++ core, the blocks' hooks.
-    run.timings["install_s"] = run.timings.get("install_s", 0.0) + start - entered
+    # Installed inside the `try`: a names_filter that raises part-way must not leave the blocks
+    # it already hooked (their hooks would wait for this dead run's baton in the next pair).
     try:
+        reporting: list[tuple[torch.nn.Module, str]] = []
+        for name, module in run.view_a.named_modules:
+            label = name or ROOT
+            captured = run.names_filter is None or run.names_filter(label)
+            block = id(module) in blocks
+            if block:
+                handles.append(module.register_forward_pre_hook(pre, prepend=True))
+                handles.append(
+                    module.register_forward_hook(make_post(label, captured), with_kwargs=True)
+                )
+            elif captured:
+                reporting.append((module, label))
+        per_side = {k: (s.engine_ops, s.op_switches) for k, s in step.sides.items()}
+        start = time.perf_counter()
+        # The lockstep's own set-up: its state, the C++ core, the blocks' hooks.
+        run.timings["install_s"] = run.timings.get("install_s", 0.0) + start - entered
         with contextlib.ExitStack() as stack:
             stack.enter_context(step.weights.applied())
             modules = (m for _, m in run.view_a.named_modules)

@@ -27,6 +27,7 @@ from lab.base.arguments import checked_arguments
 from lab.base.atomic import atomic_write_text
 from lab.base.devices import DeviceName, resolve_device
 from lab.base.errors import PairError, TrajectoryError
+from lab.base.processes import Interrupted
 from lab.families import Family, FamilyName, Inputs
 from lab.families import family as get_family
 from lab.families.master import master_summary
@@ -283,6 +284,12 @@ class Trajectory:
                 if (failed := self.meta.get("failed"))
                 else ""
             )
+            + (
+                f"\n  STOPPED by {stopped['signal']} in step {stopped['step']}; the figures "
+                f"above are the {self.meta.get('completed_steps')} step(s) before it"
+                if (stopped := self.meta.get("interrupted"))
+                else ""
+            )
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -349,6 +356,19 @@ class Trajectory:
             sample_drifts=rows(SampleDrift, [upgrade(d) for d in data["per_sample"]]),
             captures={int(k): Result.from_dict(v) for k, v in data.get("captures", {}).items()},
         )
+
+
+class TrajectoryInterrupted(Interrupted):
+    """Ctrl-C or SIGTERM stopped a trajectory after some steps; `trajectory` holds them.
+
+    Its `meta["interrupted"]` names the step that was running and the signal; `signal_name` is
+    "SIGINT" or "SIGTERM" (a KeyboardInterrupt: whatever does not know it unwinds as usual).
+    """
+
+    def __init__(self, message: str, trajectory: Trajectory, signal_name: str) -> None:
+        """The message, the steps completed and the signal."""
+        super().__init__(message, signal_name)
+        self.trajectory = trajectory
 
 
 def _clean(value: Any) -> Any:
@@ -479,6 +499,9 @@ def trajectory(
         ValueError: steps < 2, a schedule that is not decreasing, a window or capture step
             outside the schedule, noise_level <= 0, cfg_scale > 1 on a guidance-distilled
             family, an unknown sde_type, or stream=True on a model without block classes.
+        TrajectoryInterrupted: Ctrl-C or SIGTERM after one or more steps completed (a
+            KeyboardInterrupt): `err.trajectory` holds them. Before any step completed the
+            KeyboardInterrupt itself.
         TrajectoryError: A step failed after earlier ones completed (out of memory, a failed
             captured pair): `err.trajectory` holds the completed steps (`meta["failed"]`:
             the step and the error; `meta["completed_steps"]`), `err.step` the failing
@@ -759,14 +782,14 @@ def trajectory(
                 del models[expert]
                 model = inputs = None
 
-    except Exception as err:
+    except BaseException as err:
         # The experts' masters go now, not with the error (a notebook keeps the last one).
         models.clear()
         views.clear()
         model = inputs = None
         step = len(step_drifts)  # steps complete in order: the failing one is the next
-        if not step:
-            raise  # no step completed: the error as it is
+        if not step or not isinstance(err, Exception | KeyboardInterrupt):
+            raise  # no step completed (or the process is exiting): the error as it is
         # The frames of the failed call (the model's forward among them) hold the model too;
         # the traceback still prints.
         traceback.clear_frames(err.__traceback__)
@@ -775,6 +798,17 @@ def trajectory(
         for k in [k for k in captures if k >= step]:
             del captures[k]
         done = _assemble()
+        if isinstance(err, KeyboardInterrupt):
+            from lab.base.processes import signal_name
+
+            name = signal_name(err)
+            done.meta["interrupted"] = {"step": step, "signal": name}
+            raise TrajectoryInterrupted(
+                f"{where}: stopped by {name} in step {step} of {steps}; the {step} step(s) "
+                "before it are in err.trajectory (its meta['interrupted'] says where).",
+                done,
+                name,
+            ) from err
         done.meta["failed"] = {"step": step, "error": f"{type(err).__name__}: {err}"}
         raise TrajectoryError(
             f"{where}: step {step} of {steps} (sigma {sigma_list[step]:g}) failed: "

@@ -21,7 +21,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -100,9 +102,26 @@ def save_baseline(
         The path written.
 
     Raises:
-        ValueError: A bad name, or a baseline of that name exists and overwrite is False.
+        ValueError: A bad name, or a baseline of that name exists and overwrite is False
+            (also one another run saved while this one was writing: the file is created
+            exclusively, never replaced unless overwrite is asked).
     """
-    return result.to_json(free_baseline_path(name, directory=directory, overwrite=overwrite))
+    path = free_baseline_path(name, directory=directory, overwrite=overwrite)
+    if overwrite:
+        return result.to_json(path)
+    # Written whole beside it, then linked in under the name: the link fails if the name
+    # exists, so of two saves of one name at once exactly one lands (both passed the check
+    # above, and the second replaced the first).
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}-{threading.get_ident()}.new.json")
+    try:
+        result.to_json(tmp)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise _exists(path) from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
 
 
 @checked_arguments
@@ -116,11 +135,15 @@ def free_baseline_path(
     """
     path = _baseline_path(name, directory)
     if path.exists() and not overwrite:
-        raise ValueError(
-            f"save_baseline: {path} exists. Pass overwrite=True (from the command line: delete "
-            "the file) to replace the known-good run, or choose another name."
-        )
+        raise _exists(path)
     return path
+
+
+def _exists(path: Path) -> ValueError:
+    return ValueError(
+        f"save_baseline: {path} exists. Pass overwrite=True (from the command line: delete "
+        "the file) to replace the known-good run, or choose another name."
+    )
 
 
 @checked_arguments

@@ -8,7 +8,10 @@ and exits with
     1  the run found a failure: a pair that failed part-way (its partial result is saved), a
        threshold exceeded, a comparison worse than its reference, a sweep run or a scenario
        that failed
-    2  bad arguments: the message names the bad value and what would be right
+    2  bad arguments: the message names the bad value and what would be right; or the output
+       folder is held by another run (its pid is named)
+  130  stopped by Ctrl-C, 143 by SIGTERM: one line says so; what had finished is saved (a
+       drift's completed steps, a sweep's finished rows, a sharded pair's compared pairs)
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from lab.base.arguments import option_type
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 _EXIT_CODES = (
     "exit codes: 0 ok; 1 the run found a failure (see the subcommand); 2 bad arguments "
-    "(the message names the bad value and the fix)"
+    "(the message names the bad value and the fix); 130 Ctrl-C, 143 SIGTERM (what finished "
+    "is saved)"
 )
 PRESETS: tuple[str, ...] = ("tiny", "reduced", "full")
 MODES: tuple[str, ...] = ("propagated", "local")
@@ -335,24 +339,17 @@ def _json_option(name: str, value: str, kind: type) -> Any:
         raise UsageError(text) from None
 
 
-def _save_partial(err: Any, out_dir: Path) -> None:
+def _save_partial(err: Any, out_dir: Path, why: str = "the failure") -> None:
     """A failed pair's err.result (the pairs compared before the failure) to results.json."""
     partial = getattr(err, "result", None)
     if partial is not None:
         path = partial.to_json(out_dir / "results.json")
-        print(f"saved the {len(partial.rows)} pair(s) compared before the failure to {path}")
+        print(f"saved the {len(partial.rows)} pair(s) compared before {why} to {path}")
 
 
 def _pair(args: argparse.Namespace) -> int:
-    import lab
-    from lab.base.errors import PairError
-    from lab.views import plots
-    from lab.views.baselines import (
-        compare_to_baseline,
-        free_baseline_path,
-        load_baseline,
-        save_baseline,
-    )
+    from lab.base.processes import holding_folder
+    from lab.views.baselines import free_baseline_path, load_baseline
 
     rollout = _json_option("rollout_overrides", args.rollout_overrides, dict)
     trainer = _json_option("trainer_overrides", args.trainer_overrides, dict)
@@ -363,12 +360,29 @@ def _pair(args: argparse.Namespace) -> int:
     baseline = load_baseline(args.baseline) if args.baseline is not None else None
     if args.save_baseline is not None:
         free_baseline_path(args.save_baseline)
+    with holding_folder(out, "pair --out-dir"):
+        return _pair_into(args, out, rollout, trainer, baseline)
+
+
+def _pair_into(
+    args: argparse.Namespace,
+    out: Path,
+    rollout: dict[str, Any],
+    trainer: dict[str, Any],
+    baseline: Any,
+) -> int:
+    """`pair` once its arguments are checked and `out` is held."""
+    import lab
+    from lab.base.errors import PairError
+    from lab.views import plots
+    from lab.views.baselines import compare_to_baseline, save_baseline
+
     if args.engine is not None:
         result = _pair_engine(args, rollout, trainer)
     elif args.sharded is not None:
         result = _pair_sharded(args, rollout, trainer)
-        if result is None:
-            return EXIT_FAILED
+        if isinstance(result, int):
+            return result
     else:
         try:
             result = lab.pair_family(
@@ -446,11 +460,16 @@ def _pair_sharded(
 ) -> Any:
     """`pair --sharded NPROC`: both sides under FSDP2 (`lab.fsdp.pair_sharded`).
 
-    None when a rank failed (its error is printed, and the pairs compared before the failure
-    saved to results.json).
+    The Result; or the exit code when a rank failed (its error printed) or the launch was
+    stopped (one line), the pairs compared before either saved to results.json.
     """
     import lab
-    from lab.engine.fsdp import ShardedPairError, pair_sharded, sharded_ranks_table
+    from lab.engine.fsdp import (
+        Fsdp2Interrupted,
+        ShardedPairError,
+        pair_sharded,
+        sharded_ranks_table,
+    )
 
     if args.mode != "propagated":
         raise ValueError(
@@ -473,19 +492,40 @@ def _pair_sharded(
     except ShardedPairError as err:
         print(f"pair --sharded failed: {err}", file=sys.stderr)
         _save_partial(err, Path(args.out_dir))
-        return None
+        return EXIT_FAILED
+    except Fsdp2Interrupted as stopped:
+        # Every rank is ended; what both sides had captured before is paired and kept.
+        _save_partial(stopped, Path(args.out_dir), f"{stopped.signal_name}")
+        kept = "saved" if stopped.result is not None else "nothing both sides reached to save"
+        print(f"pair --sharded: stopped by {stopped.signal_name}; every rank ended, {kept}.",
+              file=sys.stderr)  # fmt: skip
+        return stopped.exit_code
     print(sharded_ranks_table(result).to_string(index=False))
     return result
 
 
 def _drift(args: argparse.Namespace) -> int:
-    from lab.base.errors import PairError
-    from lab.rl.trajectory import trajectory
+    from lab.base.processes import holding_folder
 
+    out = Path(args.out_dir)
     rollout = _json_option("rollout_overrides", args.rollout_overrides, dict)
     trainer = _json_option("trainer_overrides", args.trainer_overrides, dict)
     window = _json_option("sde_window", args.sde_window, list)
-    out = Path(args.out_dir)
+    with holding_folder(out, "drift --out-dir"):
+        return _drift_into(args, out, rollout, trainer, window)
+
+
+def _drift_into(
+    args: argparse.Namespace,
+    out: Path,
+    rollout: dict[str, Any],
+    trainer: dict[str, Any],
+    window: list[Any],
+) -> int:
+    """`drift` once its arguments are checked and `out` is held."""
+    from lab.base.errors import PairError
+    from lab.rl.trajectory import TrajectoryInterrupted, trajectory
+
     try:
         traj = trajectory(
             args.family,
@@ -511,6 +551,16 @@ def _drift(args: argparse.Namespace) -> int:
             _write_drift(done, out)
             print(f"saved the {done.meta['completed_steps']} step(s) completed before the failure")
         return EXIT_FAILED
+    except TrajectoryInterrupted as stopped:
+        done = stopped.trajectory
+        _write_drift(done, out)
+        print(
+            f"drift: stopped by {stopped.signal_name} in step {done.meta['interrupted']['step']} "
+            f"of {args.steps}; the {done.meta['completed_steps']} step(s) before it are saved "
+            f"in {out}.",
+            file=sys.stderr,
+        )
+        return stopped.exit_code
     print(traj.describe())
     _write_drift(traj, out)
     clip_frac = traj.overall()["clip_frac"]
@@ -576,8 +626,8 @@ def _sweep(args: argparse.Namespace) -> int:
         )
     except SweepInterrupted as stopped:
         print(stopped.sweep.describe())
-        print(f"interrupted: {stopped}", file=sys.stderr)
-        return 143 if stopped.signal_name == "SIGTERM" else 130
+        print(stopped, file=sys.stderr)
+        return stopped.exit_code
     print(result.describe())
     return EXIT_FAILED if result.failed else EXIT_OK
 
@@ -592,7 +642,11 @@ def _check_resumable(out: Path) -> None:
     for record in sorted(out.glob(f"*/{RUN_RECORD}")):
         path = record.parent / "results.json"
         try:
-            if json.loads(record.read_text(encoding="utf-8")).get("status") != "ok":
+            recorded = json.loads(record.read_text(encoding="utf-8"))
+            # Where the run wrote it: its own out_dir (recorded), else its folder.
+            where = recorded.get("results_dir")
+            path = Path(where if isinstance(where, str) else record.parent) / "results.json"
+            if recorded.get("status") != "ok":
                 continue  # a failed point runs again; its results.json is not read
             json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError, AttributeError) as err:
@@ -611,8 +665,8 @@ def _check_resumable(out: Path) -> None:
 
 
 def _scenarios(args: argparse.Namespace) -> int:
+    from lab.base.processes import holding_folder
     from lab.engine import scenarios
-    from lab.views import plots
 
     if args.list:
         for name in scenarios.names():
@@ -620,10 +674,19 @@ def _scenarios(args: argparse.Namespace) -> int:
             gpu = " (GPU only)" if s.needs_gpu else ""
             print(f"{name}{gpu}")
         return EXIT_OK
+    out = Path(args.out_dir)
+    with holding_folder(out, "scenarios --out-dir"):
+        return _scenarios_into(args, out)
+
+
+def _scenarios_into(args: argparse.Namespace, out: Path) -> int:
+    """`scenarios` once `out` is held."""
+    from lab.engine import scenarios
+    from lab.views import plots
+
     runs = scenarios.run_all(args.preset, args.device, args.only)
     table = scenarios.scenarios_table(runs)
     print(table.to_string(index=False))
-    out = Path(args.out_dir)
     summary = scenarios.save_runs(runs, str(out))
     figure = plots.save_figure(
         plots.plot_bug_vs_fixed(runs, backend="matplotlib"), out / "bug_vs_fixed.png"
@@ -777,14 +840,31 @@ def _check_arguments(args: argparse.Namespace) -> None:
             raise UsageError(f"{flag} must be {words}, got {value!r}.")
 
 
+def _stopped(command: str, stopped: KeyboardInterrupt) -> int:
+    """One line, no traceback, for a Ctrl-C or SIGTERM nothing saved anything of; 130 or 143.
+
+    The commands that keep what finished (drift, sweep, pair --sharded) say so themselves.
+    """
+    from lab.base.processes import exit_code, signal_name
+
+    print(f"{command}: stopped by {signal_name(stopped)}; nothing was saved.", file=sys.stderr)
+    return exit_code(stopped)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 1 a failure found, 2 bad arguments)."""
     args = _parser().parse_args(argv)
     from lab.base.errors import PairError
+    from lab.base.processes import sigterm_raises
 
     try:
         _check_arguments(args)
-        return _COMMANDS[args.command](args)
+        # SIGTERM unwinds as Ctrl-C does (`Terminated`): the same `finally` blocks end the
+        # children and remove the temporaries, and what finished is saved.
+        with sigterm_raises():
+            return _COMMANDS[args.command](args)
+    except KeyboardInterrupt as stopped:
+        return _stopped(args.command, stopped)
     except PairError as err:  # NaN/Inf or all-zero outputs too: a finding, not an argument
         print(f"failed: {err}", file=sys.stderr)
         return EXIT_FAILED

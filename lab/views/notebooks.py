@@ -11,30 +11,54 @@ the command line, scripts/quickstart.sh) goes through here:
     python -m lab.views.notebooks notebooks/01_quickstart.ipynb out.ipynb -p family flux
 
 The second line is papermill's own command line (every option, `--help-notebook` included)
-with the same kernel settings.
+with the same kernel settings. The kernel's connection file (its HMAC and CurveZMQ keys) goes
+to a private folder removed on every way out, not to the shared temporary folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from lab.base.arguments import check_argument, checked_arguments
 
 
-def kernel_config() -> Any:
+def kernel_config(connection_file: str | Path | None = None) -> Any:
     """The traitlets Config papermill hands its kernel manager: CurveZMQ keys where possible.
 
     Without CurveZMQ in the installed pyzmq the manager would refuse "auto", so the transport
     then stays as jupyter_client's default (and the kernel logs its warning).
+
+    Args:
+        connection_file: Where the kernel's connection file (its HMAC and CurveZMQ keys) goes;
+            None: jupyter_client's choice, a `tmp*.json` in the shared temporary folder, which
+            stays there when the process running papermill is killed.
     """
     import zmq
     from traitlets.config import Config
 
     policy = "auto" if zmq.has("curve") else "disabled"
-    return Config({"KernelManager": {"transport_encryption": policy}})
+    manager: dict[str, Any] = {"transport_encryption": policy}
+    if connection_file is not None:
+        manager["connection_file"] = str(connection_file)
+    return Config({"KernelManager": manager})
+
+
+@contextlib.contextmanager
+def private_kernel_keys() -> Iterator[Any]:
+    """A `kernel_config` whose connection file lives in a private folder removed on every way out.
+
+    The folder is a `lab.base.processes.owned_temp_dir` ("lab-kernel-<pid>-*", mode 0700): gone
+    when the block ends, Ctrl-C and SIGTERM under `sigterm_raises` included, and removed by the
+    next headless run when this process died without removing it (kill -9).
+    """
+    from lab.base.processes import owned_temp_dir
+
+    with owned_temp_dir("lab-kernel-") as keys:
+        yield kernel_config(keys / "kernel.json")
 
 
 KERNEL_START_TIMEOUT_S = 600
@@ -148,17 +172,18 @@ def execute_notebook(
 
     check_parameters(notebook, [], "execute_notebook", dict(parameters or {}).items())
     _make_parent(output, parameters)
-    return pm.execute_notebook(
-        str(notebook),
-        str(output),
-        parameters=dict(parameters or {}),
-        kernel_name=papermill_kwargs.pop("kernel_name", "python3"),
-        progress_bar=progress,
-        cwd=None if cwd is None else str(cwd),
-        config=kernel_config(),
-        start_timeout=papermill_kwargs.pop("start_timeout", KERNEL_START_TIMEOUT_S),
-        **papermill_kwargs,
-    )
+    with private_kernel_keys() as config:
+        return pm.execute_notebook(
+            str(notebook),
+            str(output),
+            parameters=dict(parameters or {}),
+            kernel_name=papermill_kwargs.pop("kernel_name", "python3"),
+            progress_bar=progress,
+            cwd=None if cwd is None else str(cwd),
+            config=config,
+            start_timeout=papermill_kwargs.pop("start_timeout", KERNEL_START_TIMEOUT_S),
+            **papermill_kwargs,
+        )
 
 
 def _make_parent(output: str | Path, parameters: Mapping[str, Any] | None) -> None:
@@ -227,18 +252,40 @@ def _bool_spellings(args: list[str], notebook: str | Path) -> tuple[list[str], d
 
 @checked_arguments
 def papermill_main(argv: Sequence[str] | None = None) -> int:
-    """Run papermill's command line, its kernels started with `kernel_config()`; the exit code."""
+    """Run papermill's command line, its kernels started with `kernel_config()`; the exit code.
+
+    The kernel's connection file goes to a private folder removed on every way out
+    (`private_kernel_keys`); SIGTERM unwinds as Ctrl-C does, with one line and 143 (130).
+    """
+    from lab.base.processes import exit_code, signal_name, sigterm_raises
+
+    try:
+        with sigterm_raises(), private_kernel_keys() as config:
+            return _papermill_main(argv, config)
+    except KeyboardInterrupt as stopped:
+        print(f"papermill: stopped by {signal_name(stopped)}.", file=sys.stderr)
+        return exit_code(stopped)
+
+
+def _papermill_main(argv: Sequence[str] | None, config: Any) -> int:
+    """`papermill_main` with the kernel manager's `config`."""
     import click
     from papermill.cli import papermill as papermill_cli
     from papermill.engines import NBClientEngine, papermill_engines
+
+    stopped: list[KeyboardInterrupt] = []
 
     class EncryptedTransportEngine(NBClientEngine):
         """papermill's default engine, handing its kernel manager `kernel_config()`."""
 
         @classmethod
         def execute_managed_notebook(cls, nb_man: Any, kernel_name: str, **kwargs: Any) -> Any:
-            kwargs.setdefault("config", kernel_config())
-            return super().execute_managed_notebook(nb_man, kernel_name, **kwargs)
+            kwargs.setdefault("config", config)
+            try:
+                return super().execute_managed_notebook(nb_man, kernel_name, **kwargs)
+            except KeyboardInterrupt as err:  # click turns it into "Aborted!" and exit 1
+                stopped.append(err)
+                raise
 
     # The default engine of this process only: a command-line `--engine` still wins.
     papermill_engines.register(None, EncryptedTransportEngine)
@@ -273,6 +320,8 @@ def papermill_main(argv: Sequence[str] | None = None) -> int:
     try:
         papermill_cli.main(args=args, prog_name="papermill")
     except SystemExit as done:
+        if stopped:
+            raise stopped[0] from None  # Ctrl-C or SIGTERM: `papermill_main` says which
         return int(done.code or 0) if not isinstance(done.code, str) else 1
     return 0
 

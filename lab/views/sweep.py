@@ -14,6 +14,12 @@ Each run is one papermill process that dies with the sweep, even on `kill -9`; C
 ends the running ones and keeps the finished rows; `--resume` runs only the points that have
 not finished ok with the same notebook and parameters (each run's folder records them in
 `run.json`).
+
+Before the first run, every point is checked: parameter names and types, the values the lab
+knows the choices of (family, preset, mode, sde_type, device), and that no two runs would
+write one output folder. A sweep holds its folder while it runs (`.lab-lock`, with its pid):
+a second sweep into it is refused. The kernels' connection files (their HMAC and CurveZMQ
+keys) go to a private temporary folder that is removed on every way out.
 """
 
 from __future__ import annotations
@@ -26,13 +32,14 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lab.base.arguments import checked_arguments
 from lab.base.atomic import atomic_path, atomic_write_text
+from lab.base.processes import Interrupted
 from lab.views.notebooks import KERNEL_START_TIMEOUT_S
 
 NOTEBOOK_DIR = Path(__file__).resolve().parents[2] / "notebooks"
@@ -163,9 +170,13 @@ def summarize_results_json(path: Path) -> dict[str, Any]:
 
 
 def _outcome(
-    folder: str, name: str, point: dict[str, Any], error: BaseException | None
+    folder: str,
+    name: str,
+    point: dict[str, Any],
+    error: BaseException | None,
+    results_dir: Path | None = None,
 ) -> RunOutcome:
-    """One grid point's row, read from what its run left in `folder`."""
+    """One grid point's row, read from what its run left in `folder` (results: `results_dir`)."""
     out_dir = Path(folder)
     executed = out_dir / "executed.ipynb"
     seconds = _duration(executed)
@@ -173,7 +184,8 @@ def _outcome(
         return RunOutcome(
             name, point, folder, str(executed), False, _error_line(executed, error), seconds
         )
-    results = out_dir / "results.json"
+    where = out_dir if results_dir is None else results_dir
+    results = where / "results.json"
     if not results.is_file():
         return RunOutcome(
             name,
@@ -181,7 +193,7 @@ def _outcome(
             folder,
             str(executed),
             False,
-            f"the notebook wrote no results.json in {out_dir}",
+            f"the notebook wrote no results.json in {where}",
             seconds,
         )
     return RunOutcome(
@@ -328,8 +340,10 @@ import zmq
 from traitlets.config import Config
 task = json.loads(open(sys.argv[1], encoding="utf-8").read())
 # lab.views.notebooks.kernel_config(), without importing lab (torch): CurveZMQ keys for the kernel.
+# The connection file (the kernel's HMAC and CurveZMQ keys) goes where the sweep removes it on
+# every way out, not to the shared temporary folder (where a SIGTERM'd papermill left it).
 config = Config({"KernelManager": {"transport_encryption": "auto" if zmq.has("curve") else
-                                   "disabled"}})
+                                   "disabled", "connection_file": task["connection_file"]}})
 pm.execute_notebook(task["notebook"], task["output"], parameters=task["parameters"],
                     kernel_name="python3", progress_bar=False, cwd=task["cwd"], config=config,
                     start_timeout=task["start_timeout"])
@@ -342,7 +356,7 @@ RUN_RECORD = "run.json"
 ended. `--resume` skips a point whose folder holds an ok record with identical parameters."""
 
 
-class SweepInterrupted(KeyboardInterrupt):
+class SweepInterrupted(Interrupted):
     """Ctrl-C or SIGTERM stopped a sweep; its children were ended and the finished rows written.
 
     `sweep` holds the finished runs (its table is on disk), `signal_name` "SIGINT" or "SIGTERM".
@@ -350,9 +364,8 @@ class SweepInterrupted(KeyboardInterrupt):
 
     def __init__(self, message: str, sweep: Sweep, signal_name: str) -> None:
         """Keep the partial sweep next to the message."""
-        super().__init__(message)
+        super().__init__(message, signal_name)
         self.sweep = sweep
-        self.signal_name = signal_name
 
 
 @dataclass
@@ -364,6 +377,11 @@ class _Task:
     requested: dict[str, Any]
     """The parameters as asked for (before out_dir/interactive are filled in): resume's key."""
     params: dict[str, Any]
+    results: Path
+    """Where the run writes its results.json: its `out_dir` (relative to its folder, where
+    the kernel runs), or its folder for a notebook without one."""
+    connection_file: Path | None = None
+    """The kernel's connection file, in the sweep's private temporary folder."""
 
 
 @checked_arguments
@@ -404,24 +422,25 @@ def run_sweep(
 
     Raises:
         ValueError: An unknown notebook, an empty grid, a grid key the notebook does not
-            declare as a parameter, jobs not an int >= 1, parameters that are not JSON, or an
-            out_dir that cannot be written.
+            declare as a parameter, jobs not an int >= 1, parameters that are not JSON, a
+            value that cannot run (an unknown family, preset, mode, sde_type, or a device not
+            here), parameters that give two runs one output folder, or an out_dir that cannot
+            be written. All before the first run.
+        lab.base.processes.FolderInUseError: Another live sweep holds `out_dir` (a ValueError).
         SweepInterrupted: Ctrl-C or SIGTERM (a KeyboardInterrupt; `.sweep` has what finished).
     """
-    from lab.base.processes import Terminated, sigterm_raises
-    from lab.base.progress import progress as progress_bar
+    from lab.base.processes import holding_folder, owned_temp_dir
     from lab.views.notebooks import check_parameters
 
     path = resolve_notebook(notebook)
     # Names and types first: `-p famly=flux` with no grid is a misspelling before an empty grid.
     values = [(k, v) for k, vs in grid.items() for v in vs] + list((parameters or {}).items())
-    declared = check_parameters(path, list(grid), "run_sweep", values)
+    declared = check_parameters(path, list(grid), "sweep", values)
     if not grid or any(not list(v) for v in grid.values()):
-        raise ValueError("run_sweep: the grid is empty; give each key at least one value.")
+        raise ValueError("sweep: the grid is empty; give each key at least one value.")
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise ValueError(f"run_sweep: jobs must be an int >= 1, got {jobs!r}.")
-    out = _writable_folder(Path(out_dir).resolve())
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        raise ValueError(f"sweep: jobs must be an int >= 1, got {jobs!r}.")
+    out = Path(out_dir).resolve()
     tasks = []
     for i, point in enumerate(grid_points(grid)):
         name = run_name(i, point)
@@ -433,15 +452,42 @@ def run_sweep(
         if "interactive" in declared and "interactive" not in params:
             params["interactive"] = False
         _check_json(params)
-        tasks.append(_Task(i, name, folder, point, requested, params))
+        results = folder / Path(params["out_dir"]) if "out_dir" in params else folder
+        tasks.append(_Task(i, name, folder, point, requested, params, results.resolve()))
+    # Every point's values before the first run: a typo in the last one fails now, not after
+    # the others ran.
+    _check_values(path, grid, tasks)
+    _check_own_outputs(grid, tasks)
+    out = _writable_folder(out)
+    with holding_folder(out, "sweep"), owned_temp_dir("lab-sweep-") as keys:
+        for task in tasks:
+            task.connection_file = keys / f"kernel-{task.index:03d}.json"
+        return _run_tasks(path, grid, out, tasks, jobs, metric, progress, resume)
 
+
+def _run_tasks(
+    path: Path,
+    grid: Mapping[str, Sequence[Any]],
+    out: Path,
+    tasks: list[_Task],
+    jobs: int,
+    metric: str | None,
+    progress: bool,
+    resume: bool,
+) -> Sweep:
+    """Run the checked tasks of `run_sweep` in `out` (held), `jobs` at a time."""
+    from lab.base.processes import end_child, signal_name, sigterm_raises
+    from lab.base.progress import progress as progress_bar
+
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
     done = _finished_runs(out, digest) if resume else {}
     outcomes: dict[int, RunOutcome] = {}
     todo = []
     for task in tasks:
         kept = done.get(_record_key(digest, task.requested))
         if kept is not None:
-            outcomes[task.index] = _outcome(str(kept), kept.name, task.point, None)
+            folder, results = kept
+            outcomes[task.index] = _outcome(str(folder), folder.name, task.point, None, results)
         else:
             todo.append(task)
     table_path = out / "sweep.csv"
@@ -480,20 +526,18 @@ def run_sweep(
                         bar.update(1)
                         bar.set_postfix(failed=sum(1 for o in outcomes.values() if not o.ok))
             except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM as Terminated
-                from lab.base.processes import end_child
-
                 for _, proc in running.values():
                     end_child(proc)
                 write_table()
-                signal_name = "SIGTERM" if isinstance(err, Terminated) else "SIGINT"
+                name = signal_name(err)
                 partial = Sweep(path, out, finished(), table_path, None)
                 raise SweepInterrupted(
-                    f"run_sweep: stopped by {signal_name}; {len(partial.outcomes)} of "
+                    f"sweep: stopped by {name}; {len(partial.outcomes)} of "
                     f"{len(tasks)} runs finished ({len(running)} ended, {len(pending)} never "
                     f"started); their rows are in {table_path}. Run again with resume=True "
                     "(--resume) to run only the rest.",
                     partial,
-                    signal_name,
+                    name,
                 ) from err
     finally:
         bar.close()
@@ -511,6 +555,128 @@ def run_sweep(
     return Sweep(path, out, ordered, table_path, plot_path)
 
 
+def _check_own_outputs(grid: Mapping[str, Sequence[Any]], tasks: Sequence[_Task]) -> None:
+    """Refuse parameters that give two runs one output folder (each would overwrite the other).
+
+    `-p out_dir=X` made every run write X/results.json, and every row read whichever run
+    wrote last. Relative values are taken from each run's folder, where its kernel runs.
+
+    Raises:
+        ValueError: Naming the parameter, the shared folder and the runs that share it.
+    """
+    by_folder: dict[Path, list[_Task]] = {}
+    for task in tasks:
+        by_folder.setdefault(task.results, []).append(task)
+    for folder, sharing in by_folder.items():
+        if len(sharing) < 2:
+            continue
+        how = "grid key" if "out_dir" in grid else "parameter"
+        value = sharing[0].params.get("out_dir")
+        names = ", ".join(t.name for t in sharing[:3]) + (", ..." if len(sharing) > 3 else "")
+        raise ValueError(
+            f"sweep: {how} out_dir={value!r} gives {len(sharing)} runs one output folder "
+            f"{str(folder)!r} ({names}): each would write its results.json over the others'. "
+            "Leave out_dir out (each run then writes into its own folder of the sweep), give a "
+            "relative folder (taken inside each run's folder), or one value per run. Nothing ran."
+        )
+
+
+def _check_values(path: Path, grid: Mapping[str, Sequence[Any]], tasks: Sequence[_Task]) -> None:
+    """Refuse, before any run, a value the lab knows cannot run (an unknown family, preset, ...).
+
+    `--grid family=flux,sdd3` ran flux, then failed in the sdd3 run's kernel. Checked here
+    for the parameters whose choices the lab knows (`_CHOICES`), each point's values with the
+    notebook's defaults under them (a preset is a preset of the point's family).
+
+    Raises:
+        ValueError: Naming the parameter, the bad value, the nearest choice and all of them.
+    """
+    import ast
+
+    import papermill as pm
+
+    defaults: dict[str, Any] = {}
+    for name, info in pm.inspect_notebook(str(path)).items():
+        try:
+            defaults[name] = ast.literal_eval(str(info.get("default")))
+        except (ValueError, SyntaxError):
+            continue
+    seen: set[tuple[str, str]] = set()
+    for task in tasks:
+        values = {**defaults, **task.requested}
+        for name in task.requested:
+            check = _CHOICES.get(name)
+            key = (name, json.dumps(values.get(name), sort_keys=True, default=str))
+            if check is None or key in seen or values[name] is None:
+                continue
+            seen.add(key)
+            problem = check(values[name], values)
+            if problem:
+                how = "grid value" if name in grid else "parameter"
+                raise ValueError(
+                    f"sweep: {how} {name}={values[name]!r} {problem} Nothing ran; every "
+                    "point is checked before the first run."
+                )
+
+
+def _one_of(value: Any, known: Sequence[str], what: str) -> str | None:
+    """None when `value` is one of `known`, else why not (with the nearest name)."""
+    import difflib
+
+    if isinstance(value, str) and value in known:
+        return None
+    near = difflib.get_close_matches(str(value), list(known), n=1)
+    hint = f" Did you mean {near[0]!r}?" if near else ""
+    return f"is not {what}.{hint} Known: {', '.join(known)}."
+
+
+def _family_choice(value: Any, values: Mapping[str, Any]) -> str | None:
+    from lab.families import FAMILY_NAMES
+
+    return _one_of(value, FAMILY_NAMES, "a family")
+
+
+def _preset_choice(value: Any, values: Mapping[str, Any]) -> str | None:
+    from lab.families import FAMILY_NAMES, family
+
+    if values.get("family") not in FAMILY_NAMES:
+        return None  # the family's own check names it
+    fam = family(values["family"])
+    return _one_of(value, list(fam.presets), f"a preset of {fam.name}")
+
+
+def _mode_choice(value: Any, values: Mapping[str, Any]) -> str | None:
+    from lab.pairing.run import MODES
+
+    return _one_of(value, MODES, "a pairing mode")
+
+
+def _sde_type_choice(value: Any, values: Mapping[str, Any]) -> str | None:
+    from lab.rl.flow_grpo import SDE_TYPES
+
+    return _one_of(value, SDE_TYPES, "an SDE type")
+
+
+def _device_choice(value: Any, values: Mapping[str, Any]) -> str | None:
+    from lab.base.devices import resolve_device
+
+    try:
+        resolve_device(value)
+    except ValueError as err:
+        return f"cannot run here: {err}"
+    return None
+
+
+_CHOICES: dict[str, Callable[[Any, Mapping[str, Any]], str | None]] = {
+    "family": _family_choice,
+    "preset": _preset_choice,
+    "mode": _mode_choice,
+    "sde_type": _sde_type_choice,
+    "device": _device_choice,
+}
+"""Parameter name -> (value, the point's values) -> why the value cannot run, or None."""
+
+
 def _writable_folder(out: Path) -> Path:
     """Create `out` and check a file can be written there, or say what is wrong."""
     from lab.base.atomic import folder_write_problem
@@ -518,7 +684,7 @@ def _writable_folder(out: Path) -> Path:
     problem = folder_write_problem(out, keep=True)
     if problem:
         raise ValueError(
-            f"run_sweep: cannot write the sweep folder {str(out)!r} ({problem}). Choose a folder "
+            f"sweep: cannot write the sweep folder {str(out)!r} ({problem}). Choose a folder "
             "you can write with --out (out_dir=)."
         )
     return out
@@ -530,7 +696,7 @@ def _check_json(params: Mapping[str, Any]) -> None:
             json.dumps(value)
         except (TypeError, ValueError) as err:
             raise ValueError(
-                f"run_sweep: parameter {key}={value!r} is not JSON ({err}); sweep parameters "
+                f"sweep: parameter {key}={value!r} is not JSON ({err}); sweep parameters "
                 "travel to each run as JSON: use numbers, strings, booleans, lists and dicts."
             ) from err
 
@@ -541,8 +707,9 @@ def _start_run(notebook: Path, task: _Task) -> Any:
 
     task.folder.mkdir(parents=True, exist_ok=True)
     # A rerun must not read what an earlier run of this folder left.
-    for stale in ("results.json", "executed.ipynb", RUN_RECORD):
-        (task.folder / stale).unlink(missing_ok=True)
+    for stale in (task.results / "results.json", task.folder / "executed.ipynb",
+                  task.folder / RUN_RECORD):  # fmt: skip
+        stale.unlink(missing_ok=True)
     spec = task.folder / "task.json"
     atomic_write_text(
         spec,
@@ -553,6 +720,7 @@ def _start_run(notebook: Path, task: _Task) -> Any:
                 "parameters": task.params,
                 "cwd": str(task.folder),
                 "start_timeout": KERNEL_START_TIMEOUT_S,
+                "connection_file": str(task.connection_file or ""),
             }
         ),
     )
@@ -572,10 +740,11 @@ def _finish_run(task: _Task, returncode: int, digest: str) -> RunOutcome:
     error = None
     if returncode != 0:
         error = RuntimeError(_log_tail(task.folder / "papermill.log", returncode))
-    outcome = _outcome(str(task.folder), task.name, task.point, error)
+    outcome = _outcome(str(task.folder), task.name, task.point, error, task.results)
     record = {
         "notebook_sha256": digest,
         "parameters": task.requested,
+        "results_dir": str(task.results),
         "status": "ok" if outcome.ok else "failed",
         "error": outcome.error,
         "seconds": outcome.seconds,
@@ -597,17 +766,21 @@ def _record_key(digest: str, requested: Mapping[str, Any]) -> str:
     return json.dumps({"notebook_sha256": digest, "parameters": requested}, sort_keys=True)
 
 
-def _finished_runs(out: Path, digest: str) -> dict[str, Path]:
-    """Run folders under `out` whose record says ok and whose results.json is there."""
-    found: dict[str, Path] = {}
+def _finished_runs(out: Path, digest: str) -> dict[str, tuple[Path, Path]]:
+    """Run folders under `out` whose record says ok and whose results.json is there.
+
+    Key -> (the run's folder, the folder of its results.json).
+    """
+    found: dict[str, tuple[Path, Path]] = {}
     for record_path in sorted(out.glob(f"*/{RUN_RECORD}")):
         try:
             record = json.loads(record_path.read_text())
             if record.get("status") != "ok" or record.get("notebook_sha256") != digest:
                 continue
             key = _record_key(digest, record["parameters"])
+            results = Path(record.get("results_dir") or record_path.parent)
         except (OSError, ValueError, KeyError, TypeError):
             continue  # a damaged record: the point simply runs again
-        if (record_path.parent / "results.json").is_file():
-            found.setdefault(key, record_path.parent)
+        if (results / "results.json").is_file():
+            found.setdefault(key, (record_path.parent, results))
     return found
