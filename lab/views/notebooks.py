@@ -26,6 +26,7 @@ from typing import Any
 from lab.base.arguments import check_argument, checked_arguments
 
 
+@checked_arguments
 def kernel_config(connection_file: str | Path | None = None) -> Any:
     """The traitlets Config papermill hands its kernel manager: CurveZMQ keys where possible.
 
