@@ -16,7 +16,7 @@ import pytest
 
 import lab
 from lab.pairing.result import Result
-from lab.views import plots
+from lab.views import plots, runs
 from lab.views.plots import _show
 from lab.views.plots.divergence import bitexact_words, divergence_spec
 
@@ -434,7 +434,7 @@ def test_drift_axes_say_which_steps_the_sde_window_leaves_out_and_tick_whole_num
 
 
 def test_all_bit_exact_divergence_plot_says_so_on_one_zero_tick() -> None:
-    exact = lab.pair_family("flux", trainer={"autocast": False}, mode="local")
+    exact = lab.pair_family("flux", trainer=runs.MATCHED_TRAINER, mode="local")
     words = f"These sides agree bit for bit: all {len(exact.rows)} paired outputs are bit-exact."
     assert bitexact_words(exact) == words
     fig = plots.plot_divergence_by_layer(exact)
