@@ -170,3 +170,14 @@ def test_pair_aligned_names_why_a_row_differs() -> None:
     why = result.why(first)
     assert re.search(r"its input is bf16 on engine, fp32 on diffusers", why), why
     assert "weight bf16 on engine, fp32 on diffusers" in why
+
+
+def test_digest_of_a_stride_0_tensor_is_its_values() -> None:
+    """SD3's timestep `t.expand(B).clone()` at batch 1 keeps stride 0: torch calls it contiguous,
+    yet it cannot be viewed as bytes (check_emulation('sd3') failed on it)."""
+    from lab.pairing.aligned import _digest
+
+    t = torch.tensor(750.0).expand(1).clone()
+    assert t.stride() == (0,) and t.is_contiguous()
+    assert _digest(t) == _digest(torch.tensor([750.0]))
+    assert _digest(t) != _digest(torch.tensor([752.0]))

@@ -147,12 +147,28 @@ CAPABILITY = torch.backends.cpu.get_cpu_capability()
 FLUX_NORM_OUT_SHARE = {"AVX512": 0.889, "AVX2": 0.8856}
 
 
-def test_default_pair_on_flux_matches_the_research_numbers(flux) -> None:
+def _pipeline_timestep_rollout(fam) -> lab.Side:
+    """The rollout fed the pipeline's bf16-rounded timestep, as the trainer is."""
+    return lab.Side.rollout(fam, op_switches={"timestep_from": "pipeline"})
+
+
+def test_default_pair_on_flux_is_the_engines_fp32_timestep(flux) -> None:
+    # The engine feeds its time embedding the scheduler's fp32 t (750), the trainer the
+    # pipeline's bf16-rounded one (752): tests/test_engine_sglang.py checks it against sglang.
     fam, model, inputs = flux
-    attr = attribute(model, inputs, lab.Side.rollout(fam), lab.Side.trainer(fam))
+    summary = attribute(model, inputs, lab.Side.rollout(fam), lab.Side.trainer(fam)).summary()
+
+    assert summary["top_module"] == "time_text_embed"
+    assert summary["top_share"] > 0.9, summary
+
+
+def test_pipeline_timestep_pair_on_flux_matches_the_research_numbers(flux) -> None:
+    fam, model, inputs = flux
+    attr = attribute(model, inputs, _pipeline_timestep_rollout(fam), lab.Side.trainer(fam))
     summary = attr.summary()
 
-    # research15 sec. 2 (graft_family.py flux): norm_out 88.9 %, nothing before the blocks.
+    # research15 sec. 2 (graft_family.py flux), measured with the pipeline's timestep on both
+    # sides: norm_out 88.9 %, nothing before the blocks.
     # That was AVX512's kernels; AVX2's reductions round differently (CI machines differ).
     assert summary["top_module"] == "norm_out"
     pinned = FLUX_NORM_OUT_SHARE.get(CAPABILITY)
@@ -516,7 +532,7 @@ def test_scenario_table_and_direction(scenario_attributions) -> None:
 
 def test_plot_ranks_units_with_own_and_input_bars(flux) -> None:
     fam, model, inputs = flux
-    attr = attribute(model, inputs, lab.Side.rollout(fam), lab.Side.trainer(fam))
+    attr = attribute(model, inputs, _pipeline_timestep_rollout(fam), lab.Side.trainer(fam))
     fig = plot_attribution(attr, top=5)
     own, _ = fig.data
 

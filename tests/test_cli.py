@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import lab
+from lab.views import runs
 from lab.views.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -96,7 +97,7 @@ def test_pair_exits_1_over_a_threshold_and_against_a_baseline(
     assert code == EXIT_OK, "at the threshold is not over it"
     # A bit-exact baseline: the default pair (trainer with autocast) is worse everywhere it differs.
     exact = tmp_path / "exact" / "results.json"
-    lab.pair_family("flux", "tiny", trainer={"autocast": False}).to_json(exact)
+    lab.pair_family("flux", "tiny", trainer=runs.MATCHED_TRAINER).to_json(exact)
     code, text, _ = _run(capsys, "pair", "--out-dir", str(tmp_path / "c"), "--baseline", str(exact))
     assert code == EXIT_FAILED
     assert "REGRESSED" in text
@@ -115,7 +116,7 @@ def test_pair_saves_a_baseline_then_gates_on_it_and_refuses_bad_names_before_any
     assert not (tmp_path / "x").exists()
 
     # Exact sides: a bit-exact run kept as known-good.
-    exact = ["--trainer-overrides", '{"autocast": false}']
+    exact = ["--trainer-overrides", json.dumps(runs.MATCHED_TRAINER)]
     code, text, _ = _run(
         capsys, "pair", "--out-dir", str(tmp_path / "a"), *exact, "--save-baseline", "flux_t"
     )
@@ -295,7 +296,7 @@ def test_report_and_compare_read_saved_runs(tmp_path: Path, capsys: pytest.Captu
                                             monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     monkeypatch.chdir(tmp_path)
     on = lab.pair_family("flux", "tiny", trainer={"autocast": True})
-    off = lab.pair_family("flux", "tiny", trainer={"autocast": False})
+    off = lab.pair_family("flux", "tiny", trainer=runs.MATCHED_TRAINER)
     on.to_json("runs/autocast_on/results.json")
     off.to_json("runs/autocast_off/results.json")
 

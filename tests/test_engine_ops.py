@@ -29,6 +29,10 @@ def _model_inputs(built: dict, name: str):
 
 
 def _aligned_sides(fam: lab.Family) -> tuple[lab.Side, lab.Side]:
+    if fam.name == "qwen_image":
+        # The record's aligned stack: an engine patched to round like the trainer, with the
+        # pipeline's timestep (stock sglang rounds otherwise: tests/test_engine_sglang.py).
+        return _aligned_qwen(fam), lab.Side.trainer(fam)
     if fam.name != "wan2_2":
         return lab.Side.rollout(fam), lab.Side.trainer(fam)
     # Wan's aligned stack is the engine at a production width (its fused norm kernels, shown at
@@ -41,15 +45,20 @@ def _aligned_sides(fam: lab.Family) -> tuple[lab.Side, lab.Side]:
     )
 
 
+def _aligned_qwen(fam: lab.Family, groups: tuple[str, ...] = ("sgld", "qwen_image")) -> lab.Side:
+    return lab.Side.rollout(fam, engine_ops=groups, op_switches={"timestep_from": "pipeline"})
+
+
 @pytest.mark.parametrize("family_name", ["qwen_image", "wan2_2"])
 @pytest.mark.parametrize("mode", ["propagated", "local"])
 def test_aligned_pair_is_bitwise_on_every_module(built: dict, family_name: str, mode: str) -> None:
     fam, model, inputs = _model_inputs(built, family_name)
-    result = lab.pair(model, inputs, *_aligned_sides(fam), mode=mode)
+    rollout, trainer = _aligned_sides(fam)
+    result = lab.pair(model, inputs, rollout, trainer, mode=mode)
     table = result.table()
 
     assert len(table) > 60, "too few modules captured"
-    assert fam.engine_ops, "the family's rollout runs no patch group: parity would be vacuous"
+    assert rollout.engine_ops, "the rollout runs no patch group: parity would be vacuous"
     # Rows where the trainer's autocast keeps fp32 and the engine rounds (the norm_out /
     # temb boundary) differ only by that rounding: 0 ULP in the coarser dtype.
     assert (table["max_ulp"] == 0).all(), table[table["max_ulp"] > 0][["module", "max_ulp"]]
@@ -64,7 +73,11 @@ def test_aligned_pair_is_bitwise_on_every_module(built: dict, family_name: str, 
 )
 def test_wrong_group_breaks_parity(built: dict, family_name: str, groups: tuple) -> None:
     fam, model, inputs = _model_inputs(built, family_name)
-    rollout = lab.Side.rollout(fam, engine_ops=groups)
+    rollout = (
+        _aligned_qwen(fam, groups)
+        if family_name == "qwen_image"
+        else lab.Side.rollout(fam, engine_ops=groups)
+    )
     out = lab.pair(model, inputs, rollout, lab.Side.trainer(fam)).output_metrics()
 
     assert out["model_output_rel_max"] > 1e-3
@@ -227,7 +240,7 @@ def test_a_group_that_patches_nothing_in_the_model_is_refused(built: dict) -> No
             r"AdaLayerNormContinuous, QwenImageTransformerBlock, and this model \("
             + type(model).__name__
             + r"\) has none of them: it would change nothing\. Groups that patch this model: "
-            r"sgld, wan\."
+            r"sgld, qwen_image_native, wan\."
         )
         with pytest.raises(ValueError, match=match):
             lab.pair(model, inputs, rollout, trainer)
@@ -242,3 +255,120 @@ def test_a_group_that_patches_nothing_in_the_model_is_refused(built: dict) -> No
     with pytest.raises(ValueError, match=r"\(Linear\) has none .*No patch group patches this"):
         check_groups_apply(("sgld",), torch.nn.Linear(2, 2), "Side('x')")
     check_groups_apply((), torch.nn.Linear(2, 2), "Side('x')")
+
+
+def test_qwen_image_native_rmsnorm_rounds_once_after_the_weight() -> None:
+    """The engine's RMSNorm (sglang forward_native) vs sgld's (diffusers' rounding order)."""
+    from diffusers.models.normalization import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64) * 0.3 + 1)
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    check_engine_ops((), {})  # loads the group registry (run alone, nothing else has)
+    engine = PATCH_GROUPS["qwen_image_native"].forwards["RMSNorm"](norm)(x)
+    sgld = PATCH_GROUPS["sgld"].forwards["RMSNorm"](norm)(x)
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    assert engine.dtype == torch.bfloat16
+    assert torch.equal(engine, (normed * norm.weight.float()).to(torch.bfloat16))
+    assert not torch.equal(engine, sgld), "the two rounding orders must differ on this input"
+
+
+def test_timestep_from_scheduler_hands_the_model_the_raw_fp32_t(built: dict) -> None:
+    from lab.precision.engine_ops import transform_inputs
+
+    fam, model, inputs = _model_inputs(built, "qwen_image")
+    switched = transform_inputs(inputs, {"timestep_from": "scheduler"})
+    # The pipeline rounds t = 750 to bf16 (752) before its /1000; the engine's t stays fp32.
+    assert inputs.kwargs["timestep"].dtype == torch.bfloat16
+    assert torch.equal(inputs.kwargs["timestep"], torch.tensor([750.0]).to(torch.bfloat16) / 1000)
+    assert torch.tensor([750.0]).to(torch.bfloat16).item() == 752.0
+    assert switched.kwargs["timestep"].dtype == torch.float32
+    assert switched.kwargs["timestep"].tolist() == [750.0]
+    # The CFG branch carries the step too (a trajectory runs it on its own).
+    negative = fam.make_inputs("tiny", 0, cfg=True).negative
+    assert transform_inputs(negative, {"timestep_from": "scheduler"}).kwargs[
+        "timestep"
+    ].tolist() == [750.0]
+    # Qwen's root divides by 1000 (the engine's model does) and the stock forward casts: the
+    # same as handing the stock model the engine's (t / 1000) by hand.
+    engine_t = torch.tensor([750.0]) / 1000
+    rollout = lab.Side.rollout(fam)
+    assert rollout.op_switches["timestep_from"] == "scheduler"
+    by_hand = inputs.replace_kwargs(timestep=engine_t)
+    y = lab.pairing.run.forward_side(model, inputs, rollout)[0]
+    y_hand = lab.pairing.run.forward_side(
+        model, by_hand, rollout.replace(op_switches={"timestep_from": "pipeline"})
+    )[0]
+    y_pipeline = lab.pairing.run.forward_side(
+        model, inputs, rollout.replace(op_switches={"timestep_from": "pipeline"})
+    )[0]
+    assert torch.equal(y, y_hand)
+    assert not torch.equal(y, y_pipeline), "752 and 750 must give different outputs"
+
+
+@pytest.mark.parametrize(("sigma", "same"), [(0.5, True), (0.75, False)])
+def test_flux_root_differs_from_diffusers_only_in_the_timestep_cast(
+    sigma: float, same: bool
+) -> None:
+    """t = 500 is exact in bf16, so both roots see the same t; 750 is not (bf16: 752)."""
+    fam = lab.family("flux")
+    model, inputs = fam.build("tiny", 0), fam.make_inputs("tiny", 0, sigma=sigma)
+    rollout = lab.Side.rollout(fam)
+    y = lab.pairing.run.forward_side(model, inputs, rollout)[0]
+    stock = rollout.replace(op_switches={"timestep_from": "pipeline"})
+    y_stock = lab.pairing.run.forward_side(model, inputs, stock)[0]
+
+    assert torch.equal(y, y_stock) is same
+
+
+def test_timestep_from_scheduler_refuses_a_model_it_cannot_adapt() -> None:
+    from lab.families import Inputs
+    from lab.precision.engine_ops import transform_inputs
+
+    inputs = lab.family("minimax_h3").make_inputs("tiny", 0)
+    with pytest.raises(
+        ValueError,
+        match=r"minimax_h3's model takes the timestep as '1-sigma'.*"
+        r"adapts only FluxTransformer2DModel, QwenImageTransformer2DModel",
+    ):
+        transform_inputs(inputs, {"timestep_from": "scheduler"})
+    bare = Inputs(kwargs={"timestep": torch.ones(1)}, roles={"timestep": "timestep"})
+    with pytest.raises(ValueError, match=r"carry no sigma.*make_inputs\(\.\.\., sigma=\.\.\.\)"):
+        transform_inputs(bare, {"timestep_from": "scheduler"})
+    # The stock value changes nothing.
+    assert transform_inputs(bare, {"timestep_from": "pipeline"}) is bare
+
+
+@pytest.mark.parametrize(
+    ("family_name", "group", "attn_class"),
+    [("qwen_image", "qwen_image_native", "Attention"), ("flux", "flux_native", "FluxAttention")],
+)
+def test_attention_projects_the_split_as_views_the_engines_way(
+    family_name: str, group: str, attn_class: str
+) -> None:
+    """Batch 1: the split is contiguous, nothing changes; batch 2: the bias rounds apart."""
+    fam = lab.family(family_name)
+    model = fam.build("tiny", 0).to(torch.bfloat16)
+    attn = model.transformer_blocks[0].attn
+    check_engine_ops((), {})
+    factory = PATCH_GROUPS[group].forwards[attn_class]
+    calls = []
+    handle = attn.register_forward_pre_hook(
+        lambda _m, args, kwargs: calls.append((args, kwargs)), with_kwargs=True
+    )
+    try:
+        for batch in (1, 2):
+            with torch.no_grad():
+                model(**fam.make_inputs("tiny", 0, batch).kwargs)
+    finally:
+        handle.remove()
+    for (args, kwargs), batch in zip(calls, (1, 2), strict=True):
+        with torch.no_grad():
+            stock, engine = attn(*args, **kwargs), factory(attn)(*args, **kwargs)
+        assert stock[0].shape[0] == batch
+        same = [torch.equal(a, b) for a, b in zip(stock, engine, strict=True)]
+        assert all(same) if batch == 1 else not any(same), (batch, same)

@@ -254,3 +254,14 @@ def test_a_build_larger_than_the_gpus_free_memory_is_refused_before_it_starts(
         "sd3", "full", "large", lab.family("sd3").fp32_build_bytes("full", "large"), 78 * gib,
         79 * gib, "cuda:0",
     )  # fmt: skip
+
+
+def test_engine_ops_and_switches_are_known_and_fit_the_model(family_name: str) -> None:
+    from lab.precision.engine_ops import check_engine_ops, check_groups_apply, transform_inputs
+
+    fam = lab.family(family_name)
+    where = f"family {family_name!r}"
+    check_engine_ops(fam.engine_ops, fam.engine_op_switches, where=where)
+    check_groups_apply(fam.engine_ops, fam.build("tiny", 0), where)
+    # Input-level switches accept the family's own inputs (the timestep one checks the model).
+    transform_inputs(fam.make_inputs("tiny", 0), fam.engine_op_switches)

@@ -296,10 +296,16 @@ def test_stream_needs_block_classes() -> None:
         lab.pair(model, inputs, side, side, stream=True)
 
 
+PIPELINE_T = {"op_switches": {"timestep_from": "pipeline"}}
+"""A rollout fed the pipeline's bf16-rounded timestep, as the trainer is (the engine's is fp32)."""
+ALIGNED_QWEN = {"engine_ops": ("sgld", "qwen_image"), **PIPELINE_T}
+
+
 def test_rounding_only_first_divergence_is_labelled() -> None:
-    # Qwen-Image's aligned pair: the only difference is an fp32 autocast output (norm_out)
-    # against the engine's bf16, equal after rounding to bf16.
-    aligned = lab.pair_family("qwen_image")
+    # Qwen-Image's aligned pair (the record's engine patched to round like the trainer, the
+    # pipeline's timestep): the only difference is an fp32 autocast output (norm_out) against
+    # the engine's bf16, equal after rounding to bf16.
+    aligned = lab.pair_family("qwen_image", rollout=ALIGNED_QWEN)
     first = aligned.first_divergence()
     assert first is not None and first.metrics.rounding_only
     assert (first.dtype_a, first.dtype_b) == ("bf16", "fp32")
@@ -307,7 +313,7 @@ def test_rounding_only_first_divergence_is_labelled() -> None:
     assert "rounding only" in aligned.describe()
     # Flux: the fp32 LayerNorm output still rounds to the engine's bf16; the first difference
     # beyond rounding is the modulation right after it, in the same first block.
-    flux = lab.pair_family("flux")
+    flux = lab.pair_family("flux", rollout=PIPELINE_T)
     assert flux.first_divergence().module == "transformer_blocks.0.norm1.norm"
     beyond = flux.summary()["first_non_rounding_divergence"]
     assert beyond is not None and beyond.startswith("transformer_blocks.0.norm1")
@@ -567,7 +573,7 @@ def test_describe_places_a_near_zero_max_ulp_and_gives_its_size_at_scale() -> No
     # flux tiny: the largest ULP count (thousands) is at a projection whose elements near zero
     # are a few bf16 values apart on the integer line, yet its largest difference is under one
     # rounding step of its largest value.
-    flux = lab.pair_family("flux")
+    flux = lab.pair_family("flux", rollout=PIPELINE_T)
     top = max(flux.rows, key=lambda r: r.metrics.max_ulp)
     assert top.metrics.max_ulp > 1000
     m = top.metrics
@@ -580,7 +586,7 @@ def test_describe_places_a_near_zero_max_ulp_and_gives_its_size_at_scale() -> No
     assert f"max ULP is at {top.label()}, among elements near zero" in text
     assert f"{top.ulp_at_scale():.3g} ULP of its largest value" in text
     # Bit-exact sides: no such line, and the words for "no divergence".
-    exact = lab.pair_family("flux", trainer={"autocast": False})
+    exact = lab.pair_family("flux", rollout=PIPELINE_T, trainer={"autocast": False})
     assert all(r.ulp_at_scale() == 0.0 for r in exact.rows)
     assert "max ULP is at" not in exact.describe()
     assert "first divergent module: none (bit-exact)" in exact.describe()

@@ -19,10 +19,17 @@ def test_qwen_image_aligned_pair_is_bitwise_on_the_gpu(preset: str) -> None:
     fam = lab.family("qwen_image")
     model = fam.build(preset, 0, device="cuda")
     inputs = fam.make_inputs(preset, 0, device="cuda")
-    # The PR's aligned stack: the engine runs SDPA flash and builds the RoPE cache on the GPU;
-    # the trainer pins flash and rebuilds its cache on the GPU.
+    # The PR's aligned stack: the engine, patched to round like the trainer (sgld + qwen_image,
+    # the pipeline's timestep), runs SDPA flash and builds the RoPE cache on the GPU; the
+    # trainer pins flash and rebuilds its cache on the GPU.
     pinned = {"attention_backend": "flash", "op_switches": {"rope_cache_device": "device"}}
-    rollout = lab.Side.rollout(fam, device="cuda", **pinned)
+    rollout = lab.Side.rollout(
+        fam,
+        device="cuda",
+        attention_backend="flash",
+        engine_ops=("sgld", "qwen_image"),
+        op_switches={"rope_cache_device": "device", "timestep_from": "pipeline"},
+    )
     trainer = lab.Side.trainer(fam, device="cuda", **pinned)
     result = lab.pair(model, inputs, rollout, trainer)
     table = result.table()

@@ -16,7 +16,7 @@ import pytest
 
 import lab
 from lab.pairing.result import Result, Skipped
-from lab.views import report
+from lab.views import report, runs
 from lab.views.baselines import compare_to_baseline
 
 FP16_TRAINER = {"forward_dtype": "fp16", "rollout_precision": "fp16", "param_dtype": "fp16"}
@@ -421,8 +421,8 @@ def test_hostile_names_in_chromium_keep_every_section_and_figure(
 
 
 def test_a_bit_exact_run_says_so_in_words_not_nan(result: Result, tmp_path: Path) -> None:
-    exact = lab.pair_family("flux", trainer={"autocast": False})
-    assert exact.first_divergence() is None, "tiny flux without autocast is bit-exact"
+    exact = lab.pair_family("flux", trainer=runs.MATCHED_TRAINER)
+    assert exact.first_divergence() is None, "tiny flux, the trainer matched to the engine"
     one = report.write_html(exact, tmp_path / "one.html", static=False).read_text()
     words = f"These sides agree bit for bit: all {len(exact.rows)} paired outputs are bit-exact."
     assert f'<p class="ok bitexact">{words}</p>' in one

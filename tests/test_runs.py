@@ -14,9 +14,10 @@ from lab.views.baselines import save_baseline
 
 @pytest.fixture(scope="module")
 def flux_pair() -> tuple[lab.Result, lab.Result]:
-    """Tiny flux: the trainer with autocast (diverges), then without (matches the rollout)."""
+    """Tiny flux: the trainer as is (diverges), then matched to the engine (matches the rollout:
+    no autocast, the scheduler's fp32 timestep)."""
     on = lab.pair_family("flux", "tiny", trainer={"autocast": True})
-    off = lab.pair_family("flux", "tiny", trainer={"autocast": False})
+    off = lab.pair_family("flux", "tiny", trainer=runs.MATCHED_TRAINER)
     assert on.output_metrics()["model_output_rel_max"] > 0
     assert off.output_metrics()["model_output_rel_max"] == 0
     return on, off
@@ -178,7 +179,7 @@ def test_newest_picks_results_oldest_first(tree) -> None:
 
 def test_save_examples_only_when_fewer_runs_are_saved(tmp_path: Path, tree) -> None:
     written = runs.save_examples(tmp_path)
-    assert [p.parent.name for p in written] == ["trainer_autocast_on", "trainer_autocast_off"]
+    assert [p.parent.name for p in written] == ["trainer", "trainer_matched"]
     results = [lab.Result.from_json(p) for p in written]
     assert results[0].output_metrics()["model_output_rel_max"] > 0
     assert results[1].output_metrics()["model_output_rel_max"] == 0

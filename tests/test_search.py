@@ -39,7 +39,10 @@ def test_bisection_finds_exactly_the_norm2_rules_wan_needs() -> None:
 def test_search_over_op_semantics_picks_the_patch_group() -> None:
     fam = lab.family("qwen_image")
     model, inputs = fam.build("tiny", 0), fam.make_inputs("tiny", 0)
-    sgld_only = lab.Side.rollout(fam, engine_ops=("sgld",))
+    # The record's aligned stack without its qwen_image group (pipeline timestep, as the
+    # trainer's): the search finds the group the stack needs.
+    pipeline_t = {"timestep_from": "pipeline"}
+    sgld_only = lab.Side.rollout(fam, engine_ops=("sgld",), op_switches=pipeline_t)
     candidates = [
         Change("switch", "drop_identity_mask", True),
         Change("switch", "rope_cache_device", "device"),

@@ -228,3 +228,21 @@ def test_a_policy_override_is_merged_the_same_way_by_the_presets_and_replace() -
         {"input_dtype_policy": {"latents": "fp32"}}, wan, "trainer", "cpu", where="t"
     )
     assert side == made
+
+
+def test_rollout_runs_the_familys_engine_switches_and_merges_an_override() -> None:
+    flux = lab.family("flux")
+    assert flux.engine_op_switches == {"timestep_from": "scheduler"}
+    assert dict(lab.Side.rollout(flux).op_switches) == {"timestep_from": "scheduler"}
+    # An override is merged over the family's switches, as an input_dtype_policy is.
+    more = lab.Side.rollout(flux, op_switches={"drop_identity_mask": True})
+    assert dict(more.op_switches) == {"timestep_from": "scheduler", "drop_identity_mask": True}
+    off = lab.Side.rollout(flux, op_switches={"timestep_from": "pipeline"})
+    assert dict(off.op_switches) == {"timestep_from": "pipeline"}
+    made = lab.Side.from_overrides(
+        {"op_switches": {"drop_identity_mask": True}}, flux, "rollout", "cpu", where="t"
+    )
+    assert made == more
+    # The trainer runs the pipeline's timestep; a family without switches gets none.
+    assert dict(lab.Side.trainer(flux).op_switches) == {}
+    assert dict(lab.Side.rollout(lab.family("sd3")).op_switches) == {}

@@ -77,8 +77,23 @@ def test_sd3_without_buffer_cast_first_divergence_is_autocast_layer_norm() -> No
     assert not any("pos_embed" in t for t in texts), "nothing differs at pos_embed any more"
 
 
-def test_flux_first_divergence_is_the_cuda_fp32_list_and_cpu_policy_shows_none() -> None:
+def test_flux_default_first_divergence_is_the_engines_fp32_timestep() -> None:
+    # The engine feeds its time embedding the scheduler's fp32 t (750); the trainer gets the
+    # pipeline's, rounded to bf16 (752): tests/test_engine_sglang.py checks it against sglang.
     result = _default("flux")
+    first = result.first_divergence()
+    assert first is not None and first.module == "time_text_embed.time_proj"
+    assert _whys(result)[first.label()].text == "inputs: rollout fp32 vs trainer bf16 (arg 0)"
+    root = _root_why(result)
+    assert "op_switch" in root.codes
+    assert "op switch timestep_from: rollout 'scheduler' vs trainer 'pipeline'" in root.text
+
+
+def test_flux_first_divergence_is_the_cuda_fp32_list_and_cpu_policy_shows_none() -> None:
+    fam = lab.family("flux")
+    # The pipeline's timestep on both sides: what is left is the trainer's autocast.
+    rollout = lab.Side.rollout(fam, op_switches={"timestep_from": "pipeline"})
+    result = _pair("flux", rollout, lab.Side.trainer(fam))
     first = result.first_divergence()
     assert first is not None and first.module == "transformer_blocks.0.norm1.norm"
     why = _whys(result)[first.label()]
@@ -91,8 +106,7 @@ def test_flux_first_divergence_is_the_cuda_fp32_list_and_cpu_policy_shows_none()
     assert _whys(result)[beyond].inside == first.label()
     assert f"  why ({beyond}): " in result.describe()
 
-    fam = lab.family("flux")
-    cpu = _pair("flux", lab.Side.rollout(fam), lab.Side.trainer(fam, autocast_policy="cpu"))
+    cpu = _pair("flux", rollout, lab.Side.trainer(fam, autocast_policy="cpu"))
     assert cpu.first_divergence() is None
     assert [w.text for w in cpu.whys()] == [""] * len(cpu.rows)
 

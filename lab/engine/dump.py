@@ -1014,11 +1014,14 @@ def pair_dump(
     dump_weights, dump_why = dump.weights_of(entries[0]["forward"])
     live_weights, why = weight_fingerprints(model) if dump_weights else (None, "")
     kwargs = inputs.kwargs if hasattr(inputs, "kwargs") else dict(inputs)
+    live_inputs = input_fingerprints(kwargs)
+    if record and record["inputs"] and hasattr(inputs, "kwargs"):
+        live_inputs = _as_switches_derive(live_inputs, record["inputs"], inputs)
     prov, checks = _provenance(
         dump_weights,
         live_weights,
         record["inputs"] if record else None,
-        input_fingerprints(kwargs),
+        live_inputs,
         _schema_note(dump, "the dump", dump_why) + ([f"the model's weights: {why}"] if why else []),
     )
     what_a, what_b = f"the dump ({dump_name})", f"the live side ({side.name})"
@@ -1048,6 +1051,28 @@ def pair_dump(
         skipped,
         meta,
     )
+
+
+def _as_switches_derive(
+    live: Mapping[str, Any], dumped: Mapping[str, Any], inputs: Any
+) -> dict[str, Any]:
+    """Check a dumped input against what an input-level op switch derives from `inputs`.
+
+    Only where the raw input differs and the derived form matches: the dumped side ran that
+    switch (the scheduler's timestep, a dropped identity mask).
+    """
+    from lab.precision.engine_ops import switch_derived_inputs
+
+    out = dict(live)
+    for derived in switch_derived_inputs(inputs):
+        for name, fingerprint in input_fingerprints(derived.kwargs).items():
+            if name not in dumped or name not in out:
+                continue
+            if fingerprints_differ(dumped[name], out[name]) is None:
+                continue
+            if fingerprints_differ(dumped[name], fingerprint) is None:
+                out[name] = fingerprint
+    return out
 
 
 def _refuse_shapes(

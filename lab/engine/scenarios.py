@@ -215,8 +215,15 @@ def _ltx_sigma(fam: Family, device: str) -> tuple[Side, Side, Side, Side]:
 
 def _qwen_norms(fam: Family, device: str) -> tuple[Side, Side, Side, Side]:
     trainer = Side.trainer(fam, device=device)
-    sgld_only = Side.rollout(fam, device=device, engine_ops=("sgld",)).replace(name="rollout_sgld")
-    return sgld_only, trainer, Side.rollout(fam, device=device), trainer
+    # The record's aligned stack: an engine patched to round like the trainer, with the
+    # pipeline's timestep (stock sglang rounds otherwise: Side.rollout's default).
+    aligned = Side.rollout(
+        fam,
+        device=device,
+        engine_ops=("sgld", "qwen_image"),
+        op_switches={"timestep_from": "pipeline"},
+    )
+    return aligned.replace(name="rollout_sgld", engine_ops=("sgld",)), trainer, aligned, trainer
 
 
 def _sd3_fp16(fam: Family, device: str) -> tuple[Side, Side, Side, Side]:

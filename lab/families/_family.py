@@ -168,6 +168,9 @@ class Family:
     """Module-name components the engine keeps in fp32 when it loads at rollout_dtype."""
     engine_ops: tuple[str, ...] = ()
     """Engine patch groups the family's rollout runs with (lab.precision.engine_ops)."""
+    engine_op_switches: Mapping[str, Any] = field(default_factory=dict)
+    """Engine op switches the family's rollout runs with, e.g. {"timestep_from": "scheduler"}
+    (lab.precision.engine_ops); a rollout side's own op_switches are merged over them."""
     variants: Mapping[str, Mapping[str, Mapping[str, Any]]] = field(default_factory=dict)
     """Named variants: variant -> preset -> config overrides (e.g. sd3 "large")."""
     experts: tuple[str, ...] = ()
@@ -543,7 +546,11 @@ class Family:
             sigma=float(sigma),
             latents=latents,
         )
-        inputs = replace(inputs, sigma=float(sigma), origin=(self.name, preset, variant))
+        made = dict(sigma=float(sigma), origin=(self.name, preset, variant))
+        # The negative branch is run on its own too (a trajectory's CFG forward): it carries the
+        # same step, so a side that rebuilds the scheduler's timestep can from either branch.
+        negative = replace(inputs.negative, **made) if inputs.negative is not None else None
+        inputs = replace(inputs, negative=negative, **made)
         return inputs.to(resolve_device(device))
 
     @checked_arguments

@@ -178,9 +178,15 @@ FAMILY = Family(
     },
     # FluxTransformer2DModel._keep_in_fp32_modules is None: a bf16 load keeps nothing in fp32.
     engine_fp32_modules=(),
+    engine_ops=("flux_native",),
+    # The engine's denoising stage hands the DiT the scheduler's fp32 t (sigma * 1000) with no
+    # cast; diffusers' pipeline rounds it to bf16 first (750 -> 752).
+    engine_op_switches={"timestep_from": "scheduler"},
     notes=(
         "The model casts timestep and guidance to the hidden dtype before its *1000, so in bf16 "
         "guidance 3.5 enters as 3504 (not 3500) and t rounds likewise: a ~4% bf16-vs-fp32 output "
-        "gap on tiny random weights that is inherent to the model, not the harness."
+        "gap on tiny random weights that is inherent to the model, not the harness. The engine "
+        "feeds its time embedding the scheduler's fp32 t instead (the rollout's "
+        "timestep_from='scheduler'): 750 vs 752 alone moves the tiny output by 9% (rel_max)."
     ),
 )

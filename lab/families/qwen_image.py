@@ -174,10 +174,19 @@ FAMILY = Family(
         "proj_out.*": "fp32",
     },
     # QwenImageTransformer2DModel._keep_in_fp32_modules is None: a bf16 load keeps nothing fp32.
-    engine_ops=("sgld", "qwen_image"),
+    engine_ops=("qwen_image_native",),
     engine_fp32_modules=(),
+    # The engine's denoising stage hands the DiT the scheduler's fp32 t (sigma * 1000) with no
+    # cast; diffusers' pipeline rounds it to bf16 first (750 -> 752).
+    engine_op_switches={"timestep_from": "scheduler"},
     notes=(
-        "The pipeline's t.to(bf16) rounds t before the /1000 (750 -> 752). The RoPE tables are "
+        "The pipeline's t.to(bf16) rounds t before the /1000 (750 -> 752); the engine divides "
+        "the scheduler's fp32 t and rounds once (the rollout's timestep_from='scheduler'). The "
+        "engine's RMSNorm rounds after its weight multiply (the 'qwen_image_native' group). "
+        "Bit-exact with the engine's CPU path (lab.engine.sglang.check_emulation); on a GPU at "
+        "real width its fused norm+modulation CUDA kernels round once in fp32, which is not "
+        "modelled. The record's aligned stack (an engine patched to round like the trainer) is "
+        "engine_ops=('sgld', 'qwen_image') with timestep_from='pipeline'. The RoPE tables are "
         "plain attributes computed where the model is constructed (build() on the GPU, load() on "
         "the CPU, then copied): CPU- vs GPU-built tables are the known trainer/engine mismatch."
     ),

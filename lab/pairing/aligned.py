@@ -70,6 +70,10 @@ def _digest(t: torch.Tensor) -> tuple[str, int, str]:
     The bytes go to the host: cross-implementation pairs run the engine on the CPU.
     """
     data = t.detach().contiguous().reshape(-1)
+    if data.numel() and data.stride(-1) != 1:
+        # An expanded tensor (stride 0, e.g. a timestep `t.expand(B).clone()` at batch 1) is
+        # "contiguous" to torch yet cannot be viewed as bytes: copy it to a real row-major one.
+        data = data.clone(memory_format=torch.contiguous_format)
     if data.is_complex():
         data = torch.view_as_real(data).reshape(-1)
     raw = data.cpu().view(torch.uint8).numpy().tobytes()

@@ -255,10 +255,17 @@ class Side:
         """The engine-like side: weights resident at the rollout precision, no autocast.
 
         Loads like sglang-d: parameters and persistent buffers at `family.rollout_dtype`,
-        except the modules the engine keeps in fp32; inputs cast as the engine's pipeline does.
+        except the modules the engine keeps in fp32; inputs cast as the engine's pipeline does;
+        the family's engine patch groups and op switches (an `op_switches` override is merged
+        over `family.engine_op_switches`).
         """
         family = _family_of(family, "Side.rollout")
         dtype = overrides.get("forward_dtype", family.rollout_dtype)
+        switches = overrides.get("op_switches")
+        if isinstance(switches, Mapping):
+            # Merged like input_dtype_policy: {"drop_identity_mask": True} keeps the family's
+            # engine switches; {"timestep_from": "pipeline"} turns one off.
+            overrides = {**overrides, "op_switches": {**family.engine_op_switches, **switches}}
         fields: dict[str, Any] = dict(
             name="rollout",
             # The engine holds no master: each weight is loaded straight to its dtype, so the
@@ -269,6 +276,7 @@ class Side:
             rollout_precision=dtype,
             keep_fp32_modules=family.engine_fp32_modules,
             engine_ops=family.engine_ops,
+            op_switches=dict(family.engine_op_switches),
             cast_buffers=True,
             autocast=False,
             input_dtype_policy=dict(

@@ -1,4 +1,4 @@
-"""The engine patch groups (sgld / qwen_image / wan) and module-level switches, as forwards.
+"""The engine patch groups and module-level switches, as forwards.
 
 Each replacement forward is the diffusers 0.42.1 forward of its class with the rounding points
 written out, so a reader can see where each side rounds. Shape legend: B batch, L tokens,
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lab.precision.engine_ops import timestep_from_scheduler
 from lab.precision.engine_registry import PatchGroup, Switch, register_group, register_switch
 
 # ---- shared rounding helpers -----------------------------------------------------------------
@@ -46,7 +47,8 @@ def _rms_norm_native(module: torch.nn.Module) -> Callable[..., Any]:
     """RMSNorm as sglang's `RMSNorm.forward_native` runs it: one rounding, after the weight.
 
     x in fp32, times rsqrt(mean(x^2) + eps), times the weight promoted to fp32, rounded once to
-    x's dtype (sglang 0.5.23, runtime/layers/layernorm.py). The wan group's q/k norms.
+    x's dtype (sglang 0.5.23, runtime/layers/layernorm.py). The wan group's q/k norms and the
+    qwen_image_native group's RMSNorms.
     """
     dims = _normalized_ndim(module)
 
@@ -176,6 +178,164 @@ def _ada_continuous(autocast_points: bool) -> Callable[[torch.nn.Module], Callab
         return forward
 
     return factory
+
+
+# ---- joint attention projecting the [text | image] split as views (Qwen-Image, Flux) ----------
+#
+# The engine splits the joint attention output with `split_seqs` (narrowed views) and hands the
+# views to its output projections; diffusers makes each part contiguous first. At batch > 1 the
+# views are not contiguous, and torch's F.linear then runs matmul and adds the bias afterwards
+# (a second bf16 rounding; aten's linear fuses the bias in addmm only for a contiguous input).
+# At batch 1 the views are contiguous and both ways are the same addmm.
+
+
+def _qwen_attention_on_views(module: torch.nn.Module) -> Callable[..., Any]:
+    """Attention.forward with QwenDoubleStreamAttnProcessor2_0, output projections on the views.
+
+    diffusers 0.42.1's processor without its two `.contiguous()` calls; any other processor
+    runs the class's own forward.
+    """
+    from diffusers.models.transformers.transformer_qwenimage import (
+        QwenDoubleStreamAttnProcessor2_0,
+        apply_rotary_emb_qwen,
+    )
+
+    processor = module.processor
+    if type(processor) is not QwenDoubleStreamAttnProcessor2_0:
+        return type(module).forward.__get__(module)
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    attn = module
+
+    def forward(
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **ignored: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Unknown kwargs are dropped, as Attention.forward drops what its processor does not take.
+        if encoder_hidden_states is None:
+            raise ValueError("QwenDoubleStreamAttnProcessor2_0 requires encoder_hidden_states")
+        if attention_mask is not None:
+            raise ValueError(
+                "QwenDoubleStreamAttnProcessor2_0 does not accept an external attention_mask; "
+                "pass encoder_hidden_states_mask."
+            )
+        if encoder_hidden_states_mask is not None:
+            image_mask = torch.ones(
+                hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device
+            )
+            attention_mask = torch.cat([encoder_hidden_states_mask, image_mask], dim=1)
+            attention_mask = attention_mask[:, None, None, :]
+        seq_txt = encoder_hidden_states.shape[1]
+        head_dim = attn.inner_dim // attn.heads
+        img_q, img_k, img_v = (
+            p(hidden_states).unflatten(-1, (-1, head_dim))
+            for p in (attn.to_q, attn.to_k, attn.to_v)
+        )
+        txt_q, txt_k, txt_v = (
+            p(encoder_hidden_states).unflatten(-1, (-1, head_dim))
+            for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+        )
+        if attn.norm_q is not None:
+            img_q = attn.norm_q(img_q)
+        if attn.norm_k is not None:
+            img_k = attn.norm_k(img_k)
+        if attn.norm_added_q is not None:
+            txt_q = attn.norm_added_q(txt_q)
+        if attn.norm_added_k is not None:
+            txt_k = attn.norm_added_k(txt_k)
+        if image_rotary_emb is not None:
+            img_freqs, txt_freqs = image_rotary_emb
+            img_q = apply_rotary_emb_qwen(img_q, img_freqs, use_real=False)
+            img_k = apply_rotary_emb_qwen(img_k, img_freqs, use_real=False)
+            txt_q = apply_rotary_emb_qwen(txt_q, txt_freqs, use_real=False)
+            txt_k = apply_rotary_emb_qwen(txt_k, txt_freqs, use_real=False)
+        joint_q = torch.cat([txt_q, img_q], dim=1)
+        joint = dispatch_attention_fn(
+            joint_q,
+            torch.cat([txt_k, img_k], dim=1),
+            torch.cat([txt_v, img_v], dim=1),
+            attn_mask=attention_mask,
+            dropout_p=0.0,
+            is_causal=False,
+            backend=processor._attention_backend,
+            parallel_config=processor._parallel_config,
+        )
+        joint = joint.flatten(2, 3).to(joint_q.dtype)
+        img_out = attn.to_out[0](joint[:, seq_txt:, :])
+        if len(attn.to_out) > 1:
+            img_out = attn.to_out[1](img_out)
+        return img_out, attn.to_add_out(joint[:, :seq_txt, :])
+
+    return forward
+
+
+def _flux_attention_on_views(module: torch.nn.Module) -> Callable[..., Any]:
+    """FluxAttention.forward with FluxAttnProcessor, the output projections on the views.
+
+    diffusers 0.42.1's processor without its two `.contiguous()` calls (the double-stream
+    blocks; a single-stream block has no split and runs the same ops as the stock forward);
+    any other processor runs the class's own forward.
+    """
+    from diffusers.models.transformers.transformer_flux import (
+        FluxAttnProcessor,
+        _get_qkv_projections,
+    )
+
+    processor = module.processor
+    if type(processor) is not FluxAttnProcessor:
+        return type(module).forward.__get__(module)
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    attn = module
+
+    def forward(
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: Any = None,
+        **ignored: Any,
+    ) -> Any:
+        # Unknown kwargs are dropped, as FluxAttention.forward drops what its processor does not.
+        q, k, v, enc_q, enc_k, enc_v = _get_qkv_projections(
+            attn, hidden_states, encoder_hidden_states
+        )
+        q = attn.norm_q(q.unflatten(-1, (-1, attn.head_dim)))
+        k = attn.norm_k(k.unflatten(-1, (-1, attn.head_dim)))
+        v = v.unflatten(-1, (-1, attn.head_dim))
+        if attn.added_kv_proj_dim is not None:
+            enc_q = attn.norm_added_q(enc_q.unflatten(-1, (-1, attn.head_dim)))
+            enc_k = attn.norm_added_k(enc_k.unflatten(-1, (-1, attn.head_dim)))
+            enc_v = enc_v.unflatten(-1, (-1, attn.head_dim))
+            q, k, v = (
+                torch.cat([enc_q, q], dim=1),
+                torch.cat([enc_k, k], dim=1),
+                torch.cat([enc_v, v], dim=1),
+            )
+        if image_rotary_emb is not None:
+            q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
+            k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
+        out = dispatch_attention_fn(
+            q,
+            k,
+            v,
+            attn_mask=attention_mask,
+            backend=processor._attention_backend,
+            parallel_config=processor._parallel_config,
+        )
+        out = out.flatten(2, 3).to(q.dtype)
+        if encoder_hidden_states is None:
+            return out
+        seq_txt = encoder_hidden_states.shape[1]
+        txt, img = out.split_with_sizes([seq_txt, out.shape[1] - seq_txt], dim=1)
+        img = attn.to_out[1](attn.to_out[0](img))
+        return img, attn.to_add_out(txt)
+
+    return forward
 
 
 # ---- SD3-shaped AdaLN-Zero (sgld: plain bf16/fp16 eager) ------------------------------------
@@ -459,12 +619,50 @@ register_group(
         description=(
             "Trainer-autocast rounding points for Qwen-Image's norm + modulation: LayerNorm in "
             "fp32 in and out, (1 + scale) rounds in bf16, the modulation promotes to fp32, one "
-            "rounding at the next matmul input. Applied after sgld (later groups win)."
+            "rounding at the next matmul input. Applied after sgld (later groups win). The "
+            "record's aligned stack (an engine patched to match the trainer); stock sglang "
+            "rounds otherwise (qwen_image_native)."
         ),
         forwards={
             "QwenImageTransformerBlock": _qwen_block(autocast_points=True),
             "AdaLayerNormContinuous": _ada_continuous(autocast_points=True),
         },
+    )
+)
+register_group(
+    PatchGroup(
+        name="qwen_image_native",
+        description=(
+            "Qwen-Image as the engine's own DiT computes it (sglang QwenImageTransformer2DModel, "
+            "its native torch ops): RMSNorm (txt_norm, the q/k norms) normalises in fp32, "
+            "multiplies the weight in fp32 and rounds once; the attention output projections "
+            "take the [text | image] split of the joint output as views, so at batch > 1 their "
+            "bias is added after the bf16 matmul rounds. The rest is diffusers' stock forward, "
+            "which rounds where the engine's native ops do: LayerNormScaleShift and "
+            "ScaleResidualLayerNormScaleShift (LayerNorm rounded to bf16, then x * (1 + scale) + "
+            "shift and the gated residual in bf16), MulAdd, the final norm_out, and RoPE as a "
+            "complex fp32 product rounded once. On a GPU at widths the engine's fused CUDA "
+            "kernels take (hidden % 256 == 0, so real Qwen-Image), LayerNormScaleShift and "
+            "ScaleResidualLayerNormScaleShift run fused_norm_scale_shift kernels that compute in "
+            "fp32 and round once instead: this group does not model those."
+        ),
+        forwards={
+            "RMSNorm": _dispatch_rms(_rms_norm_native, _rms_norm_native),
+            "Attention": _qwen_attention_on_views,
+        },
+    )
+)
+register_group(
+    PatchGroup(
+        name="flux_native",
+        description=(
+            "Flux.1 as the engine's own DiT computes it (sglang FluxTransformer2DModel, its native "
+            "torch ops): the attention output projections take the [text | image] split of the "
+            "joint output as views, so at batch > 1 their bias is added after the bf16 matmul "
+            "rounds. Everything else is diffusers' stock forward, bit-exact with the engine's "
+            "CPU path."
+        ),
+        forwards={"FluxAttention": _flux_attention_on_views},
     )
 )
 register_group(
@@ -600,6 +798,137 @@ def _qwen_rope_built_on(where: str) -> Callable[[torch.nn.Module], Callable[...,
     return factory
 
 
+def flux_root_fp32_timestep(module: torch.nn.Module) -> Callable[..., Any]:
+    """FluxTransformer2DModel.forward taking the scheduler's raw fp32 t, as the engine's does.
+
+    diffusers' forward rounds the timestep it is given to the activation dtype and multiplies
+    by 1000 (`timestep.to(hidden_states.dtype) * 1000`); the engine's FluxTransformer2DModel
+    hands the scheduler's fp32 t straight to `time_text_embed`, whose sinusoid is computed in
+    fp32 before its one cast. Only that line differs here; guidance keeps diffusers' handling
+    (`guidance.to(dtype) * 1000`: 3.5 -> 3504 in bf16, the value the engine builds).
+    """
+    import numpy as np
+    from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+    def forward(
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        pooled_projections: torch.Tensor | None = None,
+        timestep: torch.Tensor | None = None,
+        img_ids: torch.Tensor | None = None,
+        txt_ids: torch.Tensor | None = None,
+        guidance: torch.Tensor | None = None,
+        joint_attention_kwargs: dict[str, Any] | None = None,
+        controlnet_block_samples: Any = None,
+        controlnet_single_block_samples: Any = None,
+        return_dict: bool = True,
+        controlnet_blocks_repeat: bool = False,
+    ) -> Any:
+        m = module
+        hidden_states = m.x_embedder(hidden_states)
+        timestep = timestep.float()
+        if guidance is not None:
+            guidance = guidance.to(hidden_states.dtype) * 1000
+        temb = (
+            m.time_text_embed(timestep, pooled_projections)
+            if guidance is None
+            else m.time_text_embed(timestep, guidance, pooled_projections)
+        )
+        encoder_hidden_states = m.context_embedder(encoder_hidden_states)
+        txt_ids = txt_ids[0] if txt_ids.ndim == 3 else txt_ids
+        img_ids = img_ids[0] if img_ids.ndim == 3 else img_ids
+        image_rotary_emb = m.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
+        if (
+            joint_attention_kwargs is not None
+            and "ip_adapter_image_embeds" in joint_attention_kwargs
+        ):
+            embeds = joint_attention_kwargs.pop("ip_adapter_image_embeds")
+            joint_attention_kwargs.update({"ip_hidden_states": m.encoder_hid_proj(embeds)})
+        checkpointing = torch.is_grad_enabled() and m.gradient_checkpointing
+        for index, block in enumerate(m.transformer_blocks):
+            args = (hidden_states, encoder_hidden_states, temb, image_rotary_emb)
+            if checkpointing:
+                encoder_hidden_states, hidden_states = m._gradient_checkpointing_func(
+                    block, *args, joint_attention_kwargs
+                )
+            else:
+                encoder_hidden_states, hidden_states = block(
+                    hidden_states=hidden_states,
+                    encoder_hidden_states=encoder_hidden_states,
+                    temb=temb,
+                    image_rotary_emb=image_rotary_emb,
+                    joint_attention_kwargs=joint_attention_kwargs,
+                )
+            if controlnet_block_samples is not None:
+                interval = int(np.ceil(len(m.transformer_blocks) / len(controlnet_block_samples)))
+                pick = (
+                    index % len(controlnet_block_samples)
+                    if controlnet_blocks_repeat
+                    else index // interval
+                )
+                hidden_states = hidden_states + controlnet_block_samples[pick]
+        for index, block in enumerate(m.single_transformer_blocks):
+            args = (hidden_states, encoder_hidden_states, temb, image_rotary_emb)
+            if checkpointing:
+                encoder_hidden_states, hidden_states = m._gradient_checkpointing_func(
+                    block, *args, joint_attention_kwargs
+                )
+            else:
+                encoder_hidden_states, hidden_states = block(
+                    hidden_states=hidden_states,
+                    encoder_hidden_states=encoder_hidden_states,
+                    temb=temb,
+                    image_rotary_emb=image_rotary_emb,
+                    joint_attention_kwargs=joint_attention_kwargs,
+                )
+            if controlnet_single_block_samples is not None:
+                samples = controlnet_single_block_samples
+                interval = int(np.ceil(len(m.single_transformer_blocks) / len(samples)))
+                hidden_states = hidden_states + samples[index // interval]
+        output = m.proj_out(m.norm_out(hidden_states, temb))
+        if not return_dict:
+            return (output,)
+        return Transformer2DModelOutput(sample=output)
+
+    return forward
+
+
+def qwen_root_scheduler_timestep(module: torch.nn.Module) -> Callable[..., Any]:
+    """QwenImageTransformer2DModel.forward taking the scheduler's raw fp32 t, as the engine's does.
+
+    The engine's model computes `(timestep / 1000).to(hidden_states.dtype)`; diffusers' casts the
+    `t/1000` its pipeline presents. Dividing here, on the timestep's device, and letting the
+    stock forward cast is the engine's arithmetic, op for op.
+    """
+    import inspect
+
+    stock = type(module).forward.__get__(module)
+    signature = inspect.signature(stock)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["timestep"] = bound.arguments["timestep"] / 1000
+        return stock(*bound.args, **bound.kwargs)
+
+    return forward
+
+
+register_switch(
+    Switch(
+        name="timestep_from",
+        description="The DiT's timestep: 'pipeline' (diffusers: the scheduler's t rounded to "
+        "the latent dtype and presented the pipeline's way) or 'scheduler' (the engine: the "
+        "scheduler's raw fp32 t, scaled inside the model as the engine's model scales it).",
+        values=("pipeline", "scheduler"),
+        transform_inputs=timestep_from_scheduler,
+        forwards={
+            "scheduler": {
+                "FluxTransformer2DModel": flux_root_fp32_timestep,
+                "QwenImageTransformer2DModel": qwen_root_scheduler_timestep,
+            }
+        },
+    )
+)
 register_switch(
     Switch(
         name="wan_patchify",

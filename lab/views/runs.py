@@ -451,6 +451,11 @@ def newest(runs: Sequence[SavedRun], count: int = 2) -> list[SavedRun]:
     return list(reversed(results[:count]))
 
 
+MATCHED_TRAINER: dict[str, Any] = {"autocast": False, "op_switches": {"timestep_from": "scheduler"}}
+"""Trainer overrides that match the engine-like rollout on tiny flux: no autocast, and the
+scheduler's fp32 timestep the engine hands its DiT (the pipeline rounds it to bf16)."""
+
+
 @checked_arguments
 def save_examples(
     root: str | Path = ".",
@@ -461,10 +466,10 @@ def save_examples(
 ) -> list[Path]:
     """Save two small runs to compare when fewer than `if_fewer_than` Results are saved.
 
-    The runs are the trainer with autocast on, then off, against the same rollout: on tiny
-    flux the trainer without autocast matches the engine-like rollout bit for bit, so the
-    overlay shows every divergence of the first run gone in the second. They go to
-    `<root>/runs/examples/trainer_autocast_on/results.json` and `.../trainer_autocast_off/`.
+    The runs are the trainer as it is, then matched to the engine (`MATCHED_TRAINER`), against
+    the same rollout: on tiny flux the matched trainer matches the engine-like rollout bit for
+    bit, so the overlay shows every divergence of the first run gone in the second. They go to
+    `<root>/runs/examples/trainer/results.json` and `.../trainer_matched/`.
 
     Args:
         root: The folder `list_runs` searches.
@@ -482,8 +487,8 @@ def save_examples(
         return []
     out = Path(root) / "runs" / "examples"
     paths = []
-    for name, autocast in (("trainer_autocast_on", True), ("trainer_autocast_off", False)):
-        result = pair_family(family, preset, trainer={"autocast": autocast})
+    for name, trainer in (("trainer", {}), ("trainer_matched", MATCHED_TRAINER)):
+        result = pair_family(family, preset, trainer=trainer)
         paths.append(result.to_json(out / name / "results.json"))
     return paths
 

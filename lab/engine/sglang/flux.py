@@ -31,6 +31,13 @@ def forward_kwargs(model: torch.nn.Module, inputs: Inputs, dtype: torch.dtype) -
     )
 
 
+_SPLIT_VIEWS = (
+    "the engine projects the [text | image] split of the joint attention output as views "
+    "(split_seqs): at batch > 1 they are not contiguous and torch's F.linear adds the bias after "
+    "the matmul rounds; diffusers makes them contiguous first, one rounding (the 'flux_native' "
+    "patch group runs the engine's way)"
+)
+
 ENGINE = EngineFamily(
     family_name="flux",
     dit="sglang.multimodal_gen.runtime.models.dits.flux:FluxTransformer2DModel",
@@ -38,6 +45,10 @@ ENGINE = EngineFamily(
     arch="sglang.multimodal_gen.configs.models.dits.flux:FluxArchConfig",
     pipeline="sglang.multimodal_gen.configs.pipeline_configs.flux:FluxPipelineConfig",
     forward_kwargs=forward_kwargs,
+    differences={
+        "transformer_blocks.*.attn.to_out.0": _SPLIT_VIEWS,
+        "transformer_blocks.*.attn.to_add_out": _SPLIT_VIEWS,
+    },
     parameterless={
         "rotary_emb*": "builds the RoPE table outside the blocks (diffusers: pos_embed)",
         "*.attn.attn": "the engine's attention-kernel module; diffusers calls the kernel as a "

@@ -41,6 +41,18 @@ def forward_kwargs(model: torch.nn.Module, inputs: Inputs, dtype: torch.dtype) -
     )
 
 
+_RMS_NORM = (
+    "the engine's RMSNorm (sglang RMSNorm.forward_native) multiplies the fp32-normalised value "
+    "by the weight in fp32 and rounds once; diffusers' RMSNorm rounds to the activation dtype "
+    "before the weight multiply (the 'qwen_image_native' patch group runs the engine's way)"
+)
+_SPLIT_VIEWS = (
+    "the engine projects the [text | image] split of the joint attention output as views "
+    "(split_seqs): at batch > 1 they are not contiguous and torch's F.linear adds the bias after "
+    "the matmul rounds; diffusers makes them contiguous first, one rounding (the "
+    "'qwen_image_native' patch group runs the engine's way)"
+)
+
 ENGINE = EngineFamily(
     family_name="qwen_image",
     dit="sglang.multimodal_gen.runtime.models.dits.qwen_image:QwenImageTransformer2DModel",
@@ -48,6 +60,12 @@ ENGINE = EngineFamily(
     arch="sglang.multimodal_gen.configs.models.dits.qwenimage:QwenImageArchConfig",
     pipeline="sglang.multimodal_gen.configs.pipeline_configs.qwen_image:QwenImagePipelineConfig",
     forward_kwargs=forward_kwargs,
+    differences={
+        "txt_norm": _RMS_NORM,
+        "transformer_blocks.*.attn.norm_*": _RMS_NORM,
+        "transformer_blocks.*.attn.to_out.0": _SPLIT_VIEWS,
+        "transformer_blocks.*.attn.to_add_out": _SPLIT_VIEWS,
+    },
     parameterless={
         "rotary_emb*": "builds the RoPE tables outside the blocks (diffusers: pos_embed)",
         "*.attn.attn": "the engine's attention-kernel module; diffusers calls the kernel as a "
