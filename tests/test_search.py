@@ -22,8 +22,10 @@ def test_bisection_finds_exactly_the_norm2_rules_wan_needs() -> None:
     with torch.no_grad():
         for block in model.blocks:
             block.norm2.weight.add_(torch.randn(block.norm2.weight.shape, generator=gen) * 0.1)
-    rollout = lab.Side.rollout(fam)
-    no_rules = lab.Side.trainer(fam, param_dtype_rules={})
+    # Wan's aligned stack (tests/test_engine_ops.py): the engine at a production width against
+    # a trainer whose text enters at the DiT dtype, bit-exact once norm2 is fp32.
+    rollout = lab.Side.rollout(fam, op_switches={"wan_norm_path": "fused"})
+    no_rules = lab.Side.trainer(fam, param_dtype_rules={}, input_dtype_policy={"cond": "default"})
     candidates = module_rules(model, depth=2)
     result = find_smallest_changes(model, inputs, rollout, no_rules, candidates, target=0.0)
 
