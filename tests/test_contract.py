@@ -102,3 +102,21 @@ def test_a_drift_clause_bounds_the_clip_fraction(tmp_path: Path) -> None:
     assert doc["drift"]["measured"]["clip_frac"] == 0.0
     found = contract.check(path)
     assert found.holds and found.checks[-1].clause == "drift"
+
+
+SHIPPED = sorted((Path(__file__).resolve().parent.parent / "data" / "contracts").glob("*.json"))
+
+
+def test_a_contract_ships_for_every_family() -> None:
+    assert {p.stem for p in SHIPPED} == set(lab.FAMILY_NAMES)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_the_shipped_contracts_hold(path: Path) -> None:
+    found = contract.check(path)
+    assert found.holds, found.describe()
+    doc = json.loads(path.read_text())
+    # Written for the lab's own default sides: they still are.
+    fam = lab.family(doc["model"]["family"])
+    assert lab.Side.from_dict(doc["sides"]["a"]) == lab.Side.rollout(fam)
+    assert lab.Side.from_dict(doc["sides"]["b"]) == lab.Side.trainer(fam)

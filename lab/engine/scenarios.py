@@ -213,16 +213,23 @@ def _ltx_sigma(fam: Family, device: str) -> tuple[Side, Side, Side, Side]:
     return rollout, bug, rollout, fixed
 
 
-def _qwen_norms(fam: Family, device: str) -> tuple[Side, Side, Side, Side]:
-    trainer = Side.trainer(fam, device=device)
-    # The record's aligned stack: an engine patched to round like the trainer, with the
-    # pipeline's timestep (stock sglang rounds otherwise: Side.rollout's default).
-    aligned = Side.rollout(
+def _qwen_aligned(fam: Family, device: str, **switches: Any) -> Side:
+    """The record's aligned Qwen-Image stack, plus `switches`.
+
+    An engine patched to round like the trainer, with the pipeline's timestep (stock sglang
+    rounds otherwise: Side.rollout's default).
+    """
+    return Side.rollout(
         fam,
         device=device,
         engine_ops=("sgld", "qwen_image"),
-        op_switches={"timestep_from": "pipeline"},
+        op_switches={"timestep_from": "pipeline", **switches},
     )
+
+
+def _qwen_norms(fam: Family, device: str) -> tuple[Side, Side, Side, Side]:
+    trainer = Side.trainer(fam, device=device)
+    aligned = _qwen_aligned(fam, device)
     return aligned.replace(name="rollout_sgld", engine_ops=("sgld",)), trainer, aligned, trainer
 
 
@@ -253,9 +260,7 @@ def _qwen_mask(fam: Family, device: str) -> tuple[Side, Side, Side, Side]:
     # The engine runs mask-free batch-1 requests on SDPA flash. A trainer handed the identity
     # mask cannot use flash (pinned, flash raises on any mask), so its default dispatch falls
     # back to another kernel; dropping the all-True mask lets it pin flash like the engine.
-    rollout = Side.rollout(
-        fam, device=device, attention_backend="flash", op_switches={"drop_identity_mask": True}
-    )
+    rollout = _qwen_aligned(fam, device, drop_identity_mask=True).replace(attention_backend="flash")
     bug = Side.trainer(fam, device=device).replace(name="trainer_with_mask")
     fixed = Side.trainer(
         fam, device=device, attention_backend="flash", op_switches={"drop_identity_mask": True}
@@ -264,7 +269,7 @@ def _qwen_mask(fam: Family, device: str) -> tuple[Side, Side, Side, Side]:
 
 
 def _qwen_kernel(fam: Family, device: str) -> tuple[Side, Side, Side, Side]:
-    rollout = Side.rollout(fam, device=device, attention_backend="flash")
+    rollout = _qwen_aligned(fam, device).replace(attention_backend="flash")
     bug = Side.trainer(fam, device=device, attention_backend="efficient").replace(
         name="trainer_efficient"
     )
@@ -274,7 +279,7 @@ def _qwen_kernel(fam: Family, device: str) -> tuple[Side, Side, Side, Side]:
 
 def _qwen_rope_device(fam: Family, device: str) -> tuple[Side, Side, Side, Side]:
     on_gpu = {"rope_cache_device": "device"}
-    rollout = Side.rollout(fam, device=device, op_switches=on_gpu)
+    rollout = _qwen_aligned(fam, device, **on_gpu)
     bug = Side.trainer(fam, device=device, op_switches={"rope_cache_device": "cpu"}).replace(
         name="trainer_cpu_rope"
     )
@@ -282,10 +287,13 @@ def _qwen_rope_device(fam: Family, device: str) -> tuple[Side, Side, Side, Side]
 
 
 def _wan_patchify(fam: Family, device: str) -> tuple[Side, Side, Side, Side]:
-    linear = {"wan_patchify": "linear"}
-    rollout = Side.rollout(fam, device=device, op_switches=linear)
-    bug = Side.trainer(fam, device=device).replace(name="trainer_conv3d")
-    return rollout, bug, rollout, Side.trainer(fam, device=device, op_switches=linear)
+    # On Wan's aligned stack (the engine at a production width), where the patch embedding is
+    # the one difference left.
+    rollout, trainer = _wan_aligned(fam, device)
+    linear = {**trainer.op_switches, "wan_patchify": "linear"}
+    rollout = rollout.replace(op_switches={**rollout.op_switches, "wan_patchify": "linear"})
+    bug = trainer.replace(name="trainer_conv3d")
+    return rollout, bug, rollout, trainer.replace(op_switches=linear)
 
 
 def _wan_sgld(fam: Family, device: str) -> tuple[Side, Side, Side, Side]:
