@@ -129,7 +129,12 @@ def _wan_aligned(fam: Family, device: str) -> tuple[Side, Side]:
     temb sums with the root scale_shift_table in bf16, as the engine's does.
     """
     rollout = Side.rollout(fam, device=device, op_switches={"wan_norm_path": "fused"})
-    trainer = Side.trainer(fam, device=device, op_switches={"wan_norm_path": "fused"})
+    trainer = Side.trainer(
+        fam,
+        device=device,
+        op_switches={"wan_norm_path": "fused"},
+        input_dtype_policy={"cond": "default"},
+    )
     return rollout, trainer
 
 
