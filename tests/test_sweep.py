@@ -263,6 +263,32 @@ def test_resume_reruns_failed_and_changed_points_only(tmp_path: Path) -> None:
     assert record["parameters"] == {"tag": "b", "x": 0}
 
 
+def test_a_sweep_without_out_gets_a_fresh_folder_and_an_earlier_sweeps_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LAB_HOME", str(tmp_path))
+    first = run_sweep(TOY, {"x": [1]}, progress=False)
+    second = run_sweep(TOY, {"x": [1]}, progress=False)
+    assert first.out_dir != second.out_dir, "two sweeps shared one folder"
+    for done in (first, second):
+        assert done.out_dir.parent == tmp_path / "runs" / "sweep"
+        assert done.out_dir.name.startswith("sweep_toy-") and (done.out_dir / "sweep.csv").is_file()
+    with pytest.raises(
+        ValueError,
+        match=r"^sweep: out_dir '.*' already holds a run's results \(sweep\.csv, sweep\.png\).*"
+        r"--overwrite.*resume=True \(--resume\)",
+    ):
+        run_sweep(TOY, {"x": [3]}, first.out_dir, progress=False)
+    assert pd.read_csv(first.out_dir / "sweep.csv")["x"].tolist() == [1], "the refusal wrote"
+    again = run_sweep(TOY, {"x": [3]}, first.out_dir, progress=False, overwrite=True)
+    assert not again.failed and pd.read_csv(again.table_path)["x"].tolist() == [3]
+    # A sweep refused once its fresh folder is made leaves no folder behind.
+    shared = {"out_dir": str(tmp_path / "one")}
+    with pytest.raises(ValueError, match="gives 2 runs one output folder"):
+        run_sweep(TOY, {"x": [1, 3]}, parameters=shared, progress=False)
+    assert len(list((tmp_path / "runs" / "sweep").iterdir())) == 2
+
+
 def test_an_unwritable_out_is_refused_before_any_run(tmp_path: Path) -> None:
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
