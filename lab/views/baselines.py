@@ -143,8 +143,8 @@ def free_baseline_path(
 
 def _exists(path: Path) -> ValueError:
     return ValueError(
-        f"save_baseline: {path} exists. Pass overwrite=True (from the command line: delete "
-        "the file) to replace the known-good run, or choose another name."
+        f"baseline {path.stem!r}: {path} exists. Pass overwrite=True (from the command line: "
+        "delete the file) to replace the known-good run, or choose another name."
     )
 
 
@@ -164,7 +164,7 @@ def load_baseline(name_or_path: str | Path, *, directory: str | Path | None = No
         close = difflib.get_close_matches(str(name_or_path), known, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(
-            f"load_baseline: no baseline {str(name_or_path)!r} in {path.parent}.{hint} "
+            f"no baseline {str(name_or_path)!r} in {path.parent}.{hint} "
             f"Saved: {known or 'none'}. Save one with save_baseline(result, name), or from "
             "the command line with `precision-lab pair ... --save-baseline NAME`."
         )
@@ -295,7 +295,7 @@ def compare_to_baseline(
     """
     import pandas as pd
 
-    where = "compare_to_baseline"
+    where = "baseline comparison"
     if not (isinstance(factor, int | float) and factor >= 1):
         raise ValueError(f"{where}: factor must be a number >= 1, got {factor!r}.")
     if not (isinstance(atol, int | float) and atol >= 0):
