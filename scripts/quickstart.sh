@@ -10,11 +10,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-# The folder: OUT_DIR, else -p out_dir, else a fresh one named for the -p family/preset/mode.
+# The folder: OUT_DIR, else -p out_dir (refused while it holds results, unless -p overwrite
+# true), else a fresh one named for the -p family/preset/mode.
 out=$(.venv/bin/python - "$@" <<'PY'
 import ast, os, sys
 import papermill as pm
-from lab.views.home import run_folder
+from lab.views.home import check_folder_free, run_folder
 args, given = sys.argv[1:], {}
 for i, flag in enumerate(args[:-2]):
     if flag in ("-p", "--parameters"):
@@ -23,6 +24,11 @@ info = pm.inspect_notebook("notebooks/01_quickstart.ipynb")
 def value(name, default=None):
     return given.get(name, default or ast.literal_eval(info[name]["default"]))
 out = os.environ.get("OUT_DIR") or given.get("out_dir")
+try:  # before papermill writes the executed notebook there
+    if out:
+        check_folder_free(out, overwrite=str(given.get("overwrite")).lower() == "true")
+except ValueError as err:
+    sys.exit(f"error: {err}")
 if not out:
     labels = {"family": value("family"), "preset": value("preset", "tiny"), "mode": value("mode")}
     out = os.path.relpath(run_folder("quickstart", **labels))
