@@ -31,7 +31,8 @@ except ValueError as err:
     sys.exit(f"error: {err}")
 if not out:
     labels = {"family": value("family"), "preset": value("preset", "tiny"), "mode": value("mode")}
-    out = os.path.relpath(run_folder("quickstart", **labels))
+    made = run_folder("quickstart", **labels)
+    out = os.path.relpath(made) if made.is_relative_to(os.getcwd()) else str(made)
 print(out)
 PY
 )

@@ -211,6 +211,33 @@ def test_a_named_folder_holding_a_run_is_refused_and_overwrite_replaces_it(
     assert json.loads((out / "results.json").read_text())["summary"]["family"] == "sd3"
 
 
+@pytest.mark.slow
+def test_the_quickstart_script_writes_a_fresh_folder_each_run_and_says_where(
+    tmp_path: Path,
+) -> None:
+    import os
+
+    env = {**os.environ, "LAB_HOME": str(tmp_path)}
+    runs = []
+    for family in ("flux", "sd3"):
+        done = subprocess.run(
+            ["bash", str(REPO / "scripts" / "quickstart.sh"), "-p", "family", family],
+            capture_output=True, text=True, timeout=600, env=env,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        runs.append(re.search(r"^wrote (\S+)/results\.json", done.stdout, re.M).group(1))
+    assert [Path(r).parent for r in runs] == [tmp_path / "runs" / "quickstart"] * 2
+    assert Path(runs[0]).name.startswith("flux-tiny-propagated-")
+    assert Path(runs[1]).name.startswith("sd3-tiny-propagated-")
+    for run in runs:
+        assert (Path(run) / "01_quickstart.ipynb").is_file() and (Path(run) / "results.json").is_file()
+    again = subprocess.run(
+        ["bash", str(REPO / "scripts" / "quickstart.sh")],
+        capture_output=True, text=True, timeout=600, env={**env, "OUT_DIR": runs[0]},
+    )  # fmt: skip
+    assert again.returncode != 0 and "already holds a run's results" in again.stderr
+
+
 def test_headless_runs_start_the_kernel_without_the_tcp_warning(tmp_path: Path) -> None:
     def run(module: str) -> subprocess.CompletedProcess:
         return subprocess.run(
