@@ -230,7 +230,7 @@ def test_the_quickstart_script_writes_a_fresh_folder_each_run_and_says_where(
     assert Path(runs[0]).name.startswith("flux-tiny-propagated-")
     assert Path(runs[1]).name.startswith("sd3-tiny-propagated-")
     for run in runs:
-        assert (Path(run) / "01_quickstart.ipynb").is_file() and (Path(run) / "results.json").is_file()
+        assert {"01_quickstart.ipynb", "results.json"} <= {p.name for p in Path(run).iterdir()}
     again = subprocess.run(
         ["bash", str(REPO / "scripts" / "quickstart.sh")],
         capture_output=True, text=True, timeout=600, env={**env, "OUT_DIR": runs[0]},
