@@ -416,6 +416,7 @@ def test_python_dash_m_lab_is_the_same_command_line(tmp_path: Path) -> None:
     assert "invalid choice: 'huge'" in done.stderr
 
 
+@pytest.mark.slow
 def test_pair_sharded_runs_both_sides_under_fsdp2_and_names_what_it_cannot(
     tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -530,6 +531,7 @@ def test_an_out_dir_another_run_holds_is_refused_naming_it(
     assert code == EXIT_OK, err
 
 
+@pytest.mark.slow
 def test_sigterm_on_pair_sharded_ends_every_rank_saves_the_pairs_and_says_so_in_one_line(
     tmp_path: Path,
 ) -> None:

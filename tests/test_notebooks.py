@@ -185,7 +185,8 @@ def test_two_runs_with_default_folders_leave_two_results(
     runs/ratio_drift/, and the first results.json was replaced without a word."""
     monkeypatch.delenv("LAB_HOME", raising=False)  # the working directory is the lab home
     for family in ("wan2_2", "ltx2"):
-        _execute("02_ratio_drift.ipynb", tmp_path, family=family, steps=2, interactive=False)
+        _execute("02_ratio_drift.ipynb", tmp_path, family=family, steps=1, samples=1,
+                 interactive=False)  # fmt: skip
     saved = sorted((tmp_path / "runs" / "ratio_drift").glob("*/results.json"))
     assert [p.parent.name.split("-tiny-")[0] for p in saved] == ["ltx2", "wan2_2"], saved
     assert [json.loads(p.read_text())["meta"]["family"] for p in saved] == ["ltx2", "wan2_2"]
@@ -238,6 +239,7 @@ def test_the_quickstart_script_writes_a_fresh_folder_each_run_and_says_where(
     assert again.returncode != 0 and "already holds a run's results" in again.stderr
 
 
+@pytest.mark.slow
 def test_headless_runs_start_the_kernel_without_the_tcp_warning(tmp_path: Path) -> None:
     def run(module: str) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -266,6 +268,21 @@ FAMILY_NOTEBOOKS = [
 CASES = [(name, fam) for name in FAMILY_NOTEBOOKS for fam in FAMILY_NAMES] + [
     (p.name, None) for p in PATHS if p.name not in {*FAMILY_NOTEBOOKS, *ENGINE_NOTEBOOKS}
 ]
+# Run headless by other default tests with their own parameters: 03, 04 and 05 in
+# test_notebooks_interactive.py, 06 in test_scenarios.py.
+RUN_ELSEWHERE = {"03_control_panel.ipynb", "04_param_overrides.ipynb", "05_sweep.ipynb",
+                 "06_scenarios.ipynb"}  # fmt: skip
+
+
+def _case(name: str, family: str | None) -> Any:
+    """Each notebook once with its own defaults in the default run; every other family, and
+    the notebooks run elsewhere, under `slow`."""
+    own = family in (None, _defaults(NOTEBOOKS / name).get("family"))
+    slow = not own or name in RUN_ELSEWHERE
+    return pytest.param(
+        name, family, id=f"{name.split('_')[0]}-{family or 'defaults'}",
+        marks=pytest.mark.slow if slow else (),
+    )  # fmt: skip
 
 
 def _check_01(out: Path, family: str, nb: Any) -> None:
@@ -422,9 +439,7 @@ CHECKS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("name", "family"), CASES, ids=[f"{n.split('_')[0]}-{f or 'defaults'}" for n, f in CASES]
-)
+@pytest.mark.parametrize(("name", "family"), [_case(n, f) for n, f in CASES])
 def test_notebook_runs_with_its_defaults(
     name: str, family: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -35,6 +35,7 @@ def _sweep_cli(
     )
 
 
+@pytest.mark.slow
 def test_two_by_two_grid_gives_four_rows(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
     proc = _sweep_cli(
@@ -163,6 +164,7 @@ def _executions(folder: Path) -> int:
     return len(path.read_text().splitlines()) if path.is_file() else 0
 
 
+@pytest.mark.slow
 def test_kill_9_of_the_sweep_leaves_no_worker_or_kernel_running(tmp_path: Path) -> None:
     out, temp = tmp_path / "sweep", tmp_path / "tmp"
     temp.mkdir()
@@ -303,6 +305,7 @@ def test_an_unwritable_out_is_refused_before_any_run(tmp_path: Path) -> None:
         run_sweep(TOY, {"x": [1]}, tmp_path / "s", jobs=1.5)
 
 
+@pytest.mark.slow
 def test_run_sweep_works_from_a_script_without_a_main_guard(tmp_path: Path) -> None:
     script = tmp_path / "no_guard.py"
     script.write_text(
@@ -368,6 +371,7 @@ def test_a_parameter_giving_runs_one_output_folder_is_refused(tmp_path: Path) ->
         assert (tmp_path / "s" / name / "res" / "results.json").is_file()
 
 
+@pytest.mark.slow
 def test_a_second_sweep_into_a_held_folder_is_refused_naming_the_first(tmp_path: Path) -> None:
     # Before: two sweeps of one folder both reported success, each reading the other's rows.
     from lab.base.processes import FolderInUseError, holding_folder
