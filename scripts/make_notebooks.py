@@ -15,6 +15,28 @@ BACKEND = '"plotly" if interactive else "matplotlib"'
 INTERACTIVE = (
     "interactive: bool = True  # True: plotly figures (hover, zoom); False: static matplotlib\n"
 )
+OVERWRITE = "overwrite: bool = False  # True: write into an out_dir that holds another run's results (replacing them)"
+FRESH = "empty for a fresh folder of its own under runs/"
+
+
+def out_dir_line(kind: str, what: str) -> str:
+    """The `out_dir` parameter: empty by default, so each run writes a fresh folder."""
+    return f'out_dir: str = ""  # where {what} go; {FRESH}{kind}/\n'
+
+
+def folder_cell(kind: str, labels: str, call: str = "run_folder") -> tuple[str, str, list[str]]:
+    """The cell that makes the run's folder (`lab.runs.run_folder`) and says where it is."""
+    return (
+        "code",
+        "",
+        [
+            f"out_dir = {call}(\n",
+            f'    "{kind}", out_dir, {labels}overwrite=overwrite\n',
+            ")\n",
+            'print(f"writing to {out_dir}")',
+        ],
+    )
+
 
 NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
     "00_index.ipynb": [
@@ -28,7 +50,9 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
                 "diffusers DiT and shows where and how far they drift apart. Run all cells with the defaults\n",
                 "and each one shows its figures inline (plotly: hover for the module, its dtypes and metrics).\n",
                 "Headless: `python -m lab.views.notebooks notebooks/01_quickstart.ipynb out.ipynb -p family sd3`\n",
-                "(papermill's command line; dict and list parameters take JSON text). Runs write to `runs/`.\n",
+                "(papermill's command line; dict and list parameters take JSON text). Each run writes a\n",
+                "fresh folder under `runs/` of the working directory (or `$LAB_HOME`), named for its family,\n",
+                "preset and time, and prints it; `-p out_dir DIR` names one instead.\n",
                 "\n",
                 "| notebook | what it is for |\n",
                 "|---|---|\n",
@@ -54,11 +78,11 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             "code",
             "parameters",
             [
-                'root: str = "."  # folder searched for saved runs (runs/**/results.json, sweep folders)'
+                'root: str = ""  # folder searched for saved runs; empty for runs/ and baselines/ of the working folder (or LAB_HOME)'
             ],
         ),
         ("code", "", ["lab.families()"]),
-        ("code", "", ["runs.runs_table(runs.list_runs(root))"]),
+        ("code", "", ["runs.runs_table(runs.list_runs(root or None))"]),
     ],
     "01_quickstart.ipynb": [
         (
@@ -79,7 +103,8 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             [
                 "import lab\n",
                 "from lab import plots\n",
-                "from lab.parameters import json_parameter",
+                "from lab.parameters import json_parameter\n",
+                "from lab.runs import run_folder",
             ],
         ),
         (
@@ -95,7 +120,8 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
                 'rollout_overrides: dict = {}  # Side field overrides (JSON), e.g. {"attention_backend": "math"}\n',
                 'trainer_overrides: dict = {}  # e.g. {"autocast": false, "param_dtype_rules": {"*norm*": "fp32"}}\n',
                 INTERACTIVE,
-                'out_dir: str = "runs/quickstart"  # where results.json and divergence_by_layer.png go',
+                out_dir_line("quickstart", "results.json and divergence_by_layer.png"),
+                OVERWRITE,
             ],
         ),
         (
@@ -107,6 +133,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
                 f"backend = {BACKEND}",
             ],
         ),
+        folder_cell("quickstart", "family=family, preset=preset, mode=mode, "),
         (
             "code",
             "",
@@ -156,7 +183,8 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             "",
             [
                 "from lab import plots, trajectory, widgets\n",
-                "from lab.parameters import json_parameter",
+                "from lab.parameters import json_parameter\n",
+                "from lab.runs import run_folder",
             ],
         ),
         (
@@ -179,7 +207,8 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
                 'trainer_overrides: dict = {}  # e.g. {"autocast": false, "forward_dtype": "fp32"}\n',
                 "panel: bool = False  # True: also open the control panel on this family\n",
                 INTERACTIVE,
-                'out_dir: str = "runs/ratio_drift"  # where results.json and the PNGs go',
+                out_dir_line("ratio_drift", "results.json and the PNGs"),
+                OVERWRITE,
             ],
         ),
         (
@@ -192,6 +221,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
                 f"backend = {BACKEND}",
             ],
         ),
+        folder_cell("ratio_drift", "family=family, preset=preset, "),
         (
             "code",
             "",
@@ -279,6 +309,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             [
                 "from lab import plots\n",
                 "from lab.parameters import json_parameter\n",
+                "from lab.runs import run_folder\n",
                 "from lab.widgets import control_panel",
             ],
         ),
@@ -293,7 +324,8 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
                 'settings: dict = {}  # panel control -> value (JSON), e.g. {"trainer.autocast": false}\n',
                 "run_and_export: bool = True  # True: run one pair with settings and export it before the panel; False: panel only\n",
                 INTERACTIVE,
-                'out_dir: str = "runs/control_panel"  # where the headless run writes results.json + report.html',
+                out_dir_line("control_panel", "the headless run's results.json and report.html"),
+                OVERWRITE,
             ],
         ),
         ("code", "", ['settings = json_parameter("settings", settings, dict)']),
@@ -305,6 +337,9 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             "",
             [
                 "if run_and_export:\n",
+                "    out_dir = run_folder(\n",
+                '        "control_panel", out_dir, family=family, preset=preset, overwrite=overwrite\n',
+                "    )\n",
                 "    panel.run_and_export(out_dir)\n",
                 "    print(panel.verdict())\n",
                 "    plots.show(\n",
@@ -342,6 +377,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
                 "from lab.parameters import json_parameter\n",
                 "from lab.report import write_html\n",
                 "from lab.rule_effect import rule_effect\n",
+                "from lab.runs import run_folder\n",
                 "from lab.widgets import rule_matches_table",
             ],
         ),
@@ -356,7 +392,10 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
                 "rules: dict = {}  # ordered glob -> dtype for the trainer (JSON); {} for the family's fp32_rule_suggestions\n",
                 'metric: str = "rel_max"  # the overlay metric (a Result.table() column)\n',
                 INTERACTIVE,
-                'out_dir: str = "runs/param_overrides"  # results.json, without_rules.json, PNG, report.html',
+                out_dir_line(
+                    "param_overrides", "results.json, without_rules.json, the PNG and report.html"
+                ),
+                OVERWRITE,
             ],
         ),
         (
@@ -364,6 +403,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             "",
             ['rules = json_parameter("rules", rules, dict)\n', f"backend = {BACKEND}"],
         ),
+        folder_cell("param_overrides", "family=family, preset=preset, "),
         (
             "code",
             "",
@@ -401,7 +441,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
                 "Runs `notebook` once per grid point with papermill, `jobs` at a time, collects every run's\n",
                 "results.json summary into `out_dir/sweep.csv` and plots one metric per run. A failed run\n",
                 "keeps its executed notebook and is listed; the others finish. The same from a shell:\n",
-                "`precision-lab sweep 01_quickstart --grid mode=propagated,local -p family=flux --out runs/sweep`.\n",
+                "`precision-lab sweep 01_quickstart --grid mode=propagated,local -p family=flux`.\n",
                 "Compare any of its runs afterwards in `09_saved_runs` or with `precision-lab compare`.",
             ],
         ),
@@ -419,7 +459,8 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
                 'parameters: dict = {"family": "flux", "preset": "tiny"}  # given to every run (JSON)\n',
                 "jobs: int = 2  # runs in parallel\n",
                 'metric: str = ""  # column to plot; empty for the first headline metric present\n',
-                'out_dir: str = "runs/sweep"  # sweep folder: one sub-folder per run, sweep.csv, sweep.png',
+                'out_dir: str = ""  # sweep folder (a sub-folder per run, sweep.csv, sweep.png); empty for a fresh one under runs/sweep/\n',
+                "overwrite: bool = False  # True: run into an out_dir that holds an earlier sweep (replacing its runs)",
             ],
         ),
         (
@@ -435,7 +476,8 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             "",
             [
                 "result = sweep.run_sweep(\n",
-                "    notebook, grid, out_dir, parameters=parameters, jobs=jobs, metric=metric or None\n",
+                "    notebook, grid, out_dir, parameters=parameters, jobs=jobs, metric=metric or None,\n",
+                "    overwrite=overwrite,\n",
                 ")\n",
                 "print(result.describe())",
             ],
@@ -461,7 +503,8 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             "",
             [
                 "from lab import plots, scenarios\n",
-                "from lab.parameters import json_parameter",
+                "from lab.parameters import json_parameter\n",
+                "from lab.runs import run_folder",
             ],
         ),
         (
@@ -472,10 +515,12 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
                 'preset: str = "tiny"  # tiny (CPU), reduced (real width, 2 blocks)\n',
                 'only: list = []  # scenario names to run (JSON), e.g. ["sd3_fp16_vs_bf16"]; [] for all on the device\n',
                 INTERACTIVE,
-                'out_dir: str = "runs/scenarios"  # where scenarios.json, the Results and the PNG go',
+                out_dir_line("scenarios", "scenarios.json, the Results and the PNG"),
+                OVERWRITE,
             ],
         ),
         ("code", "", ['only = json_parameter("only", only, list)\n', f"backend = {BACKEND}"]),
+        folder_cell("scenarios", "preset=preset, label=device, "),
         ("code", "", ["runs = scenarios.run_all(preset, device, only or None)"]),
         ("code", "", ["scenarios.scenarios_table(runs)"]),
         (
@@ -510,7 +555,8 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             [
                 "import lab\n",
                 "from lab import fsdp, gradients, plots\n",
-                "from lab.result import results_table",
+                "from lab.result import results_table\n",
+                "from lab.runs import run_folder",
             ],
         ),
         (
@@ -524,10 +570,12 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
                 "seed: int = 0  # weight and input seed\n",
                 'metric: str = "rel_max"  # metric of the plots\n',
                 INTERACTIVE,
-                'out_dir: str = "runs/fsdp2"  # where the JSON files and PNGs go',
+                out_dir_line("fsdp2", "the JSON files and PNGs"),
+                OVERWRITE,
             ],
         ),
         ("code", "", [f"backend = {BACKEND}"]),
+        folder_cell("fsdp2", "family=family, preset=preset, "),
         (
             "code",
             "",
@@ -621,7 +669,8 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             [
                 "import lab\n",
                 "from lab import checks, plots\n",
-                "from lab.pairing.weights import WeightView",
+                "from lab.pairing.weights import WeightView\n",
+                "from lab.runs import run_folder",
             ],
         ),
         (
@@ -640,9 +689,11 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
                 "clip_range: float = 1e-4  # the PPO clip range the noise floor is read against\n",
                 "batch: int = 4  # batch of the batch-invariance check\n",
                 INTERACTIVE,
-                'out_dir: str = "runs/causes"  # where the JSON files and PNGs go',
+                out_dir_line("causes", "the JSON files and PNGs"),
+                OVERWRITE,
             ],
         ),
+        folder_cell("causes", "family=family, preset=preset, "),
         (
             "code",
             "",
@@ -768,8 +819,8 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             [
                 "# Saved runs: list them, overlay any two or more, diff their settings\n",
                 "\n",
-                "Every results.json the lab wrote (notebooks and `precision-lab pair` under `runs/`, sweep\n",
-                "folders, baselines under `data/baselines/`), newest first, like TensorBoard's or W&B's run\n",
+                "Every results.json the lab wrote (notebooks, `precision-lab pair` and sweeps under `runs/`,\n",
+                "baselines under `baselines/`, both in the working folder or `$LAB_HOME`), newest first, like TensorBoard's or W&B's run\n",
                 "list. `compare` picks runs by name, path or a unique part of a name (`[]`: the two newest);\n",
                 "the first is the reference the others are held to. The overlay shows the metric across\n",
                 "depth for each run, the settings diff every side field and meta value that differs, and\n",
@@ -792,18 +843,23 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             "code",
             "parameters",
             [
-                'root: str = "."  # folder searched for saved results (runs/**/results.json, sweeps); baselines too\n',
+                'root: str = ""  # folder searched for saved results; empty for runs/ and baselines/ of the working folder (or LAB_HOME)\n',
                 "compare: list = []  # runs to compare (JSON: names, paths or parts of names); [] for the two newest\n",
                 'metric: str = "rel_max"  # the per-module metric of the overlay and the verdicts\n',
                 "examples: bool = True  # with fewer than two saved runs, first save two tiny flux runs to compare\n",
                 INTERACTIVE,
-                'out_dir: str = "runs/saved_runs"  # where overlay.png, settings_diff.csv and report.html go',
+                out_dir_line("saved_runs", "overlay.png, settings_diff.csv and report.html"),
+                OVERWRITE,
             ],
         ),
         (
             "code",
             "",
-            ['compare = json_parameter("compare", compare, list)\n', f"backend = {BACKEND}"],
+            [
+                'compare = json_parameter("compare", compare, list)\n',
+                "root = root or None\n",
+                f"backend = {BACKEND}",
+            ],
         ),
         ("code", "", ["examples_written = runs.save_examples(root) if examples else []"]),
         ("code", "", ["saved = runs.list_runs(root)\n", "runs.runs_table(saved)"]),
@@ -817,6 +873,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
         ),
         ("code", "", ["cmp.summary()"]),
         ("code", "", ["cmp.settings_diff()"]),
+        folder_cell("saved_runs", "", call="runs.run_folder"),
         (
             "code",
             "",
@@ -833,6 +890,72 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
                 'write_html(cmp.runs, f"{out_dir}/report.html", metric=metric);',
             ],
         ),
+    ],
+    "10_sharded.ipynb": [
+        (
+            "markdown",
+            "",
+            [
+                "# Both sides sharded: models one GPU cannot hold\n",
+                "\n",
+                "Pairs the rollout and trainer sides with **both** run under real FSDP2 across `nproc` ranks\n",
+                "(gloo on CPU, one GPU each on cuda). Each rank builds only its rows of the seeded fp32 master,\n",
+                "so a model no single GPU holds pairs across several: MiniMax H3 full (33 B parameters, 123.4 GiB\n",
+                "of fp32 master) takes `-p preset full -p device cuda -p nproc 2` on two H200s, 62.7 GiB a rank.\n",
+                "The rollout side runs as the engine loads it (keep-fp32 modules as rules, buffers cast), each\n",
+                "block gathered at its dtype. Block outputs and the model output by default (`capture_depth=1`).\n",
+                "A rank that fails (out of memory, a dtype error) raises `lab.fsdp.ShardedPairError`, naming the\n",
+                "side, the module and the rank: its `result` holds the pairs compared before the failure and its\n",
+                "`captures` what each side's rank 0 had captured.\n",
+                "Headless: `python -m lab.views.notebooks notebooks/10_sharded.ipynb out.ipynb -p family qwen_image`.",
+            ],
+        ),
+        (
+            "code",
+            "",
+            ["import lab\n", "from lab import fsdp, plots\n", "from lab.runs import run_folder"],
+        ),
+        (
+            "code",
+            "parameters",
+            [
+                'family: str = "minimax_h3"  # one of lab.families()\n',
+                'preset: str = "tiny"  # tiny (CPU), reduced, full (MiniMax H3 full: nproc 2 on cuda)\n',
+                "nproc: int = 2  # FSDP2 ranks (gloo on CPU, one GPU each on cuda)\n",
+                'device: str = "cpu"  # cpu or cuda\n',
+                "seed: int = 0  # weight and input seed\n",
+                "capture_depth: int = 1  # 1: block outputs and the model output; 2+: deeper modules too\n",
+                'metric: str = "rel_max"  # metric of the plot\n',
+                INTERACTIVE,
+                out_dir_line("sharded", "results.json and divergence_by_layer.png"),
+                OVERWRITE,
+            ],
+        ),
+        ("code", "", [f"backend = {BACKEND}"]),
+        folder_cell("sharded", "family=family, preset=preset, "),
+        (
+            "code",
+            "",
+            [
+                "result = fsdp.pair_sharded(\n",
+                "    family, preset, nproc=nproc, device=device, seed=seed, capture_depth=capture_depth\n",
+                ")\n",
+                "print(result.describe())",
+            ],
+        ),
+        ("code", "", ["fsdp.sharded_ranks_table(result)"]),
+        (
+            "code",
+            "",
+            [
+                "plots.show(\n",
+                "    plots.plot_divergence_by_layer(result, metric, backend=backend),\n",
+                '    save_as=f"{out_dir}/divergence_by_layer.png",\n',
+                ")",
+            ],
+        ),
+        ("code", "", ["print(f\"wrote {result.to_json(f'{out_dir}/results.json')}\")"]),
+        ("code", "", ["result.table().head(25)"]),
     ],
     "11_prescribe.ipynb": [
         (
@@ -857,7 +980,8 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
             [
                 "import lab\n",
                 "from lab import plots\n",
-                "from lab.causes.prescribe import parse_target",
+                "from lab.causes.prescribe import parse_target\n",
+                "from lab.runs import run_folder",
             ],
         ),
         (
@@ -871,10 +995,12 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
                 'target: str = "bitexact"  # bitexact, or a threshold as JSON: {"metric": "rel_max", "max": 1e-3}\n',
                 'movable: str = "b"  # the side that may change: b (the trainer) or a (the rollout)\n',
                 INTERACTIVE,
-                'out_dir: str = "runs/prescribe"  # where the figures, tables and contract.json go',
+                out_dir_line("prescribe", "the figures, tables and contract.json"),
+                OVERWRITE,
             ],
         ),
         ("code", "", ["target = parse_target(target)\n", f"backend = {BACKEND}"]),
+        folder_cell("prescribe", "family=family, preset=preset, "),
         ("code", "", ["fam = lab.family(family)"]),
         ("code", "", ["model = fam.build(preset, seed, expert=fam.expert_for_sigma(sigma))"]),
         ("code", "", ["inputs = fam.make_inputs(preset, seed, sigma=sigma)"]),
@@ -948,7 +1074,12 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
         (
             "code",
             "",
-            ["import lab\n", "from lab import plots\n", "from lab.engine import sglang as engine"],
+            [
+                "import lab\n",
+                "from lab import plots\n",
+                "from lab.engine import sglang as engine\n",
+                "from lab.runs import run_folder",
+            ],
         ),
         (
             "code",
@@ -959,10 +1090,12 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
                 "seed: int = 0  # weight and input seed\n",
                 "sigma: float = 0.75  # flow-matching sigma of the step\n",
                 INTERACTIVE,
-                'out_dir: str = "runs/real_engine"  # where the results, the table and the figure go',
+                out_dir_line("real_engine", "the results, the table and the figure"),
+                OVERWRITE,
             ],
         ),
         ("code", "", [f"backend = {BACKEND}"]),
+        folder_cell("real_engine", "family=family, preset=preset, "),
         ("code", "", ["engine.supported()"]),
         (
             "code",

@@ -14,7 +14,6 @@ import torch
 import lab
 from lab.pairing.result import Result
 from lab.views.baselines import (
-    BASELINE_DIR,
     compare_to_baseline,
     list_baselines,
     load_baseline,
@@ -35,8 +34,21 @@ def fp16_result() -> Result:
     return lab.pair_family("flux", trainer=FP16_TRAINER)
 
 
-def test_default_folder_is_data_baselines() -> None:
-    assert BASELINE_DIR == Path(lab.__file__).resolve().parent.parent / "data" / "baselines"
+def test_baselines_live_in_the_working_directory_never_in_the_package(
+    result: Result, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 43: `--save-baseline NAME` from another folder wrote the checkout's data/baselines/."""
+    monkeypatch.delenv("LAB_HOME", raising=False)
+    monkeypatch.chdir(tmp_path)
+    path = save_baseline(result, "flux_tiny")
+    assert path == tmp_path / "baselines" / "flux_tiny.json" and path.is_file()
+    assert list_baselines() == ["flux_tiny"]
+    assert len(load_baseline("flux_tiny").rows) == len(result.rows)
+    package = Path(lab.__file__).resolve().parent.parent
+    assert not (package / "data" / "baselines").exists(), "baselines ship in the package again"
+    monkeypatch.setenv("LAB_HOME", str(tmp_path / "home"))
+    assert save_baseline(result, "moved") == tmp_path / "home" / "baselines" / "moved.json"
+    assert list_baselines() == ["moved"]
 
 
 def test_save_then_compare_the_same_run_finds_nothing_worse(result: Result, tmp_path: Path) -> None:

@@ -282,6 +282,7 @@ def test_plain_forwards_can_run_on_the_fastest_core_as_the_pairs_do(
     assert bench.measure("sd3", 1, preset="tiny", device="cpu")["plain_pin"] == "none"
 
 
+@pytest.mark.slow
 def test_the_sharded_row_runs_and_keeps_a_failed_runs_pairs(
     load_bench: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -162,7 +162,12 @@ def test_a_raising_names_filter_at_every_point_leaves_nothing(tiny: tuple, confi
     assert _state(model) == before
 
 
-@pytest.mark.parametrize("config", [*CONFIGS, "forward_side"])
+# Local mode runs a forward per module call: every call raising is ~40 pairs, hence slow.
+@pytest.mark.parametrize(
+    "config",
+    [*(c if c != "local" else pytest.param(c, marks=pytest.mark.slow) for c in CONFIGS),
+     "forward_side"],
+)  # fmt: skip
 def test_a_raising_module_at_every_call_leaves_nothing(tiny: tuple, config: str) -> None:
     model, inputs, rollout, trainer = tiny
     kwargs = CONFIGS.get(config, {})

@@ -106,9 +106,7 @@ def test_pair_exits_1_over_a_threshold_and_against_a_baseline(
 def test_pair_saves_a_baseline_then_gates_on_it_and_refuses_bad_names_before_any_work(
     tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from lab.views import baselines
-
-    monkeypatch.setattr(baselines, "BASELINE_DIR", tmp_path / "baselines")
+    monkeypatch.setenv("LAB_HOME", str(tmp_path))  # baselines go to tmp_path/baselines
     # An unknown baseline is a bad argument, found before the pair runs: nothing is written.
     code, _, err = _run(capsys, "pair", "--out-dir", str(tmp_path / "x"), "--baseline", "flux_t")
     assert code == EXIT_USAGE
@@ -142,6 +140,50 @@ def test_pair_saves_a_baseline_then_gates_on_it_and_refuses_bad_names_before_any
     assert "FAILED: model_output_rel_max" in text and "REGRESSED" in text
     assert "not saved as baseline 'flux_c'" in text
     assert not (tmp_path / "baselines" / "flux_c.json").exists()
+
+
+def test_runs_get_folders_of_their_own_and_a_baseline_lands_where_it_was_saved(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 43: every `pair` wrote runs/pair/ over the last one, and `--save-baseline NAME`
+    run from another folder wrote into the checkout's data/baselines/."""
+    from lab.views import runs
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.delenv("LAB_HOME", raising=False)
+    exact = ["--trainer-overrides", '{"autocast": false}']
+    code, first, _ = _run(capsys, "pair", *exact, "--save-baseline", "flux_exact")
+    assert code == EXIT_OK
+    code, second, _ = _run(capsys, "pair", "--family", "sd3", "--mode", "local")
+    assert code == EXIT_OK
+    made = sorted(elsewhere.glob("runs/pair/*/results.json"))
+    names = [p.parent.name for p in made]
+    assert len(made) == 2, names
+    assert names[0].startswith("flux-tiny-propagated-") and names[1].startswith("sd3-tiny-local-")
+    assert f"wrote {made[0]}" in first and f"wrote {made[1]}" in second, "where is not said"
+    assert (elsewhere / "baselines" / "flux_exact.json").is_file()
+    assert not (REPO / "data" / "baselines").exists()
+    assert not (REPO / "baselines" / "flux_exact.json").exists(), "saved into the checkout"
+    # compare lists the runs and baselines of this folder, and nothing of the checkout's.
+    listed = {r.name for r in runs.list_runs()}
+    assert listed == {f"runs/pair/{names[0]}", f"runs/pair/{names[1]}", "baseline:flux_exact"}
+    code, text, _ = _run(capsys, "compare")
+    assert code == EXIT_OK and all(name in text for name in listed), text
+
+    # A named --out-dir that holds a run is refused, before any work; --overwrite replaces it.
+    code, _, _ = _run(capsys, "pair", "--out-dir", "mine")
+    assert code == EXIT_OK
+    before = (elsewhere / "mine" / "results.json").read_bytes()
+    code, _, err = _run(capsys, "pair", "--out-dir", "mine", *exact)
+    assert code == EXIT_USAGE
+    assert "out_dir 'mine' already holds a run's results (divergence_by_layer.png, " in err
+    assert "--overwrite" in err and (elsewhere / "mine" / "results.json").read_bytes() == before
+    code, _, _ = _run(capsys, "pair", "--out-dir", "mine", *exact, "--overwrite")
+    assert code == EXIT_OK
+    saved = lab.Result.from_json(elsewhere / "mine" / "results.json")
+    assert saved.side_b["autocast"] is False, "--overwrite did not replace the run"
 
 
 def test_pair_that_fails_part_way_exits_1_and_keeps_the_partial_result(
@@ -231,9 +273,14 @@ def test_drift_writes_the_trajectory_and_its_figures(
     for name in ("ratio_drift.png", "ratio_hist.png", "logprob_vs_velocity_gap.png"):
         assert (out / name).read_bytes()[:8] == PNG, name
     assert "cosmos3 (tiny): 3 steps" in text
+    # The same --out-dir again: refused (it holds that trajectory), before any step runs.
+    code, _, err = _run(capsys, *argv)
+    assert code == EXIT_USAGE and "already holds a run's results" in err and "--overwrite" in err
     # A clip range far inside the drift clips every ratio: over a 0 threshold, exit 1.
-    code, text, _ = _run(capsys, *argv, "--clip-range", "1e-15", "--max-clip-frac", "0")
+    argv += ["--overwrite", "--clip-range", "1e-15", "--max-clip-frac", "0"]
+    code, text, _ = _run(capsys, *argv)
     assert code == EXIT_FAILED and "FAILED: clip_frac" in text
+    assert json.loads((out / "results.json").read_text())["overall"]["clip_frac"] == 1.0
 
 
 def test_a_drift_that_fails_part_way_saves_the_steps_before(
@@ -295,6 +342,7 @@ def test_a_drift_whose_side_cannot_run_names_the_module_and_the_fix(
 def test_report_and_compare_read_saved_runs(tmp_path: Path, capsys: pytest.CaptureFixture,
                                             monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("LAB_HOME", raising=False)
     on = lab.pair_family("flux", "tiny", trainer={"autocast": True})
     off = lab.pair_family("flux", "tiny", trainer=runs.MATCHED_TRAINER)
     on.to_json("runs/autocast_on/results.json")
@@ -369,6 +417,7 @@ def test_python_dash_m_lab_is_the_same_command_line(tmp_path: Path) -> None:
     assert "invalid choice: 'huge'" in done.stderr
 
 
+@pytest.mark.slow
 def test_pair_sharded_runs_both_sides_under_fsdp2_and_names_what_it_cannot(
     tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -483,6 +532,7 @@ def test_an_out_dir_another_run_holds_is_refused_naming_it(
     assert code == EXIT_OK, err
 
 
+@pytest.mark.slow
 def test_sigterm_on_pair_sharded_ends_every_rank_saves_the_pairs_and_says_so_in_one_line(
     tmp_path: Path,
 ) -> None:

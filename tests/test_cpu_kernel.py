@@ -52,6 +52,7 @@ def test_the_library_is_built_once_into_the_cache_and_reused(fresh: Path) -> Non
     assert cpu_kernel.library() is cpu_kernel.library()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not cpu_kernel.isa_flags(), reason="one build only: this CPU has no AVX2")
 def test_every_build_gives_the_same_bits(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The source fixes its eight lanes; -mavx2 and the AVX-512 flags (where the CPU has them)

@@ -231,7 +231,9 @@ def _hand_cast_reference(block_map: dict, root_map: dict) -> dict[str, Any]:
     return _forward_backward(model, False)
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
+@pytest.fixture(
+    scope="module", params=[1, pytest.param(2, marks=pytest.mark.slow)], ids=["1rank", "2ranks"]
+)
 def toy_results(request: pytest.FixtureRequest) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
@@ -432,6 +434,7 @@ def family_captures() -> dict[int, dict[str, Any]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family_name", FAMILY_NAMES)
 def test_fsdp2_trainer_is_bitwise_the_in_process_trainer(
     family_captures: dict, family_name: str
@@ -534,6 +537,7 @@ def test_a_failing_rank_reaches_the_caller_with_its_own_exception(
     assert _processes_naming(str(tmp_path)) == [], "a rank outlived the failed launch"
 
 
+@pytest.mark.slow
 def test_a_reused_launch_folder_passes_nothing_old_off_as_this_launchs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -581,7 +585,11 @@ def _block_rows(family: str) -> list[tuple]:
         ("raise@0:trainer:transformer_blocks.1", {"transformer_blocks.0"}),
         # Rank 1 raises there, after that block's all-gather (FSDP2's pre-forward hook runs
         # first): rank 0 runs the block and stops at the next all-gather, its peer gone.
-        ("raise@1:trainer:transformer_blocks.1", {"transformer_blocks.0", "transformer_blocks.1"}),
+        pytest.param(
+            "raise@1:trainer:transformer_blocks.1",
+            {"transformer_blocks.0", "transformer_blocks.1"},
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["rank0", "rank1"],
 )
@@ -624,6 +632,7 @@ def test_a_sharded_pair_that_fails_part_way_keeps_the_pairs_compared_before(
     assert _leftovers(tmp_path) == [] and _processes_naming(str(tmp_path)) == []
 
 
+@pytest.mark.slow
 def test_a_stuck_rank_0_saves_its_outputs_when_another_rank_fails(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -652,6 +661,7 @@ def test_a_stuck_rank_0_saves_its_outputs_when_another_rank_fails(
     assert _leftovers(tmp_path) == [] and _processes_naming(str(tmp_path)) == []
 
 
+@pytest.mark.slow
 def test_a_launch_that_times_out_mid_forward_keeps_rank_0s_outputs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -670,6 +680,7 @@ def test_a_launch_that_times_out_mid_forward_keeps_rank_0s_outputs(
     assert _leftovers(tmp_path) == [] and _processes_naming(str(tmp_path)) == []
 
 
+@pytest.mark.slow
 def test_a_rank_failing_after_rank_0s_forward_finished_keeps_the_whole_capture(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -689,6 +700,7 @@ def test_a_rank_failing_after_rank_0s_forward_finished_keeps_the_whole_capture(
     assert "trainer: 18 output(s))" in str(err)
 
 
+@pytest.mark.slow
 def test_a_failed_rollout_side_keeps_its_capture_and_pairs_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -704,6 +716,7 @@ def test_a_failed_rollout_side_keeps_its_capture_and_pairs_nothing(
     assert "nothing could be paired (err.result is None)" in str(err)
 
 
+@pytest.mark.slow
 def test_pair_fsdp2_failing_part_way_pairs_the_reference_with_what_was_captured(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -718,6 +731,7 @@ def test_pair_fsdp2_failing_part_way_pairs_the_reference_with_what_was_captured(
     assert str(err).startswith("pair_fsdp2: side 'trainer' failed under FSDP2, in module")
 
 
+@pytest.mark.slow
 def test_a_timed_out_sharded_pair_says_which_side_was_running(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -881,6 +895,7 @@ def _wait_for_hang(caller: subprocess.Popen, tmp_path: Path) -> Path:
     return next(tmp_path.glob("lab-fsdp2-*"))
 
 
+@pytest.mark.slow
 def test_a_caller_killed_in_a_worker_thread_leaves_a_folder_the_next_launch_removes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -917,6 +932,7 @@ def test_a_caller_killed_in_a_worker_thread_leaves_a_folder_the_next_launch_remo
     assert _leftovers(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_a_launch_in_a_daemon_thread_removes_its_folder_when_the_main_thread_ends(
     tmp_path: Path,
 ) -> None:

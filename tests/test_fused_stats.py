@@ -188,6 +188,7 @@ def interpreted() -> dict[str, dict[str, list[list[float]]]]:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_interpreted_kernel_matches_single_core(
     interpreted: dict[str, dict[str, list[list[float]]]], case: str

@@ -133,6 +133,7 @@ def test_real_reduce_is_bitwise_its_in_process_emulation(
     assert emulation["bitexact_parameters"] == emulation["parameters"], emulation
 
 
+@pytest.mark.slow
 def test_notebook_07_runs_headless_and_the_emulation_matches_real_fsdp2(tmp_path: Path) -> None:
     notebook = Path(__file__).resolve().parent.parent / "notebooks" / "07_fsdp2.ipynb"
     out_dir = tmp_path / "out"

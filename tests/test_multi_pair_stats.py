@@ -139,7 +139,7 @@ def _interpreted(script: str, core: str, interpret: bool = True) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("core", ["cxx", "python"])
+@pytest.mark.parametrize("core", ["cxx", pytest.param("python", marks=pytest.mark.slow)])
 def test_interpreted_multi_pair_kernels_equal_single_pair_bit_for_bit(core: str) -> None:
     # Both ways of building a batch's table (`_pair_core.scan`/`table`, the Python loops).
     got = _interpreted(_SCRIPT, core)
@@ -203,7 +203,7 @@ _NEG_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("core", ["cxx", "python"])
+@pytest.mark.parametrize("core", ["cxx", pytest.param("python", marks=pytest.mark.slow)])
 def test_interpreted_kernels_apply_a_negated_views_sign(core: str) -> None:
     # The kernels read raw memory: a negated view is copied (its sign applied), never read as
     # it is stored, contiguous or not; so identical values are bit-exact on every element.

@@ -51,6 +51,13 @@ def _execute(name: str, cwd: Path, **parameters: Any) -> nbformat.NotebookNode:
     return nbformat.read(out, as_version=4)
 
 
+def _written_to(nb: nbformat.NotebookNode) -> Path:
+    """The folder the notebook says it writes (`lab.runs.run_folder`'s cell prints it)."""
+    found = re.findall(r"^writing to (.+)$", _text(nb), re.M)
+    assert len(found) == 1, f"the notebook does not say where it writes: {found}"
+    return Path(found[0])
+
+
 def _outputs(nb: nbformat.NotebookNode) -> list[dict]:
     return [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
 
@@ -171,6 +178,68 @@ def test_overrides_given_as_json_text_reach_the_sides(tmp_path: Path) -> None:
     assert '{"autocast": false}' in str(err.value), "the fix is the JSON spelling"
 
 
+def test_two_runs_with_default_folders_leave_two_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 43: 02 with `-p family wan2_2`, then with `-p family ltx2`, both wrote
+    runs/ratio_drift/, and the first results.json was replaced without a word."""
+    monkeypatch.delenv("LAB_HOME", raising=False)  # the working directory is the lab home
+    for family in ("wan2_2", "ltx2"):
+        _execute("02_ratio_drift.ipynb", tmp_path, family=family, steps=1, samples=1,
+                 interactive=False)  # fmt: skip
+    saved = sorted((tmp_path / "runs" / "ratio_drift").glob("*/results.json"))
+    assert [p.parent.name.split("-tiny-")[0] for p in saved] == ["ltx2", "wan2_2"], saved
+    assert [json.loads(p.read_text())["meta"]["family"] for p in saved] == ["ltx2", "wan2_2"]
+
+
+def test_a_named_folder_holding_a_run_is_refused_and_overwrite_replaces_it(
+    tmp_path: Path,
+) -> None:
+    import papermill as pm
+
+    out = tmp_path / "mine"
+    _execute("01_quickstart.ipynb", tmp_path, out_dir=str(out), interactive=False)
+    assert json.loads((out / "results.json").read_text())["summary"]["family"] == "flux"
+    # The same folder again: refused before any pair runs, naming what it holds and the fix.
+    with pytest.raises(pm.PapermillExecutionError, match="already holds a run's results") as err:
+        _execute("01_quickstart.ipynb", tmp_path, out_dir=str(out), family="sd3")
+    assert "results.json" in str(err.value) and "-p overwrite true" in str(err.value)
+    assert json.loads((out / "results.json").read_text())["summary"]["family"] == "flux"
+    _execute(
+        "01_quickstart.ipynb", tmp_path, out_dir=str(out), family="sd3", overwrite=True,
+        interactive=False,
+    )  # fmt: skip
+    assert json.loads((out / "results.json").read_text())["summary"]["family"] == "sd3"
+
+
+@pytest.mark.slow
+def test_the_quickstart_script_writes_a_fresh_folder_each_run_and_says_where(
+    tmp_path: Path,
+) -> None:
+    import os
+
+    env = {**os.environ, "LAB_HOME": str(tmp_path)}
+    runs = []
+    for family in ("flux", "sd3"):
+        done = subprocess.run(
+            ["bash", str(REPO / "scripts" / "quickstart.sh"), "-p", "family", family],
+            capture_output=True, text=True, timeout=600, env=env,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        runs.append(re.search(r"^wrote (\S+)/results\.json", done.stdout, re.M).group(1))
+    assert [Path(r).parent for r in runs] == [tmp_path / "runs" / "quickstart"] * 2
+    assert Path(runs[0]).name.startswith("flux-tiny-propagated-")
+    assert Path(runs[1]).name.startswith("sd3-tiny-propagated-")
+    for run in runs:
+        assert {"01_quickstart.ipynb", "results.json"} <= {p.name for p in Path(run).iterdir()}
+    again = subprocess.run(
+        ["bash", str(REPO / "scripts" / "quickstart.sh")],
+        capture_output=True, text=True, timeout=600, env={**env, "OUT_DIR": runs[0]},
+    )  # fmt: skip
+    assert again.returncode != 0 and "already holds a run's results" in again.stderr
+
+
+@pytest.mark.slow
 def test_headless_runs_start_the_kernel_without_the_tcp_warning(tmp_path: Path) -> None:
     def run(module: str) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -199,6 +268,21 @@ FAMILY_NOTEBOOKS = [
 CASES = [(name, fam) for name in FAMILY_NOTEBOOKS for fam in FAMILY_NAMES] + [
     (p.name, None) for p in PATHS if p.name not in {*FAMILY_NOTEBOOKS, *ENGINE_NOTEBOOKS}
 ]
+# Run headless by other default tests with their own parameters: 03, 04 and 05 in
+# test_notebooks_interactive.py, 06 in test_scenarios.py.
+RUN_ELSEWHERE = {"03_control_panel.ipynb", "04_param_overrides.ipynb", "05_sweep.ipynb",
+                 "06_scenarios.ipynb"}  # fmt: skip
+
+
+def _case(name: str, family: str | None) -> Any:
+    """Each notebook once with its own defaults in the default run; every other family, and
+    the notebooks run elsewhere, under `slow`."""
+    own = family in (None, _defaults(NOTEBOOKS / name).get("family"))
+    slow = not own or name in RUN_ELSEWHERE
+    return pytest.param(
+        name, family, id=f"{name.split('_')[0]}-{family or 'defaults'}",
+        marks=pytest.mark.slow if slow else (),
+    )  # fmt: skip
 
 
 def _check_01(out: Path, family: str, nb: Any) -> None:
@@ -355,18 +439,25 @@ CHECKS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("name", "family"), CASES, ids=[f"{n.split('_')[0]}-{f or 'defaults'}" for n, f in CASES]
-)
-def test_notebook_runs_with_its_defaults(name: str, family: str | None, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("name", "family"), [_case(n, f) for n, f in CASES])
+def test_notebook_runs_with_its_defaults(
+    name: str, family: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Defaults only: the family is passed only when it is not the notebook's own default."""
+    monkeypatch.setenv("LAB_HOME", str(tmp_path))  # the kernel's runs/ and baselines/
     defaults = _defaults(NOTEBOOKS / name)
     params = {} if family in (None, defaults.get("family")) else {"family": family}
     nb = _execute(name, tmp_path, **params)
     _check_clean_with_figures(nb, figures=name != "00_index.ipynb")
     check = CHECKS.get(name.split("_")[0])
     if check is not None:
-        check(tmp_path / defaults["out_dir"], family or defaults.get("family"), nb)
+        # Each run writes a fresh folder of its own under runs/ of the lab home, and says so.
+        if name == "05_sweep.ipynb":
+            (out,) = (tmp_path / "runs" / "sweep").iterdir()
+        else:
+            out = _written_to(nb)
+        assert defaults["out_dir"] == "" and out.parent.parent == tmp_path / "runs", out
+        check(out, family or defaults.get("family"), nb)
     if name == "00_index.ipynb":
         assert "'flux'" in _text(nb), "the index lists the families"
 

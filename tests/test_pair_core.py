@@ -259,6 +259,7 @@ def test_a_failed_build_warns_once_and_pairs_through_python(
         assert pair_core.extension() is None
 
 
+@pytest.mark.slow
 def test_build_is_cached_by_source_and_rebuilt_for_another(
     core, monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:

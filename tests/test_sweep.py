@@ -35,6 +35,7 @@ def _sweep_cli(
     )
 
 
+@pytest.mark.slow
 def test_two_by_two_grid_gives_four_rows(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
     proc = _sweep_cli(
@@ -163,6 +164,7 @@ def _executions(folder: Path) -> int:
     return len(path.read_text().splitlines()) if path.is_file() else 0
 
 
+@pytest.mark.slow
 def test_kill_9_of_the_sweep_leaves_no_worker_or_kernel_running(tmp_path: Path) -> None:
     out, temp = tmp_path / "sweep", tmp_path / "tmp"
     temp.mkdir()
@@ -263,6 +265,32 @@ def test_resume_reruns_failed_and_changed_points_only(tmp_path: Path) -> None:
     assert record["parameters"] == {"tag": "b", "x": 0}
 
 
+def test_a_sweep_without_out_gets_a_fresh_folder_and_an_earlier_sweeps_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LAB_HOME", str(tmp_path))
+    first = run_sweep(TOY, {"x": [1]}, progress=False)
+    second = run_sweep(TOY, {"x": [1]}, progress=False)
+    assert first.out_dir != second.out_dir, "two sweeps shared one folder"
+    for done in (first, second):
+        assert done.out_dir.parent == tmp_path / "runs" / "sweep"
+        assert done.out_dir.name.startswith("sweep_toy-") and (done.out_dir / "sweep.csv").is_file()
+    with pytest.raises(
+        ValueError,
+        match=r"^sweep: out_dir '.*' already holds a run's results \(sweep\.csv, sweep\.png\).*"
+        r"--overwrite.*resume=True \(--resume\)",
+    ):
+        run_sweep(TOY, {"x": [3]}, first.out_dir, progress=False)
+    assert pd.read_csv(first.out_dir / "sweep.csv")["x"].tolist() == [1], "the refusal wrote"
+    again = run_sweep(TOY, {"x": [3]}, first.out_dir, progress=False, overwrite=True)
+    assert not again.failed and pd.read_csv(again.table_path)["x"].tolist() == [3]
+    # A sweep refused once its fresh folder is made leaves no folder behind.
+    shared = {"out_dir": str(tmp_path / "one")}
+    with pytest.raises(ValueError, match="gives 2 runs one output folder"):
+        run_sweep(TOY, {"x": [1, 3]}, parameters=shared, progress=False)
+    assert len(list((tmp_path / "runs" / "sweep").iterdir())) == 2
+
+
 def test_an_unwritable_out_is_refused_before_any_run(tmp_path: Path) -> None:
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
@@ -277,6 +305,7 @@ def test_an_unwritable_out_is_refused_before_any_run(tmp_path: Path) -> None:
         run_sweep(TOY, {"x": [1]}, tmp_path / "s", jobs=1.5)
 
 
+@pytest.mark.slow
 def test_run_sweep_works_from_a_script_without_a_main_guard(tmp_path: Path) -> None:
     script = tmp_path / "no_guard.py"
     script.write_text(
@@ -342,6 +371,7 @@ def test_a_parameter_giving_runs_one_output_folder_is_refused(tmp_path: Path) ->
         assert (tmp_path / "s" / name / "res" / "results.json").is_file()
 
 
+@pytest.mark.slow
 def test_a_second_sweep_into_a_held_folder_is_refused_naming_the_first(tmp_path: Path) -> None:
     # Before: two sweeps of one folder both reported success, each reading the other's rows.
     from lab.base.processes import FolderInUseError, holding_folder

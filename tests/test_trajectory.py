@@ -660,7 +660,8 @@ def test_full_size_trajectory_streams_on_one_h200(family_name: str, kwargs: dict
 # sd3 runs by default; `pytest -m slow` runs every other family.
 @pytest.mark.parametrize(
     "family_name",
-    [n if n == "sd3" else pytest.param(n, marks=pytest.mark.slow) for n in FAMILY_NAMES],
+    # Notebook 02 with its defaults runs in test_notebooks.py; every family here, under slow.
+    [pytest.param(n, marks=pytest.mark.slow) for n in FAMILY_NAMES],
 )
 def test_ratio_drift_notebook_runs_for_every_family(family_name: str, tmp_path: Path) -> None:
     out_dir = tmp_path / "out"

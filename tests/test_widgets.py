@@ -129,12 +129,21 @@ def test_unknown_key_raises_with_the_known_ones(panel: ControlPanel) -> None:
         panel.set("trainer.latents", "fp32")
 
 
-def test_export_writes_report_and_results(panel: ControlPanel, tmp_path: Path) -> None:
+def test_export_writes_report_and_results(
+    panel: ControlPanel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     report = panel.export(tmp_path / "export")
     assert report is not None and report.name == "report.html"
     assert "<table" in report.read_text()
     data = json.loads((tmp_path / "export" / "results.json").read_text())
     assert data["summary"]["family"] == "sd3"
+    # Export with no folder, twice in a row: two fresh folders, neither written over.
+    monkeypatch.setenv("LAB_HOME", str(tmp_path / "home"))
+    folders = [panel.export().parent for _ in range(2)]
+    assert folders[0] != folders[1], "the second export wrote over the first"
+    for folder in folders:
+        assert folder.parent == tmp_path / "home" / "runs" / "control_panel"
+        assert folder.name.startswith("sd3-tiny-") and (folder / "results.json").is_file()
 
 
 def test_rules_text_round_trip_and_duplicates() -> None:

@@ -1002,12 +1002,34 @@ def pair_dump(
         DumpError: A bad dump, no matching forward, a model whose module names differ, or
             (unless allow_mismatch) a dump of other weights, other inputs or another width.
     """
-    from lab.pairing.guards import check_fp32_master
+    from lab.pairing.guards import model_in_use
 
     dump = load_dump(directory)
     _check_same_model(
         dump.module_names, [n or ROOT for n, _ in model.named_modules()], "the dump", "the model"
     )
+    # Held before the master is checked: while another thread's side has the weights swapped,
+    # its casts would read as a bf16 master; that call is refused as in use instead.
+    with model_in_use(model, "pair_dump"):
+        return _pair_dump_held(
+            dump, directory, model, inputs, side, step, cfg_branch, dump_name, allow_mismatch
+        )
+
+
+def _pair_dump_held(
+    dump: Dump,
+    directory: str | Path,
+    model: torch.nn.Module,
+    inputs: Any,
+    side: Any,
+    step: int | None,
+    cfg_branch: str | None,
+    dump_name: str,
+    allow_mismatch: bool,
+) -> Result:
+    """`pair_dump` once `model` is held (`model_in_use`) and the dump read."""
+    from lab.pairing.guards import check_fp32_master
+
     check_fp32_master(model, "pair_dump")
     entries = dump.entries(step, cfg_branch)
     record = dump.forward_record(entries[0]["forward"])

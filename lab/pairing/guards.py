@@ -420,6 +420,9 @@ def check_inputs(model: torch.nn.Module, inputs: Inputs, where: str) -> None:
             f"{where}: inputs must be an Inputs record (fam.make_inputs(preset, seed), or "
             f"lab.Inputs(kwargs=..., roles=...)), got {type(inputs).__name__}."
         )
+    # Another family's inputs first: their kwargs differ from what the model needs (sd3's lack
+    # Flux's `guidance`), and naming both families says why, where a missing kwarg would not.
+    _check_inputs_family(model, inputs, where)
     for label, record in (("inputs", inputs), ("inputs.negative", inputs.negative)):
         if record is None:
             continue
@@ -431,6 +434,10 @@ def check_inputs(model: torch.nn.Module, inputs: Inputs, where: str) -> None:
                     "Make the inputs with device='cpu' or 'cuda' (fam.make_inputs(preset, seed, "
                     "device=...))."
                 )
+
+
+def _check_inputs_family(model: torch.nn.Module, inputs: Inputs, where: str) -> None:
+    """Refuse inputs a lab family made for another lab family's model class, naming both."""
     if inputs.origin is None:
         return
     from lab.families import family as get_family

@@ -1,4 +1,4 @@
-"""Known-good runs under data/baselines/<name>.json, and which module outputs got worse since.
+"""Known-good runs under baselines/<name>.json, and which module outputs got worse since.
 
     save_baseline(result, "flux_tiny_rollout_vs_trainer")          # once, when it is right
     cmp = compare_to_baseline(new_result, "flux_tiny_rollout_vs_trainer")
@@ -14,6 +14,9 @@ The verdict per module output (module, call, output), on one metric (rel_max by 
 
 With atol = 0, an output that was bit-exact and now differs at all is worse, and one that
 now matches exactly is improved.
+
+Baselines are the user's: they live in `baselines/` of the working directory, or of $LAB_HOME
+when it is set (`lab.views.home.baselines_home`), never inside the installed package.
 """
 
 from __future__ import annotations
@@ -31,12 +34,10 @@ from typing import TYPE_CHECKING, Any, Literal
 from lab.base.arguments import checked_arguments
 from lab.pairing.capture import ROOT
 from lab.pairing.result import Result
+from lab.views.home import baselines_home
 
 if TYPE_CHECKING:
     import pandas as pd
-
-BASELINE_DIR = Path(__file__).resolve().parents[2] / "data" / "baselines"
-"""Where named baselines live (committed: keep them tiny-preset sized)."""
 
 Status = Literal["worse", "improved", "unchanged", "new", "missing"]
 STATUSES: tuple[str, ...] = ("worse", "improved", "unchanged", "new", "missing")
@@ -56,7 +57,7 @@ _META_KEYS: tuple[str, ...] = ("family", "preset", "variant", "seed", "sigma", "
 
 
 def _baseline_path(name: str, directory: str | Path | None) -> Path:
-    """data/baselines/<name>.json (or <directory>/<name>.json).
+    """<baselines_home()>/<name>.json (or <directory>/<name>.json).
 
     Raises:
         ValueError: For a name that is not a plain file stem.
@@ -66,7 +67,7 @@ def _baseline_path(name: str, directory: str | Path | None) -> Path:
             f"baseline name {name!r} is not a plain file stem: use letters, digits, '_', '-' "
             "and '.', e.g. 'flux_tiny_rollout_vs_trainer'."
         )
-    return Path(directory or BASELINE_DIR) / f"{name.removesuffix('.json')}.json"
+    return Path(directory or baselines_home()) / f"{name.removesuffix('.json')}.json"
 
 
 @checked_arguments
@@ -76,7 +77,7 @@ def list_baselines(directory: str | Path | None = None) -> list[str]:
     Hidden files are not baselines: a writer killed mid-write (kill -9) can leave lab.base.atomic's
     temporary `.<name>.<random>.tmp.json` behind, never a torn `<name>.json`.
     """
-    folder = Path(directory or BASELINE_DIR)
+    folder = Path(directory or baselines_home())
     if not folder.is_dir():
         return []
     return sorted(p.stem for p in folder.glob("*.json") if not p.name.startswith("."))
@@ -90,12 +91,13 @@ def save_baseline(
     directory: str | Path | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Save a run as known-good: `result.to_json(data/baselines/<name>.json)`.
+    """Save a run as known-good: `result.to_json(<baselines_home()>/<name>.json)`.
 
     Args:
         result: The run to keep.
         name: File stem, e.g. "flux_tiny_rollout_vs_trainer".
-        directory: Folder instead of data/baselines/ (tests pass a tmp_path).
+        directory: Folder instead of `baselines_home()`: baselines/ of the working directory,
+            or of $LAB_HOME when it is set.
         overwrite: Replace an existing baseline of that name.
 
     Returns:
@@ -141,14 +143,14 @@ def free_baseline_path(
 
 def _exists(path: Path) -> ValueError:
     return ValueError(
-        f"save_baseline: {path} exists. Pass overwrite=True (from the command line: delete "
-        "the file) to replace the known-good run, or choose another name."
+        f"baseline {path.stem!r}: {path} exists. Pass overwrite=True (from the command line: "
+        "delete the file) to replace the known-good run, or choose another name."
     )
 
 
 @checked_arguments
 def load_baseline(name_or_path: str | Path, *, directory: str | Path | None = None) -> Result:
-    """Read a baseline by name (from data/baselines/) or by path to a result.json.
+    """Read a baseline by name (from `baselines_home()`) or by path to a result.json.
 
     Raises:
         ValueError: No such baseline; the message lists the saved ones and the nearest name.
@@ -162,7 +164,7 @@ def load_baseline(name_or_path: str | Path, *, directory: str | Path | None = No
         close = difflib.get_close_matches(str(name_or_path), known, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(
-            f"load_baseline: no baseline {str(name_or_path)!r} in {path.parent}.{hint} "
+            f"no baseline {str(name_or_path)!r} in {path.parent}.{hint} "
             f"Saved: {known or 'none'}. Save one with save_baseline(result, name), or from "
             "the command line with `precision-lab pair ... --save-baseline NAME`."
         )
@@ -275,11 +277,12 @@ def compare_to_baseline(
 
     Args:
         result: The new run (the candidate).
-        baseline: A Result, a baseline name under data/baselines/, or a path to a result.json.
+        baseline: A Result, a baseline name under `baselines_home()`, or a path to a
+            result.json.
         metric: A numeric metric of `PairMetrics` (rel_max, max_abs_diff, mean_abs_diff, ...).
         factor: Worse when candidate > factor * baseline + atol; improved the other way. >= 1.
         atol: Absolute slack in the metric's units; 0 flags any departure from bit-exact.
-        directory: Folder to look a baseline name up in instead of data/baselines/.
+        directory: Folder to look a baseline name up in instead of `baselines_home()`.
         baseline_name: What the verdict and errors call the baseline (default: its name or file
             stem; "baseline" for a Result).
 
@@ -292,7 +295,7 @@ def compare_to_baseline(
     """
     import pandas as pd
 
-    where = "compare_to_baseline"
+    where = "baseline comparison"
     if not (isinstance(factor, int | float) and factor >= 1):
         raise ValueError(f"{where}: factor must be a number >= 1, got {factor!r}.")
     if not (isinstance(atol, int | float) and atol >= 0):

@@ -1,8 +1,11 @@
 """Command line: `precision-lab pair | drift | report | sweep | scenarios | compare`.
 
 `python -m lab` is the same. Every subcommand takes the notebooks' parameter names
-(`--family`, `--preset`, `--device`, `--seed`, `--out-dir`, `--rollout-overrides JSON`, ...)
-and exits with
+(`--family`, `--preset`, `--device`, `--seed`, `--out-dir`, `--rollout-overrides JSON`, ...).
+Without `--out-dir` a run writes into a fresh folder of its own,
+`runs/<command>/<family>-<preset>[-<mode>]-<time>` under the working directory (or $LAB_HOME),
+and says where; an `--out-dir` that holds another run's results is refused unless
+`--overwrite` is given (`lab.views.home.run_folder`). Every command exits with
 
     0  the run finished (and met any threshold given)
     1  the run found a failure: a pair that failed part-way (its partial result is saved), a
@@ -17,11 +20,12 @@ and exits with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +58,23 @@ def _command(commands: Any, name: str, help_text: str, description: str) -> Any:
     )
 
 
-def _model_options(parser: argparse.ArgumentParser, out_dir: str) -> None:
+def _out_dir_options(parser: argparse.ArgumentParser, kind: str, fresh: str) -> None:
+    """--out-dir (default: a fresh folder) and --overwrite, as every run-writing command has."""
+    parser.add_argument(
+        "--out-dir",
+        default="",
+        help=f"where the files go (default: a fresh folder runs/{kind}/{fresh}-<time> under the "
+        "working directory, or $LAB_HOME)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into an --out-dir that holds another run's results (they are replaced); "
+        "without it such a folder is refused",
+    )
+
+
+def _model_options(parser: argparse.ArgumentParser, kind: str, fresh: str) -> None:
     """The options pair and drift share, named as in notebooks 01 and 02."""
     from lab.families import FAMILY_NAMES
 
@@ -80,9 +100,7 @@ def _model_options(parser: argparse.ArgumentParser, out_dir: str) -> None:
         metavar="JSON",
         help="Side field overrides of the trainer, e.g. '{\"autocast\": false}'",
     )
-    parser.add_argument(
-        "--out-dir", default=out_dir, help=f"where the files go (default {out_dir})"
-    )
+    _out_dir_options(parser, kind, fresh)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -103,7 +121,7 @@ def _parser() -> argparse.ArgumentParser:
         "are saved), when model_output_rel_max exceeds --max-rel-max, or when a module output "
         "got worse than in --baseline.",
     )
-    _model_options(pair, "runs/pair")
+    _model_options(pair, "pair", "<family>-<preset>-<mode>")
     pair.add_argument("--mode", default="propagated", choices=MODES, help="default propagated")
     pair.add_argument(
         "--sigma", type=option_type(float), default=0.75, help="flow-matching sigma (0.75)"
@@ -120,15 +138,16 @@ def _parser() -> argparse.ArgumentParser:
         "--baseline",
         default=None,
         metavar="NAME_OR_PATH",
-        help="exit 1 when a module output is worse than in this baseline (data/baselines/ name "
-        "or a results.json)",
+        help="exit 1 when a module output is worse than in this baseline (a name saved with "
+        "--save-baseline, or a results.json)",
     )
     pair.add_argument(
         "--save-baseline",
         default=None,
         metavar="NAME",
-        help="keep this run as known-good, data/baselines/NAME.json, for later --baseline NAME "
-        "(not when it fails --max-rel-max or --baseline; an existing NAME is refused)",
+        help="keep this run as known-good, baselines/NAME.json under the working directory (or "
+        "$LAB_HOME), for later --baseline NAME (not when it fails --max-rel-max or --baseline; "
+        "an existing NAME is refused)",
     )
     pair.add_argument("--report", action="store_true", help="also write OUT_DIR/report.html")
     pair.add_argument(
@@ -159,7 +178,7 @@ def _parser() -> argparse.ArgumentParser:
         "ratio_drift.png, ratio_hist.png, logprob_vs_velocity_gap.png. Exit 1 when the share "
         "of ratios outside the clip range exceeds --max-clip-frac.",
     )
-    _model_options(drift, "runs/ratio_drift")
+    _model_options(drift, "ratio_drift", "<family>-<preset>")
     drift.add_argument("--steps", type=option_type(int), default=10, help="denoising steps (10)")
     drift.add_argument(
         "--cfg-scale", type=option_type(float), default=1.0, help="guidance scale (1.0: none)"
@@ -196,10 +215,20 @@ def _parser() -> argparse.ArgumentParser:
         "Ratio-drift trajectories get their own sections.",
     )
     report.add_argument("runs", nargs="+", metavar="RUN", help="saved runs to include")
-    report.add_argument("--out", default="runs/report.html", help="default runs/report.html")
+    report.add_argument(
+        "--out",
+        default="",
+        help="the HTML file (default: report.html in a fresh folder runs/report/<time>)",
+    )
+    report.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     report.add_argument("--title", default=None, help="page title")
     report.add_argument("--metric", default="rel_max", help="metric of the plots (rel_max)")
-    report.add_argument("--root", default=".", help="where run names are looked up (.)")
+    report.add_argument(
+        "--root",
+        default=None,
+        help="where run names are looked up (default: runs/ and baselines/ of the working "
+        "directory, or $LAB_HOME)",
+    )
 
     sweep = _command(
         commands,
@@ -224,7 +253,18 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="a parameter every run gets (JSON where it parses); repeatable",
     )
-    sweep.add_argument("--out", default="runs/sweep", help="sweep folder (default runs/sweep)")
+    sweep.add_argument(
+        "--out",
+        default="",
+        help="sweep folder (default: a fresh folder runs/sweep/<notebook>-<time> under the "
+        "working directory, or $LAB_HOME)",
+    )
+    sweep.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="run into an --out that holds an earlier sweep (its points run again and are "
+        "replaced); without it (or --resume) such a folder is refused",
+    )
     sweep.add_argument(
         "--jobs", type=option_type(int), default=2, help="runs in parallel (default 2)"
     )
@@ -248,13 +288,14 @@ def _parser() -> argparse.ArgumentParser:
     scen.add_argument("--preset", default="tiny", choices=PRESETS, help="default tiny")
     scen.add_argument("--only", nargs="+", default=None, metavar="NAME", help="scenario names")
     scen.add_argument("--list", action="store_true", help="list the scenario names and exit")
-    scen.add_argument("--out-dir", default="runs/scenarios", help="default runs/scenarios")
+    _out_dir_options(scen, "scenarios", "<preset>-<device>")
 
     compare = _command(
         commands,
         "compare",
         "compare saved runs: settings diff, per-layer overlay, verdict (notebook 09)",
-        "Without RUN: list the saved runs (runs/**/results.json, sweeps, data/baselines). With "
+        "Without RUN: list the saved runs (runs/ and baselines/ of the working directory, or of "
+        "$LAB_HOME; --root another folder). With "
         "two or more: print what differs in their settings and how each later run compares to "
         "the first, module output by module output; with --out-dir also write overlay.png, "
         "settings_diff.csv and report.html. A RUN is a listed name, a path to a results.json "
@@ -262,9 +303,17 @@ def _parser() -> argparse.ArgumentParser:
         "has a module output worse than the first.",
     )
     compare.add_argument("runs", nargs="*", metavar="RUN", help="two or more saved runs")
-    compare.add_argument("--root", default=".", help="where runs are listed and looked up (.)")
+    compare.add_argument(
+        "--root",
+        default=None,
+        help="where runs are listed and looked up (default: runs/ and baselines/ of the working "
+        "directory, or $LAB_HOME)",
+    )
     compare.add_argument("--metric", default="rel_max", help="per-module metric (rel_max)")
     compare.add_argument("--out-dir", default=None, help="write the overlay, diff and report")
+    compare.add_argument(
+        "--overwrite", action="store_true", help="replace the files of an --out-dir that has some"
+    )
 
     contract = _command(
         commands,
@@ -322,6 +371,7 @@ def _parser() -> argparse.ArgumentParser:
     mismatch.add_argument("--steps", type=option_type(int), default=6, help="trajectory steps (6)")
     mismatch.add_argument("--clip-range", type=option_type(float), default=1e-4, help="(1e-4)")
     mismatch.add_argument("--out", default=None, help="write the record here (JSON)")
+    mismatch.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     return parser
 
 
@@ -339,6 +389,34 @@ def _json_option(name: str, value: str, kind: type) -> Any:
         raise UsageError(text) from None
 
 
+@contextlib.contextmanager
+def _output_folder(
+    args: argparse.Namespace, kind: str, where: str, **labels: str | None
+) -> Iterator[Path]:
+    """The run's folder (`run_folder`: --out-dir, else a fresh one), held for the run.
+
+    A fresh folder the run wrote nothing into (refused, failed or stopped first) is removed.
+
+    Raises:
+        ValueError: --out-dir holds another run's results and --overwrite is not given.
+        lab.base.processes.FolderInUseError: Another live run holds the folder.
+    """
+    from lab.base.processes import holding_folder
+    from lab.views.home import run_folder, runs_home
+
+    fresh = not args.out_dir
+    target = runs_home() / kind if fresh else Path(args.out_dir).absolute()
+    made = [p for p in (target, *target.parents) if not p.exists()]  # deepest first
+    out = run_folder(kind, args.out_dir or "", overwrite=args.overwrite, **labels)
+    try:
+        with holding_folder(out, where):
+            yield out
+    finally:
+        for folder in [out, *made] if fresh else made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only when empty: a run that wrote nothing leaves nothing
+
+
 def _save_partial(err: Any, out_dir: Path, why: str = "the failure") -> None:
     """A failed pair's err.result (the pairs compared before the failure) to results.json."""
     partial = getattr(err, "result", None)
@@ -348,19 +426,18 @@ def _save_partial(err: Any, out_dir: Path, why: str = "the failure") -> None:
 
 
 def _pair(args: argparse.Namespace) -> int:
-    from lab.base.processes import holding_folder
     from lab.views.baselines import free_baseline_path, load_baseline
 
     rollout = _json_option("rollout_overrides", args.rollout_overrides, dict)
     trainer = _json_option("trainer_overrides", args.trainer_overrides, dict)
-    out = Path(args.out_dir)
     # Before any work: an unknown baseline, or a name to save under that is taken, is a bad
     # argument, not something to learn after the forwards.
     # `is not None`: --baseline "" or --save-baseline "" is a bad name, not "no baseline".
     baseline = load_baseline(args.baseline) if args.baseline is not None else None
     if args.save_baseline is not None:
         free_baseline_path(args.save_baseline)
-    with holding_folder(out, "pair --out-dir"):
+    labels = {"family": args.family, "preset": args.preset, "mode": args.mode}
+    with _output_folder(args, "pair", "pair --out-dir", **labels) as out:
         return _pair_into(args, out, rollout, trainer, baseline)
 
 
@@ -380,7 +457,7 @@ def _pair_into(
     if args.engine is not None:
         result = _pair_engine(args, rollout, trainer)
     elif args.sharded is not None:
-        result = _pair_sharded(args, rollout, trainer)
+        result = _pair_sharded(args, out, rollout, trainer)
         if isinstance(result, int):
             return result
     else:
@@ -456,7 +533,7 @@ def _pair_engine(args: argparse.Namespace, rollout: dict[str, Any], trainer: dic
 
 
 def _pair_sharded(
-    args: argparse.Namespace, rollout: dict[str, Any], trainer: dict[str, Any]
+    args: argparse.Namespace, out: Path, rollout: dict[str, Any], trainer: dict[str, Any]
 ) -> Any:
     """`pair --sharded NPROC`: both sides under FSDP2 (`lab.fsdp.pair_sharded`).
 
@@ -491,11 +568,11 @@ def _pair_sharded(
         )
     except ShardedPairError as err:
         print(f"pair --sharded failed: {err}", file=sys.stderr)
-        _save_partial(err, Path(args.out_dir))
+        _save_partial(err, out)
         return EXIT_FAILED
     except Fsdp2Interrupted as stopped:
         # Every rank is ended; what both sides had captured before is paired and kept.
-        _save_partial(stopped, Path(args.out_dir), f"{stopped.signal_name}")
+        _save_partial(stopped, out, f"{stopped.signal_name}")
         kept = "saved" if stopped.result is not None else "nothing both sides reached to save"
         print(f"pair --sharded: stopped by {stopped.signal_name}; every rank ended, {kept}.",
               file=sys.stderr)  # fmt: skip
@@ -505,13 +582,11 @@ def _pair_sharded(
 
 
 def _drift(args: argparse.Namespace) -> int:
-    from lab.base.processes import holding_folder
-
-    out = Path(args.out_dir)
     rollout = _json_option("rollout_overrides", args.rollout_overrides, dict)
     trainer = _json_option("trainer_overrides", args.trainer_overrides, dict)
     window = _json_option("sde_window", args.sde_window, list)
-    with holding_folder(out, "drift --out-dir"):
+    labels = {"family": args.family, "preset": args.preset}
+    with _output_folder(args, "ratio_drift", "drift --out-dir", **labels) as out:
         return _drift_into(args, out, rollout, trainer, window)
 
 
@@ -589,6 +664,12 @@ def _report(args: argparse.Namespace) -> int:
     from lab.views import runs
     from lab.views.report import write_html
 
+    if args.out and Path(args.out).exists() and not args.overwrite:
+        raise UsageError(
+            f"--out {args.out!r} exists: another report. Give --overwrite to replace it, "
+            "another --out, or none for a fresh folder."
+        )
+
     saved = runs.list_runs(args.root)
     named = [runs.find_run(ref, saved, root=args.root) for ref in args.runs]
     results = {r.name: r.load() for r in named if r.kind != "trajectory"}
@@ -598,7 +679,9 @@ def _report(args: argparse.Namespace) -> int:
             f"report: {', '.join(args.runs)} are ratio-drift trajectories only; a report needs "
             "at least one Result (a results.json from pair or a notebook)."
         )
-    write_html(results, args.out, title=args.title, metric=args.metric, trajectories=trajectories)
+    out = Path(args.out) if args.out else runs.run_folder("report") / "report.html"
+    write_html(results, out, title=args.title, metric=args.metric, trajectories=trajectories)
+    print(f"wrote {out}")
     return EXIT_OK
 
 
@@ -613,6 +696,11 @@ def _sweep(args: argparse.Namespace) -> int:
             raise UsageError(f"--param {spec!r}: expected KEY=VALUE.")
         params[key.strip()] = parse_value(value)
     if args.resume:
+        if not args.out:
+            raise UsageError(
+                "--resume without --out: name the sweep folder to resume (--out FOLDER); a "
+                "sweep without --out starts in a fresh folder, with nothing to resume."
+            )
         _check_resumable(Path(args.out))
     try:
         result = run_sweep(
@@ -623,6 +711,7 @@ def _sweep(args: argparse.Namespace) -> int:
             jobs=args.jobs,
             progress=not args.no_progress,
             resume=args.resume,
+            overwrite=args.overwrite,
         )
     except SweepInterrupted as stopped:
         print(stopped.sweep.describe())
@@ -665,7 +754,6 @@ def _check_resumable(out: Path) -> None:
 
 
 def _scenarios(args: argparse.Namespace) -> int:
-    from lab.base.processes import holding_folder
     from lab.engine import scenarios
 
     if args.list:
@@ -674,8 +762,8 @@ def _scenarios(args: argparse.Namespace) -> int:
             gpu = " (GPU only)" if s.needs_gpu else ""
             print(f"{name}{gpu}")
         return EXIT_OK
-    out = Path(args.out_dir)
-    with holding_folder(out, "scenarios --out-dir"):
+    labels = {"preset": args.preset, "label": args.device}
+    with _output_folder(args, "scenarios", "scenarios --out-dir", **labels) as out:
         return _scenarios_into(args, out)
 
 
@@ -706,7 +794,8 @@ def _compare(args: argparse.Namespace) -> int:
     if not args.runs:
         saved = runs.list_runs(args.root)
         if not saved:
-            print(f"no saved runs under {args.root!r} or in data/baselines/")
+            where = args.root or str(runs.lab_home() / "runs")
+            print(f"no saved runs under {where!r} or in {str(runs.baselines_home())!r}")
             return EXIT_OK
         table = runs.runs_table(saved)
         columns = ["name", "kind", "family", "preset", "mode", "modified", "model_output_rel_max"]
@@ -716,6 +805,10 @@ def _compare(args: argparse.Namespace) -> int:
         raise UsageError(
             f"compare: got one run ({args.runs[0]!r}); give two or more, or none to list them."
         )
+    if args.out_dir:
+        from lab.views.home import check_folder_free
+
+        check_folder_free(args.out_dir, overwrite=args.overwrite)  # before any work
     cmp = runs.compare_runs(args.runs, root=args.root, metric=args.metric)
     print(cmp.describe())
     diff = cmp.settings_diff()
@@ -727,7 +820,7 @@ def _compare(args: argparse.Namespace) -> int:
         from lab.views import plots
         from lab.views.report import write_html
 
-        out = Path(args.out_dir)
+        out = runs.run_folder("compare", args.out_dir, overwrite=args.overwrite)
         figure = plots.save_figure(
             cmp.plot_overlay(args.metric, backend="matplotlib"), out / "overlay.png"
         )
@@ -775,6 +868,11 @@ def _bench_mismatch(args: argparse.Namespace) -> int:
     from lab.causes import mismatch
 
     resolve_device(args.device)
+    if args.out and Path(args.out).exists() and not args.overwrite:
+        raise UsageError(
+            f"--out {args.out!r} exists: an earlier record. Give --overwrite to replace it, or "
+            "another --out."
+        )
     rows = mismatch.mismatch_table(
         args.families, args.preset, device=args.device, steps=args.steps,
         clip_range=args.clip_range,
@@ -825,8 +923,18 @@ def _check_arguments(args: argparse.Namespace) -> None:
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise UsageError(f"--metric {metric!r} is not a per-module metric.{hint} Known: {known}.")
     for flag, attr in (("--out-dir", "out_dir"), ("--out", "out")):
-        if getattr(args, attr, None) and not (attr == "out" and args.command == "report"):
-            _writable(flag, getattr(args, attr))
+        value = getattr(args, attr, None)
+        if not value:
+            continue
+        if attr == "out" and args.command in ("report", "bench-mismatch"):  # a file
+            from lab.base.atomic import check_file_path
+
+            try:
+                check_file_path(value, flag)
+            except ValueError as err:
+                raise UsageError(str(err)) from None
+        else:
+            _writable(flag, value)
     ranges = (
         ("--max-rel-max", "max_rel_max", lambda v: v >= 0, "a number >= 0"),
         ("--max-clip-frac", "max_clip_frac", lambda v: 0 <= v <= 1, "a share in [0, 1]"),

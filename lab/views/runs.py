@@ -1,20 +1,23 @@
 """Saved runs: list every results.json on disk, load any few, overlay them, diff their settings.
 
-Like TensorBoard's or W&B's "compare runs", over the files the lab already writes:
+Like TensorBoard's or W&B's "compare runs", over the files the lab already writes. The user's
+runs live under the lab home (the working directory, or $LAB_HOME when it is set:
+`lab.views.home`), never in the package or its checkout:
 
-    runs/**/results.json        ad-hoc runs (notebooks, `precision-lab pair`, the panel)
-    <sweep>/<run>/results.json  sweep runs (a folder holding sweep.csv)
-    data/baselines/<name>.json  known-good baselines (lab.views.baselines)
+    <home>/runs/<kind>/<run>/results.json  runs (notebooks, `precision-lab pair`, the panel)
+    <sweep>/<run>/results.json             sweep runs (a folder holding sweep.csv)
+    <home>/baselines/<name>.json           known-good baselines (lab.views.baselines)
 
-    saved = list_runs(".")                       # newest first
+    saved = list_runs()                          # the home's runs and baselines, newest first
     runs_table(saved)                            # one row per run: kind, family, metrics
-    cmp = compare_runs(["runs/a", "baseline:flux_tiny"], root=".")
+    cmp = compare_runs(["runs/a", "baseline:flux_tiny"])
     cmp.settings_diff()                          # side fields and meta that differ
     cmp.plot_overlay("rel_max", backend="plotly")
     cmp.verdicts()                               # each later run against the first
-    save_examples(".")                           # two example runs, when fewer are saved
+    save_examples()                              # two example runs, when fewer are saved
+    run_folder("quickstart", "", family="flux", preset="tiny")  # where a new run writes
 
-A run is named by its folder relative to `root` ("runs/quickstart",
+A run is named by its folder relative to the root searched ("runs/quickstart/flux-tiny-...",
 "runs/sweep/001_mode=local"), by its file when that is not results.json
 ("runs/param_overrides/without_rules.json"), or "baseline:<name>". Any of these, a path to
 the JSON or its folder, or a unique part of a name finds it. A ratio-drift Trajectory's
@@ -35,7 +38,22 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from lab.base.arguments import checked_arguments
 from lab.pairing.result import Result, partial_words
-from lab.views.baselines import BASELINE_DIR, BaselineComparison, compare_to_baseline
+from lab.views.baselines import BaselineComparison, compare_to_baseline
+from lab.views.home import baselines_home, lab_home, run_folder
+
+__all__ = [
+    "RunComparison",
+    "SavedRun",
+    "compare_runs",
+    "find_run",
+    "list_runs",
+    "load_runs",
+    "newest",
+    "run_folder",
+    "runs_table",
+    "save_examples",
+    "settings_diff",
+]
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -113,9 +131,9 @@ class SavedRun:
 
 @checked_arguments
 def list_runs(
-    root: str | Path = ".",
+    root: str | Path | None = None,
     *,
-    baselines: str | Path | None = BASELINE_DIR,
+    baselines: str | Path | None = "",
     include_trajectories: bool = True,
 ) -> list[SavedRun]:
     """Every saved result under `root` plus the baselines, newest first.
@@ -123,7 +141,10 @@ def list_runs(
     Args:
         root: Folder searched recursively for `*.json` files holding a Result (schema
             precision-lab/result/...) or a Trajectory (`.venv`, `.git` and caches skipped).
-        baselines: The baselines folder (data/baselines/ by default); None leaves them out.
+            None: the user's runs, `runs/` of the lab home (the working directory or
+            $LAB_HOME), named relative to the home ("runs/pair/flux-tiny-...").
+        baselines: The baselines folder; "" (the default) is the home's `baselines/`
+            (`lab.views.home.baselines_home`), None leaves them out.
         include_trajectories: Also list ratio-drift trajectories (kind "trajectory").
 
     Returns:
@@ -132,24 +153,33 @@ def list_runs(
         left out with a warning naming the file and what is wrong.
 
     Raises:
-        ValueError: `root` is not a folder.
+        ValueError: `root` is given and is not a folder.
     """
-    root = Path(root)
-    if not root.is_dir():
-        raise ValueError(
-            f"list_runs: root {str(root)!r} is not a folder. Pass the folder your runs were "
-            "written under (e.g. '.' or 'runs')."
-        )
-    base_dir = Path(baselines).resolve() if baselines is not None else None
+    if root is None:
+        name_root = lab_home()
+        search = name_root / "runs"
+    else:
+        name_root = search = Path(root)
+        if not search.is_dir():
+            raise ValueError(
+                f"saved runs: root {str(search)!r} is not a folder. Pass the folder your runs "
+                "were written under (e.g. '.' or 'runs'), or None for the lab home's runs/."
+            )
+    if baselines is None:
+        base_dir = None
+    else:
+        base_dir = (Path(baselines) if str(baselines) else baselines_home()).resolve()
     found: dict[Path, SavedRun] = {}
-    for path in _json_files(root):
+    for path in _json_files(search) if search.is_dir() else []:
         if base_dir is not None and path.resolve().parent == base_dir:
             continue  # listed below, under its baseline name
-        run = _read_run(path, _name_in(root, path), _kind_of(path))
+        run = _read_run(path, _name_in(name_root, path), _kind_of(path))
         if run is not None and (include_trajectories or run.kind != "trajectory"):
             found[path.resolve()] = run
     if base_dir is not None and base_dir.is_dir():
         for path in sorted(base_dir.glob("*.json")):
+            if path.name.startswith("."):
+                continue  # a save in progress (lab.views.baselines writes beside, then links)
             run = _read_run(path, BASELINE_PREFIX + path.stem, "baseline")
             if run is not None:
                 found[path.resolve()] = run
@@ -170,14 +200,15 @@ def runs_table(runs: Sequence[SavedRun]) -> pd.DataFrame:
 
 @checked_arguments
 def find_run(ref: str | Path | SavedRun, runs: Sequence[SavedRun] | None = None, *,
-             root: str | Path = ".") -> SavedRun:  # fmt: skip
+             root: str | Path | None = None) -> SavedRun:  # fmt: skip
     """The saved run `ref` names: a listed name, "baseline:<name>", a path, or a unique part.
 
     Args:
         ref: A run name from `list_runs`, a path to a results JSON or to its folder, a baseline
             name, or a part of exactly one run's name.
         runs: The runs to look in; None lists `root`.
-        root: Where to list runs when `runs` is None.
+        root: Where to list runs when `runs` is None, and what a relative path is taken from
+            first; None: the lab home (its runs/ and baselines/), then the working directory.
 
     Raises:
         ValueError: Nothing matches (the nearest names are listed), several runs match a
@@ -186,17 +217,20 @@ def find_run(ref: str | Path | SavedRun, runs: Sequence[SavedRun] | None = None,
     if isinstance(ref, SavedRun):
         return ref
     text = str(ref)
-    path = Path(text)
-    if not path.is_absolute():
-        # A relative path names a run under `root` (the working directory only when root is ".").
-        path = Path(root) / path
-    if path.is_dir() and (path / "results.json").is_file():
-        path = path / "results.json"
-    if path.is_file():
-        run = _read_run(path, _name_in(Path(root), path), _kind_of(path), strict=True)
+    name_root = lab_home() if root is None else Path(root)
+    given = Path(text)
+    # A relative path names a run under the root (the lab home when root is None); the same
+    # path from the working directory is tried next.
+    candidates = [given] if given.is_absolute() else [name_root / given, given]
+    for path in candidates:
+        if path.is_dir() and (path / "results.json").is_file():
+            path = path / "results.json"
+        if not path.is_file():
+            continue
+        run = _read_run(path, _name_in(name_root, path), _kind_of(path), strict=True)
         if run is None:
             raise ValueError(
-                f"find_run: {text!r} is not a lab result (no precision-lab/result schema and "
+                f"saved run {text!r} is not a lab result (no precision-lab/result schema and "
                 "no Trajectory fields). Pass a results.json written by Result.to_json."
             )
         return run
@@ -211,21 +245,21 @@ def find_run(ref: str | Path | SavedRun, runs: Sequence[SavedRun] | None = None,
     if partial:
         listed = ", ".join(repr(r.name) for r in partial[:8])
         raise ValueError(
-            f"find_run: {text!r} matches {len(partial)} saved runs: {listed}. Give more of "
+            f"saved run {text!r} matches {len(partial)} saved runs: {listed}. Give more of "
             "the name."
         )
     close = difflib.get_close_matches(text, list(by_name), n=3, cutoff=0.3)
     hint = f" Nearest: {', '.join(repr(c) for c in close)}." if close else ""
+    where = f"under {str(Path(root))!r}" if root is not None else f"in {str(name_root / 'runs')!r}"
     raise ValueError(
-        f"find_run: no saved run {text!r} under {str(Path(root))!r} or in the baselines "
-        f"({len(runs)} listed).{hint} `precision-lab compare` with no runs lists them; a path "
-        "to a results.json works too."
+        f"no saved run {text!r} {where} or in the baselines ({len(runs)} listed).{hint} "
+        "`precision-lab compare` with no runs lists them; a path to a results.json works too."
     )
 
 
 @checked_arguments
 def load_runs(
-    refs: Sequence[str | Path | SavedRun], *, root: str | Path = "."
+    refs: Sequence[str | Path | SavedRun], *, root: str | Path | None = None
 ) -> dict[str, Result]:
     """Load each reference (see `find_run`): name -> Result, in the order given.
 
@@ -237,7 +271,7 @@ def load_runs(
     for ref in refs:
         run = find_run(ref, runs, root=root)
         if run.name in out:
-            raise ValueError(f"load_runs: run {run.name!r} is given twice.")
+            raise ValueError(f"compare: run {run.name!r} is given twice; name each run once.")
         out[run.name] = run.load()
     return out
 
@@ -259,7 +293,7 @@ def settings_diff(results: Mapping[str, Result]) -> pd.DataFrame:
     import pandas as pd
 
     if len(results) < 2:
-        raise ValueError(f"settings_diff: need two or more runs, got {len(results)}.")
+        raise ValueError(f"settings diff: need two or more runs, got {len(results)}.")
     flat = {name: _settings(r) for name, r in results.items()}
     keys = list(dict.fromkeys(k for f in flat.values() for k in f))
     rows = {}
@@ -413,14 +447,14 @@ class RunComparison:
 def compare_runs(
     refs: Sequence[str | Path | SavedRun] | Mapping[str, Result],
     *,
-    root: str | Path = ".",
+    root: str | Path | None = None,
     metric: str = "rel_max",
 ) -> RunComparison:
     """Load two or more saved runs (see `find_run`) and compare them; the first is the reference.
 
     Args:
         refs: Run names, paths or SavedRun records; or a mapping name -> Result already loaded.
-        root: Where run names are looked up.
+        root: Where run names are looked up; None: the lab home's runs/ and baselines/.
         metric: The per-module metric of the overlay and the verdicts (a PairMetrics field).
 
     Raises:
@@ -429,8 +463,8 @@ def compare_runs(
     runs = dict(refs) if isinstance(refs, Mapping) else load_runs(refs, root=root)
     if len(runs) < 2:
         raise ValueError(
-            f"compare_runs: need two or more runs, got {len(runs)}. List the saved ones with "
-            "list_runs(root) (or `precision-lab compare` without arguments)."
+            f"compare: need two or more runs, got {len(runs)}. List the saved ones with "
+            "list_runs() (or `precision-lab compare` without arguments)."
         )
     return RunComparison(runs, metric)
 
@@ -445,8 +479,8 @@ def newest(runs: Sequence[SavedRun], count: int = 2) -> list[SavedRun]:
     results = [r for r in sorted(runs, key=lambda r: -r.modified) if r.kind != "trajectory"]
     if len(results) < count:
         raise ValueError(
-            f"newest: {len(results)} saved Result(s), {count} needed. Save runs first "
-            "(notebook 01, `precision-lab pair --out-dir runs/NAME`), or name them."
+            f"compare: {len(results)} saved Result(s), {count} needed for the newest "
+            f"{count}. Save runs first (notebook 01, `precision-lab pair`), or name them."
         )
     return list(reversed(results[:count]))
 
@@ -458,7 +492,7 @@ scheduler's fp32 timestep the engine hands its DiT (the pipeline rounds it to bf
 
 @checked_arguments
 def save_examples(
-    root: str | Path = ".",
+    root: str | Path | None = None,
     *,
     if_fewer_than: int = 2,
     family: FamilyName = "flux",
@@ -468,11 +502,13 @@ def save_examples(
 
     The runs are the trainer as it is, then matched to the engine (`MATCHED_TRAINER`), against
     the same rollout: on tiny flux the matched trainer matches the engine-like rollout bit for
-    bit, so the overlay shows every divergence of the first run gone in the second. They go to
-    `<root>/runs/examples/trainer/results.json` and `.../trainer_matched/`.
+    bit, so the overlay shows every divergence of the first run gone in the second. They go to a
+    fresh folder `<root>/runs/examples/<family>-<preset>-<time>/`, as `trainer/results.json` and
+    `trainer_matched/results.json`: examples saved earlier are never written over.
 
     Args:
-        root: The folder `list_runs` searches.
+        root: The folder `list_runs` searches; None: the lab home (the working directory or
+            $LAB_HOME).
         if_fewer_than: Save only when fewer Results than this are listed (0: always).
         family: The family of the two runs.
         preset: Their preset.
@@ -485,7 +521,7 @@ def save_examples(
     saved = [r for r in list_runs(root) if r.kind != "trajectory"]
     if len(saved) >= if_fewer_than > 0:
         return []
-    out = Path(root) / "runs" / "examples"
+    out = run_folder("examples", family=family, preset=preset, home=root)
     paths = []
     for name, trainer in (("trainer", {}), ("trainer_matched", MATCHED_TRAINER)):
         result = pair_family(family, preset, trainer=trainer)
@@ -558,7 +594,7 @@ def _read_run(path: Path, name: str, kind: Kind, *, strict: bool = False) -> Sav
         except ValueError as err:
             if strict:
                 raise
-            warnings.warn(f"list_runs: left out: {err}", stacklevel=3)
+            warnings.warn(f"saved runs: left out: {err}", stacklevel=3)
             return None
         summary = result.summary()
         return SavedRun(
@@ -600,8 +636,8 @@ def _unreadable(path: Path, err: BaseException, strict: bool) -> None:
     elif isinstance(err, OSError):
         why = f"{str(path)!r} cannot be read: {err.strerror or err}"
     if strict:
-        raise ValueError(f"find_run: {why}") from None
-    warnings.warn(f"list_runs: left out: {why}", stacklevel=4)
+        raise ValueError(f"saved run: {why}") from None
+    warnings.warn(f"saved runs: left out: {why}", stacklevel=4)
 
 
 def _settings(result: Result) -> dict[str, Any]:

@@ -1,10 +1,13 @@
 r"""Sweeps: run one notebook with papermill over a parameter grid, collect one table and a plot.
 
     python -m lab sweep notebooks/01_quickstart.ipynb --grid family=flux,sd3 \\
-        --grid mode=propagated,local --out runs/sweep --jobs 2
+        --grid mode=propagated,local --jobs 2
 
-Each grid point gets its own folder `<out>/<run name>/` holding the executed notebook and
-whatever the notebook writes there (its `out_dir` parameter is pointed at the folder). Every
+The sweep writes into a fresh folder `runs/sweep/<notebook>-<time>` under the working
+directory (or $LAB_HOME) unless `--out` names one; a named folder holding an earlier sweep is
+refused unless `--resume` or `--overwrite` is given. Each grid point gets its own folder
+`<out>/<run name>/` holding the executed notebook and whatever the notebook writes there (its
+`out_dir` parameter is pointed at the folder, with `overwrite` on: the sweep owns it). Every
 run's `results.json` summary (a Result's `summary`, a Trajectory's `overall`) becomes one row
 of `<out>/sweep.csv`, written as the run finishes; `<out>/sweep.png` plots the headline metric
 per run. A failed run keeps its executed notebook, is reported with the cell error, and the
@@ -388,13 +391,14 @@ class _Task:
 def run_sweep(
     notebook: str | Path,
     grid: Mapping[str, Sequence[Any]],
-    out_dir: str | Path,
+    out_dir: str | Path = "",
     *,
     parameters: Mapping[str, Any] | None = None,
     jobs: int = 2,
     metric: str | None = None,
     progress: bool = True,
     resume: bool = False,
+    overwrite: bool = False,
 ) -> Sweep:
     """Execute `notebook` once per grid point with papermill, `jobs` at a time; collect results.
 
@@ -408,7 +412,9 @@ def run_sweep(
     Args:
         notebook: A notebook path, or a name under notebooks/ ("01_quickstart").
         grid: key -> values; every combination runs (keys must be notebook parameters).
-        out_dir: Sweep folder: one sub-folder per run, plus sweep.csv and sweep.png.
+        out_dir: Sweep folder: one sub-folder per run, plus sweep.csv and sweep.png; "" for a
+            fresh folder `runs/sweep/<notebook>-<time>` under the lab home (the working
+            directory or $LAB_HOME).
         parameters: Parameters every run gets (the grid wins on a clash).
         jobs: Runs in parallel (processes, each starting its own kernel).
         metric: The column sweep.png plots; None = the first of HEADLINE_METRICS present.
@@ -416,6 +422,9 @@ def run_sweep(
         resume: Skip every point whose run already finished ok in `out_dir` with the same
             notebook (by content) and identical parameters; failed, interrupted and changed
             points run again.
+        overwrite: Run into an `out_dir` that holds an earlier sweep (sweep.csv, ...): its
+            points run again and their files are replaced. Without it (or `resume`) such a
+            folder is refused.
 
     Returns:
         The Sweep (outcomes, table path, plot path); failed runs are in `Sweep.failed`.
@@ -424,12 +433,14 @@ def run_sweep(
         ValueError: An unknown notebook, an empty grid, a grid key the notebook does not
             declare as a parameter, jobs not an int >= 1, parameters that are not JSON, a
             value that cannot run (an unknown family, preset, mode, sde_type, or a device not
-            here), parameters that give two runs one output folder, or an out_dir that cannot
-            be written. All before the first run.
+            here), parameters that give two runs one output folder, an out_dir that cannot
+            be written, or one holding an earlier sweep without resume or overwrite. All
+            before the first run.
         lab.base.processes.FolderInUseError: Another live sweep holds `out_dir` (a ValueError).
         SweepInterrupted: Ctrl-C or SIGTERM (a KeyboardInterrupt; `.sweep` has what finished).
     """
     from lab.base.processes import holding_folder, owned_temp_dir
+    from lab.views.home import check_folder_free, run_folder
     from lab.views.notebooks import check_parameters
 
     path = resolve_notebook(notebook)
@@ -440,24 +451,40 @@ def run_sweep(
         raise ValueError("sweep: the grid is empty; give each key at least one value.")
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"sweep: jobs must be an int >= 1, got {jobs!r}.")
-    out = Path(out_dir).resolve()
-    tasks = []
-    for i, point in enumerate(grid_points(grid)):
-        name = run_name(i, point)
-        folder = out / name
-        requested = {**dict(parameters or {}), **point}
-        params = dict(requested)
-        if "out_dir" in declared and "out_dir" not in params:
-            params["out_dir"] = str(folder)
-        if "interactive" in declared and "interactive" not in params:
-            params["interactive"] = False
-        _check_json(params)
-        results = folder / Path(params["out_dir"]) if "out_dir" in params else folder
-        tasks.append(_Task(i, name, folder, point, requested, params, results.resolve()))
-    # Every point's values before the first run: a typo in the last one fails now, not after
-    # the others ran.
-    _check_values(path, grid, tasks)
-    _check_own_outputs(grid, tasks)
+    fresh = not str(out_dir).strip()
+    if not fresh and not resume:
+        try:
+            check_folder_free(out_dir, overwrite=overwrite)
+        except ValueError as err:
+            raise ValueError(
+                f"sweep: {err} Or run only its points not finished ok: resume=True (--resume)."
+            ) from None
+    out = run_folder("sweep", label=path.stem).resolve() if fresh else Path(out_dir).resolve()
+    try:
+        tasks = []
+        for i, point in enumerate(grid_points(grid)):
+            name = run_name(i, point)
+            folder = out / name
+            requested = {**dict(parameters or {}), **point}
+            params = dict(requested)
+            if "out_dir" in declared and "out_dir" not in params:
+                params["out_dir"] = str(folder)
+            # The sweep owns its points' folders: a rerun (resume, overwrite) writes over them.
+            if "overwrite" in declared and "overwrite" not in params:
+                params["overwrite"] = True
+            if "interactive" in declared and "interactive" not in params:
+                params["interactive"] = False
+            _check_json(params)
+            results = folder / Path(params["out_dir"]) if "out_dir" in params else folder
+            tasks.append(_Task(i, name, folder, point, requested, params, results.resolve()))
+        # Every point's values before the first run: a typo in the last one fails now, not
+        # after the others ran.
+        _check_values(path, grid, tasks)
+        _check_own_outputs(grid, tasks)
+    except BaseException:
+        if fresh:
+            out.rmdir()  # made above, still empty: a refused sweep leaves nothing
+        raise
     out = _writable_folder(out)
     with holding_folder(out, "sweep"), owned_temp_dir("lab-sweep-") as keys:
         for task in tasks:

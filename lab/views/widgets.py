@@ -897,7 +897,8 @@ class ControlPanel:
         """What the Export button does: results.json + report.html (+ PNGs) of the last result.
 
         Args:
-            out_dir: Folder to write; defaults to runs/control_panel/<stamp>/.
+            out_dir: Folder to write; None: a fresh one, runs/control_panel/<family>-<preset>-
+                <time>/ under the working directory or $LAB_HOME (`lab.runs.run_folder`).
 
         Returns:
             The report path, or None when there is nothing to export yet.
@@ -905,10 +906,12 @@ class ControlPanel:
         if self.last_result is None:
             self._show_message("Export: nothing to export yet; press Run first.")
             return None
+        from lab.views.home import run_folder
         from lab.views.report import write_html
 
-        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        folder = Path(out_dir) if out_dir is not None else Path("runs/control_panel") / stamp
+        # Two exports in one second get two folders: neither writes over the other.
+        labels = {"family": self.get("family"), "preset": self.get("preset")}
+        folder = Path(out_dir) if out_dir is not None else run_folder("control_panel", **labels)
         self.last_result.to_json(folder / "results.json")
         if self.last_trajectory is not None:
             self.last_trajectory.to_json(folder / "ratio_drift.json")
