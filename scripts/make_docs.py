@@ -279,6 +279,28 @@ def mismatch_table() -> str:
     )
 
 
+def mismatch_gpu_table() -> str:
+    """The same table on a GPU at reduced (real width, few blocks), from the newest GPU record."""
+    records = sorted((DATA / "gpu").glob("mismatch_*.json"))
+    if not records:
+        return (
+            "*No record yet: on a GPU, `precision-lab bench-mismatch --preset reduced --device "
+            "cuda --out data/gpu/mismatch_<card>.json` writes it; then `python "
+            "scripts/make_docs.py` renders it here.*"
+        )
+    from lab.causes.mismatch import markdown
+
+    parts = []
+    for path in records:
+        record = json.loads(path.read_text())
+        versions = record.get("versions", {})
+        parts.append(
+            f"{markdown(record['rows'])}\n\n*Record: `{path.relative_to(REPO)}` "
+            f"({versions.get('device', 'GPU')}, torch {versions.get('torch', '?')}).*"
+        )
+    return "\n\n".join(parts)
+
+
 def headline_table() -> str:
     """One line per family: the default tiny pair, and the full-size pair's cost on the GPU."""
     tiny = json.loads(HEADLINE.read_text())
@@ -329,6 +351,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "drift": drift_table,
     "emulation": emulation_table,
     "mismatch_cpu": mismatch_table,
+    "mismatch_gpu": mismatch_gpu_table,
     "reference_nav": reference_nav,
 }
 """Block name -> what goes between its markers."""

@@ -340,6 +340,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str, list[str]]]] = {
                 "    out_dir = run_folder(\n",
                 '        "control_panel", out_dir, family=family, preset=preset, overwrite=overwrite\n',
                 "    )\n",
+                '    print(f"writing to {out_dir}")\n',
                 "    panel.run_and_export(out_dir)\n",
                 "    print(panel.verdict())\n",
                 "    plots.show(\n",

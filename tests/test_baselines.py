@@ -140,6 +140,10 @@ def test_a_baseline_from_another_cpu_kernel_set_is_named_as_such(
     proc = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
     )
+    if "pack_vnni2 is only supported" in proc.stderr:
+        # torch 2.11's bf16 flash attention packs for AMX/AVX512-BF16 units whatever
+        # ATEN_CPU_CAPABILITY says, and the packing refuses the AVX2 set: not emulable here.
+        pytest.skip(f"bf16 attention cannot run on ATen's {lower} kernels on this CPU")
     assert proc.returncode == 0, proc.stderr
     other = Result.from_json(path)
 

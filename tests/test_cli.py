@@ -374,6 +374,22 @@ def test_report_and_compare_read_saved_runs(tmp_path: Path, capsys: pytest.Captu
     html = (tmp_path / "r.html").read_text()
     assert "runs/autocast_on" in html and "runs/autocast_off" in html
 
+    # Nothing writes over an earlier report, comparison or record unless asked to.
+    code, _, err = _run(capsys, "report", "autocast_on", "--out", "r.html")
+    assert code == EXIT_USAGE and "--out 'r.html' exists" in err and "--overwrite" in err
+    assert (tmp_path / "r.html").read_text() == html
+    code, _, err = _run(capsys, "compare", "autocast_on", "autocast_off", "--out-dir", "cmp")
+    assert code == EXIT_USAGE and "already holds a run's results (overlay.png, " in err
+    code, _, _ = _run(capsys, "compare", "autocast_on", "autocast_off", "--out-dir", "cmp",
+                      "--overwrite")  # fmt: skip
+    assert code == EXIT_OK
+    code, _, err = _run(capsys, "bench-mismatch", "--out", "r.html")
+    assert code == EXIT_USAGE and "--out 'r.html' exists" in err
+    # A report with no --out goes to a fresh folder of its own, and says where.
+    code, text, _ = _run(capsys, "report", "autocast_on")
+    (made,) = (tmp_path / "runs" / "report").glob("*/report.html")
+    assert code == EXIT_OK and f"wrote {made}" in text
+
 
 def test_scenarios_list_and_one_scenario(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     code, text, _ = _run(capsys, "scenarios", "--list")

@@ -682,7 +682,7 @@ def test_built_rows_equal_constructed_ones_and_refuse_a_missing_field() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         fast.numel = 0  # type: ignore[misc]
     row = dict(order=0, module="m", call=0, output="", module_class="Linear", dtype_a="bf16",
-               dtype_b="fp32", shape=(2, 3), metrics=fast)  # fmt: skip
+               dtype_b="fp32", shape=(2, 3), metrics=fast, module_a=None)  # fmt: skip
     assert built(LayerDivergence, row) == LayerDivergence(**row)
     with pytest.raises(TypeError, match=r"missing \['metrics'\], unknown \['metric'\]"):
         built(LayerDivergence, {**{k: v for k, v in row.items() if k != "metrics"}, "metric": 1})

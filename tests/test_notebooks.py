@@ -162,14 +162,15 @@ def test_overrides_given_as_json_text_reach_the_sides(tmp_path: Path) -> None:
     _execute(
         "01_quickstart.ipynb",
         tmp_path,
-        trainer_overrides='{"autocast": false}',
+        trainer_overrides='{"autocast": false, "op_switches": {"timestep_from": "scheduler"}}',
         rollout_overrides="{}",
         interactive=False,
         out_dir=str(out),
     )
     data = json.loads((out / "results.json").read_text())
     assert data["side_b"]["autocast"] is False
-    # tiny flux: the trainer without autocast matches the engine-like rollout bit for bit.
+    # tiny flux: the trainer matched to the engine (no autocast, the scheduler's fp32
+    # timestep) matches the engine-like rollout bit for bit.
     assert data["summary"]["model_output_rel_max"] == 0
     import papermill as pm
 

@@ -26,15 +26,17 @@ def test_minimal_subset_finds_the_needed_items_only() -> None:
     assert len(calls) < 2**10 / 10  # bisection, not a scan of the subsets
 
 
-def test_flux_bitexact_by_copying_autocast_verified_and_costed() -> None:
+def test_flux_bitexact_by_copying_autocast_and_the_timestep_verified_and_costed() -> None:
     fam, model, inputs = _case()
     a, b = lab.Side.rollout(fam), lab.Side.trainer(fam)
     found = prescribe(model, inputs, a, b, repeats=2)
     assert found.baseline > 0 and not found.baseline_meets
     best = found.best()
     assert best is not None and best.kind == "copy"
-    assert [c.knob.name for c in best.changes] == ["autocast"]
+    # The engine's two differences from the trainer on tiny flux, and nothing else.
+    assert [c.knob.name for c in best.changes] == ["autocast", "op_switches['timestep_from']"]
     assert best.side.autocast is False and best.side.name == "trainer"
+    assert best.side.op_switches == {"timestep_from": "scheduler"}
     # Verified: the pair of side A and the moved side is bit-exact at the model output.
     assert best.result.output_metrics()["model_output_max_abs_diff"] == 0.0
     assert best.result.side_b["autocast"] is False
@@ -45,7 +47,8 @@ def test_flux_bitexact_by_copying_autocast_verified_and_costed() -> None:
     assert found.searched["island"].startswith("all ")
     table = found.table()
     assert table.loc[0, "changes"].startswith("autocast: ") and bool(table.loc[0, "meets"])
-    assert "1. [copy] autocast" in found.describe()
+    assert "1. [copy] autocast: " in found.describe()
+    assert "op_switches['timestep_from']: (unset) -> scheduler" in found.describe()
     assert found.to_dict()["prescriptions"][0]["summary"]["family"] == "flux"
 
 

@@ -422,10 +422,21 @@ def test_nearest_rule_names_fixes_the_misspelt_piece_only() -> None:
 @pytest.mark.parametrize(
     ("family_name", "groups", "switches"),
     [
-        ("flux", [], []),
-        ("wan2_2", ["sgld", "wan"], ["wan_patchify", "rope_table_dtype", "wan_norm_path"]),
-        ("qwen_image", ["sgld", "qwen_image"], ["rope_cache_device"]),
-        ("ltx2", [], ["positions_dtype"]),
+        ("flux", ["flux_native"], ["timestep_from"]),
+        (
+            "wan2_2",
+            ["sgld", "wan"],
+            ["timestep_from", "wan_patchify", "rope_table_dtype", "wan_norm_path"],
+        ),
+        (
+            "qwen_image",
+            ["sgld", "qwen_image", "qwen_image_native"],
+            ["timestep_from", "rope_cache_device"],
+        ),
+        ("ltx2", [], ["positions_dtype", "timestep_from"]),
+        # The timestep switch refuses a model whose timestep it cannot adapt: not offered.
+        ("minimax_h3", [], []),
+        ("cosmos3", [], []),
     ],
 )
 def test_only_the_engine_ops_that_apply_to_the_family_are_offered(
@@ -489,7 +500,9 @@ def test_run_on_every_change_reruns_at_once() -> None:
 
 def test_a_bit_exact_pair_says_so_in_words() -> None:
     p = control_panel("flux")
+    # The trainer matched to the engine: no autocast, the scheduler's fp32 timestep.
     p.set("trainer.autocast", False)
+    assert p.set("trainer.op_switches.timestep_from", "scheduler"), p.message
     assert p.run() is not None, p.message
     words = f"These sides agree bit for bit: all {len(p.last_result.rows)} paired outputs"
     assert p.verdict().startswith(words)

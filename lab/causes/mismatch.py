@@ -160,9 +160,15 @@ def write(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
 
     from lab.base.atomic import atomic_write_text
 
+    on_cuda = any(str(r.get("device", "cpu")).startswith("cuda") for r in rows)
+    machine = torch.cuda.get_device_name() if on_cuda else "cpu"
     doc = {
         "schema": "precision-lab/mismatch/1",
-        "versions": {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability()},
+        "versions": {
+            "torch": torch.__version__,
+            "cpu": torch.backends.cpu.get_cpu_capability(),
+            "device": machine,
+        },
         "rows": list(rows),
     }
     return atomic_write_text(path, json.dumps(doc, indent=1))

@@ -300,55 +300,6 @@ def _positions_in_latent_dtype(inputs: Inputs, value: Any) -> Inputs:
     return replace(inputs, kwargs=kwargs, negative=neg)
 
 
-def timestep_from_scheduler(inputs: Inputs, value: Any) -> Inputs:
-    """The `timestep` kwarg as the engine's DiT receives it: the scheduler's fp32 t, raw.
-
-    Flow-match Euler computes t = sigma * 1000 in fp32 (sigma rounded to fp32 first) and the
-    engine's denoising stage repeats it over the batch and hands it to its DiT with no cast
-    and no division; each engine DiT scales it itself. diffusers' pipelines present it their
-    own way: `t.to(latents.dtype) / 1000` for a "t/1000" family, so in bf16 sigma 0.75 gives
-    t = 750, rounded to 752, before the model sees it.
-
-    A family presenting "t" takes the raw t as it is. Any other presentation needs the
-    switch's forward for the family's model class, which makes the diffusers root consume the
-    raw t the way the engine's model does (lab.precision.engine_groups); without one the model
-    would read t where it expects its pipeline's presentation, so that is refused.
-
-    Raises:
-        ValueError: Inputs without the sigma or the family they were made for, without a
-            `timestep` tensor, or of a family whose model has no forward for the raw t.
-    """
-    if inputs.sigma is None or inputs.origin is None:
-        raise ValueError(
-            "op_switches['timestep_from']='scheduler': these Inputs carry no "
-            f"{'sigma' if inputs.sigma is None else 'origin'}, so the scheduler's timestep "
-            "cannot be rebuilt; make them with Family.make_inputs(..., sigma=...)."
-        )
-    stock = inputs.kwargs.get("timestep")
-    if not isinstance(stock, torch.Tensor):
-        raise ValueError(
-            "op_switches['timestep_from']='scheduler': the inputs have no 'timestep' tensor "
-            f"(kwargs: {', '.join(inputs.kwargs)}); the switch replaces that kwarg only."
-        )
-    from lab.families import family
-
-    fam = family(inputs.origin[0])
-    adapted = SWITCHES["timestep_from"].forwards.get(value, {})
-    if fam.timestep_presentation != "t" and fam.model_class not in adapted:
-        raise ValueError(
-            f"op_switches['timestep_from']={value!r}: {fam.name}'s model takes the timestep "
-            f"as {fam.timestep_presentation!r}, and the switch adapts only "
-            f"{', '.join(sorted(adapted)) or 'no model'} to the scheduler's raw t. Drop the "
-            "switch for this family, or add its root's forward in lab.precision.engine_groups."
-        )
-    # The scheduler's arithmetic, on the inputs' device: fp32 sigma, times 1000 in fp32.
-    t = torch.full(stock.shape, inputs.sigma, dtype=torch.float32, device=stock.device) * 1000
-    kwargs = dict(inputs.kwargs)
-    kwargs["timestep"] = t
-    neg = timestep_from_scheduler(inputs.negative, value) if inputs.negative is not None else None
-    return replace(inputs, kwargs=kwargs, negative=neg)
-
-
 register_switch(
     Switch(
         name="drop_identity_mask",

@@ -1116,7 +1116,7 @@ class ControlPanel:
         this family's inputs. A control a side has set away from stock stays shown.
         """
         fam = get_family(self.get("family"))
-        classes, input_switches = self._op_probe()
+        classes, input_switches, refusals = self._op_probe()
         own = {fam.model_class, *fam.block_classes}
         groups = [
             g
@@ -1147,7 +1147,9 @@ class ControlPanel:
                 control = self.controls[key]
                 if switch.transform_inputs is not None:
                     applies = name in input_switches
-                    reason = f"op switch {name!r} changes none of {fam.title}'s inputs."
+                    reason = refusals.get(name) or (
+                        f"op switch {name!r} changes none of {fam.title}'s inputs."
+                    )
                 else:
                     patched = {c for forwards in switch.forwards.values() for c in forwards}
                     applies = bool(classes & patched)
@@ -1165,8 +1167,10 @@ class ControlPanel:
                 else f"<i>no engine patch group applies to {html.escape(fam.model_class)}</i>"
             )
 
-    def _op_probe(self) -> tuple[frozenset[str], frozenset[str]]:
-        """(module class names, input switches that change the inputs) of this family.
+    def _op_probe(self) -> tuple[frozenset[str], frozenset[str], dict[str, str]]:
+        """This family's module class names, input switches that change, and those that refuse.
+
+        The refusals map a switch's name to its message.
 
         From the panel's model on the tiny preset (built once, and the run reuses it); on a
         larger preset from the family's tiny build, which has the same classes and inputs,
@@ -1910,14 +1914,17 @@ def _show_plotly(target: W.DOMWidget, fig: Any) -> None:
 
 
 @functools.cache
-def _tiny_probe(family_name: str) -> tuple[frozenset[str], frozenset[str]]:
+def _tiny_probe(family_name: str) -> tuple[frozenset[str], frozenset[str], dict[str, str]]:
     """`_probe` of a family's tiny build (its classes and inputs are every preset's)."""
     fam = get_family(family_name)
     return _probe(fam.build("tiny", 0), fam.make_inputs("tiny", 0))
 
 
-def _probe(model: Any, inputs: Any) -> tuple[frozenset[str], frozenset[str]]:
-    """(module class names of `model`, input switches that change `inputs`).
+def _probe(model: Any, inputs: Any) -> tuple[frozenset[str], frozenset[str], dict[str, str]]:
+    """Module class names of `model`, input switches that change `inputs`, those refusing them.
+
+    The refusals map a switch's name to its message (a timestep switch on a model whose
+    timestep it cannot adapt).
 
     An input switch is tried with the latents in bf16 (a rollout's dtype): LTX's positions
     switch casts the coordinates to the latents' dtype, which changes nothing on fp32 ones.
@@ -1932,14 +1939,19 @@ def _probe(model: Any, inputs: Any) -> tuple[frozenset[str], frozenset[str]]:
     }
     probe = inputs.replace_kwargs(**latents) if latents else inputs
     changes = set()
+    refusals: dict[str, str] = {}
     for name, switch in SWITCHES.items():
         if switch.transform_inputs is None:
             continue
         for value in switch.values[1:]:
-            out = switch.transform_inputs(probe, value)
+            try:
+                out = switch.transform_inputs(probe, value)
+            except ValueError as err:
+                refusals[name] = str(err)
+                continue
             if any(out.kwargs.get(k) is not v for k, v in probe.kwargs.items()):
                 changes.add(name)
-    return classes, frozenset(changes)
+    return classes, frozenset(changes), refusals
 
 
 def _default_sides(fam: Any) -> tuple[Side, Side]:

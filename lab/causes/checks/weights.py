@@ -33,6 +33,7 @@ from lab.engine.dump import MANIFEST, Dump, load_dump, tensor_fingerprint
 from lab.families.master import held_parameters
 from lab.pairing.metrics import compare
 from lab.pairing.stats_layout import coarser_dtype
+from lab.pairing.weights import constructed_buffer_dtypes
 
 STATUSES: tuple[str, ...] = ("missing", "extra", "shape", "differs", "dtype", "rounded", "equal")
 """Worst first; `passed` means every tensor is `rounded` or `equal`."""
@@ -114,7 +115,9 @@ def weight_sync(
             file or a lab.dump directory.
         state_b: The candidate (the engine's weights), same forms.
         expect_dtype: The dtype the candidate should hold floating tensors in (the engine's
-            --sglang-dit-precision, e.g. "bf16"); a tensor in another dtype gets "dtype".
+            --sglang-dit-precision, e.g. "bf16"); a tensor in another dtype gets "dtype". A
+            buffer that a module source's class builds in its own dtype (SD3's
+            `pos_embed.pos_embed`, fp32) is expected at that dtype, as an engine load keeps it.
             None: dtype changes are listed (dtype_changed) but not failed.
         keep_fp32_modules: Name components the engine keeps in fp32 whatever expect_dtype
             says (Family.engine_fp32_modules), e.g. ("norm2", "time_embedder").
@@ -141,10 +144,19 @@ def weight_sync(
     # A dump fingerprints parameters only: a module paired with one offers its parameters.
     what_a, a, prints_a = _resolve(state_a, any(dumps), f"{where}(state_a)")
     what_b, b, prints_b = _resolve(state_b, any(dumps), f"{where}(state_b)")
+    # A buffer the reference module's class builds in its own dtype (SD3's pos_embed table,
+    # fp32 at any precision) is expected at that dtype: an engine load keeps it so.
+    own: dict[str, torch.dtype] = {}
+    if expected is not None:
+        for source in (state_a, state_b):
+            if isinstance(source, torch.nn.Module):
+                own = constructed_buffer_dtypes(source, expected) or {}
+                break
     rows = []
     for name in [*a, *(n for n in b if n not in a)]:
+        want = own.get(name, expected)
         rows.append(
-            _row(name, a.get(name), b.get(name), prints_a, prints_b, expected, keep_fp32_modules)
+            _row(name, a.get(name), b.get(name), prints_a, prints_b, want, keep_fp32_modules)
         )
     counts = {s: sum(r["status"] == s for r in rows) for s in STATUSES}
     changes: dict[str, int] = {}
