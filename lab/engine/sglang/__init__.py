@@ -34,18 +34,10 @@ from lab.families import FAMILY_NAMES, Inputs
 from lab.pairing.result import Result
 from lab.pairing.sides import Side
 
-ENGINE_FAMILIES: tuple[str, ...] = ("flux", "qwen_image", "sd3", "wan2_2")
+ENGINE_FAMILIES: tuple[str, ...] = ("flux", "ltx2", "qwen_image", "sd3", "wan2_2")
 """Families whose DiT the engine runs here: one file each in lab/engine/sglang/."""
 
 UNSUPPORTED: dict[str, str] = {
-    "ltx2": (
-        "sglang 0.5.23 implements LTX2VideoTransformer3DModel, but a diffusers-format LTX-2.3 "
-        "config does not load into it as it is: its switches are named otherwise (gated_attn -> "
-        "apply_gated_attention, cross_attn_mod -> cross_attention_adaln, use_prompt_embeddings "
-        "-> caption_proj_before_connector, ...) and LTX2Config's parameter mapping lacks "
-        "prompt_adaln -> prompt_adaln_single; an adapter must translate the config (LTX25Config's "
-        "mapping) before the engine's loader can build it."
-    ),
     "minimax_h3": (
         "sglang 0.5.23 loads diffusers-layout MiniMax H3 weights, but its forward takes the "
         "engine's packed sequence ([text | cond | audio | video | pad], minimax_h3_packed_sequence "

@@ -118,7 +118,8 @@ def build_engine(
     state = _master_state(model)
     engine = maybe_load_fsdp_model(
         cls,
-        dict(config=config, hf_config={}),
+        # The engine's transformer loader hands the class the checkpoint's config.json too.
+        dict(config=config, hf_config=dict(model.config)),
         [],
         torch.device("cpu"),
         1,
