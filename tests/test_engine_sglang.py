@@ -41,7 +41,7 @@ def checks(sglang):
     return {name: sglang.check_emulation(name) for name in sglang.ENGINE_FAMILIES}
 
 
-@pytest.mark.parametrize("family_name", ["flux", "qwen_image", "sd3", "wan2_2"])
+@pytest.mark.parametrize("family_name", ["flux", "ltx2", "qwen_image", "sd3", "wan2_2"])
 def test_emulated_rollout_matches_the_engine_or_names_why(checks, family_name: str) -> None:
     check = checks[family_name]
     result = check.engine_vs_rollout
@@ -216,6 +216,91 @@ def test_wan_norms_at_a_fused_kernel_width_take_the_kernels_rounding(sglang) -> 
     assert sglang.pair_with_engine(engine, model, inputs, on_cpu).first_divergence() is None
     fused = sglang.pair_with_engine(engine, model, inputs, on_gpu)
     assert fused.first_divergent_module == "blocks.0.attn1.norm_q"
+
+
+def test_ltx2_engine_in_fp32_is_the_diffusers_model_bit_for_bit(sglang) -> None:
+    from lab.engine.sglang.build import build_engine
+
+    fam = lab.family("ltx2")
+    model = fam.build("tiny", 0)
+    inputs = fam.make_inputs("tiny", 0, 1, False, sigma=0.75)
+    fp32 = {
+        k: v.float()
+        for k, v in inputs.kwargs.items()
+        if torch.is_tensor(v) and v.dtype.is_floating_point
+    }
+    inputs = inputs.replace_kwargs(**fp32)
+    engine = build_engine(model, sglang.engine_family("ltx2"), "fp32")
+    # Every parameter is mapped (prompt_adaln -> prompt_adaln_single included) and equal.
+    assert engine.weights["equal"] == engine.weights["parameters"] == 230
+    video, audio = engine.forward(inputs)
+    with torch.no_grad():
+        ref_video, ref_audio = model(**inputs.kwargs)
+    assert video.shape == (1, 36, 16) and audio.shape == (1, 18, 16)
+    assert torch.equal(video, ref_video) and torch.equal(audio, ref_audio)
+    assert ref_video.abs().max() > 0.1
+
+
+def test_ltx2_emulation_differs_from_the_engine_only_by_its_rope(checks) -> None:
+    result = checks["ltx2"].engine_vs_rollout
+    summary = result.summary()
+    assert summary["pairs"] == 192 and summary["bitexact_pairs"] == 90
+    assert result.first_divergent_module == "rope"
+    assert "rounds its (cos, sin) table to the activation dtype" in result.why("rope")
+    # The differing outputs the engine computes itself are its four RoPE tables; every other
+    # differing row inherits them (or contains a row that does).
+    own = {
+        r.label()
+        for r, w in zip(result.rows, result.whys(), strict=True)
+        if r.diverges and not {"inherited", "submodule"} & set(w.codes)
+    }
+    ropes = ("rope", "audio_rope", "cross_attn_rope", "cross_attn_audio_rope")
+    assert own == {f"{m}:{i}" for m in ropes for i in (0, 1)}
+    # Before the first attention everything (time, prompt and AV modulation embeddings, the
+    # input projections) is bit-exact: the timestep and inputs are the engine's.
+    exact = {r.module for r in result.rows if not r.diverges}
+    assert {"proj_in", "audio_proj_in", "time_embed", "prompt_adaln", "audio_prompt_adaln",
+            "av_cross_attn_video_a2v_gate"} <= exact  # fmt: skip
+    rel = result.output_metrics()["model_output_rel_max"]
+    assert 1e-3 < rel < 3e-2
+
+
+def test_ltx2_engine_with_diffusers_rope_is_bit_exact_with_the_emulation(
+    sglang, monkeypatch
+) -> None:
+    """The named cause is the whole difference: the engine given diffusers' RoPE matches."""
+    from diffusers.models.transformers import transformer_ltx2
+    from sglang.multimodal_gen.runtime.models.dits import ltx_2
+
+    rope = ltx_2.LTX2AudioVideoRotaryPosEmbed
+    table = rope.forward
+
+    def fp32_table(self, coords, device=None, out_dtype=None):
+        return table(self, coords, device=device, out_dtype=torch.float32)
+
+    monkeypatch.setattr(rope, "forward", fp32_table)
+    monkeypatch.setattr(ltx_2, "apply_split_rotary_emb", transformer_ltx2.apply_split_rotary_emb)
+    result = sglang.check_emulation("ltx2").engine_vs_rollout
+    assert result.first_divergence() is None, result.describe()
+    assert result.summary()["bitexact_pairs"] == 192
+
+
+def test_ltx2_config_the_engine_cannot_build_is_refused_by_name(sglang) -> None:
+    from lab.engine.sglang.ltx2 import arch_config
+
+    config = dict(lab.family("ltx2").build("tiny", 0).config)
+    kwargs = arch_config(config)
+    assert kwargs["apply_gated_attention"] and kwargs["cross_attention_adaln"]
+    assert (
+        kwargs["caption_proj_before_connector"] and kwargs["av_ca_timestep_scale_multiplier"] == 1
+    )
+    assert kwargs["positional_embedding_max_pos"] == [20, 2048, 2048]
+    with pytest.raises(ValueError, match=r"audio_gated_attn=False.*one switch \(apply_gated"):
+        arch_config({**config, "audio_gated_attn": False})
+    with pytest.raises(ValueError, match=r"audio_sampling_rate=24000.*hard-codes 16000"):
+        arch_config({**config, "audio_sampling_rate": 24000})
+    with pytest.raises(ValueError, match=r"use_prompt_adaln_single=False"):
+        arch_config({**config, "use_prompt_adaln_single": False})
 
 
 def test_engine_weights_are_the_lab_models_cast_by_the_engines_loader(checks) -> None:

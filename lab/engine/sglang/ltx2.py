@@ -103,26 +103,14 @@ def forward_kwargs(model: torch.nn.Module, inputs: Inputs, dtype: torch.dtype) -
     the ltx_2_3 native variant (a diffusers checkpoint's): both latents cast to the DiT
     precision; `timestep` and `audio_timestep` the scheduler's fp32 t = sigma * 1000 over the
     batch, no prompt timestep (the DiT takes the collapsed t); the connector's text as encoded;
-    the text mask, which the model turns into an additive SDPA bias; latent sizes and fps;
-    video and audio coords from the pipeline config's `prepare_*_rope_coords_for_sp`, i.e. the
-    model's own `rope.prepare_video_coords` / `audio_rope.prepare_audio_coords` in fp32 (the
-    model keeps them fp32: quantize_video_rope_coords_to_hidden_dtype is off).
+    the text mask (the video one for both modalities), which the model turns into an additive
+    SDPA bias; latent sizes and fps. No coords: without sequence parallelism or a captured CUDA
+    graph the stage passes None and the model builds them itself (`rope.prepare_video_coords`,
+    `audio_rope.prepare_audio_coords`, fp32, not quantized to the hidden dtype).
     """
     kw = inputs.kwargs
     hidden = kw["hidden_states"]
-    batch = hidden.shape[0]
-    t = scheduler_timestep(inputs, batch)
-    video_coords = model.rope.prepare_video_coords(
-        batch_size=batch,
-        num_frames=kw["num_frames"],
-        height=kw["height"],
-        width=kw["width"],
-        device=hidden.device,
-        fps=kw["fps"],
-    )
-    audio_coords = model.audio_rope.prepare_audio_coords(
-        batch_size=batch, num_frames=kw["audio_num_frames"], device=hidden.device
-    )
+    t = scheduler_timestep(inputs, hidden.shape[0])
     return dict(
         hidden_states=hidden.to(dtype),
         audio_hidden_states=kw["audio_hidden_states"].to(dtype),
@@ -137,8 +125,8 @@ def forward_kwargs(model: torch.nn.Module, inputs: Inputs, dtype: torch.dtype) -
         width=kw["width"],
         fps=kw["fps"],
         audio_num_frames=kw["audio_num_frames"],
-        video_coords=video_coords,
-        audio_coords=audio_coords,
+        video_coords=None,
+        audio_coords=None,
         return_latents=False,
         return_dict=False,
     )
