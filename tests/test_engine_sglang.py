@@ -363,7 +363,7 @@ def test_a_dump_written_inside_the_engine_pairs_against_the_trainer(sglang, tmp_
     assert flagged.meta["dump_checks"]["weights"] == "differ" and flagged.meta["dump_mismatch"]
 
 
-@pytest.mark.parametrize("family_name", ["flux", "qwen_image", "sd3", "wan2_2"])
+@pytest.mark.parametrize("family_name", ["flux", "ltx2", "qwen_image", "sd3", "wan2_2"])
 def test_notebook_12_pairs_the_engine_and_checks_the_emulation(
     sglang, family_name: str, tmp_path
 ) -> None:
