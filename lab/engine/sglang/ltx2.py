@@ -58,7 +58,9 @@ def arch_config(config: Mapping[str, Any]) -> dict[str, Any]:
     for key, want in _FIXED.items():
         got = config.get(key)
         if (tuple(got) if isinstance(got, (list, tuple)) else got) != want:
-            raise _refuse(key, got, f"the engine's class hard-codes {want!r}.")
+            raise _refuse(
+                key, got, f"the engine's class hard-codes {want!r}: build the model with that."
+            )
     kwargs: dict[str, Any] = {k: config[k] for k in _SAME if k in config}
     for engine_key, (video, audio) in _PAIRED.items():
         if bool(config.get(video)) != bool(config.get(audio)):
