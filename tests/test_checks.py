@@ -298,16 +298,35 @@ def test_sigma_parity_refuses_bad_settings() -> None:
 
 @pytest.mark.parametrize("family_name", lab.FAMILY_NAMES)
 def test_weight_sync_of_a_bf16_sync_is_all_rounded(family_name: str, models: dict) -> None:
+    from lab.pairing.weights import constructed_buffer_dtypes
+
     model = models[family_name]
     master = model.state_dict()
-    engine = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in master.items()}
+    # The engine's load: bf16, except a buffer its class builds in another dtype (SD3's
+    # pos_embed table stays fp32, exactly the master's).
+    own = {
+        k: d for k, d in constructed_buffer_dtypes(model, torch.bfloat16).items()
+        if d != torch.bfloat16 and k in master
+    }  # fmt: skip
+    engine = {
+        k: v.to(own.get(k, torch.bfloat16)) if v.is_floating_point() else v
+        for k, v in master.items()
+    }
     result = weight_sync(model, engine, expect_dtype="bf16")
     table = result.table()
     floats = sum(v.is_floating_point() for v in master.values())
 
-    assert len(table) == len(master) and result.passed
-    assert (table["status"] == "rounded").sum() == floats
+    assert len(table) == len(master) and result.passed, result.verdict
+    assert (table["status"] == "rounded").sum() == floats - len(own)
+    assert (table["status"] == "equal").sum() == len(own) + len(master) - floats
     assert (table.loc[table["status"] == "rounded", "max_ulp"] == 0).all()
+    assert sorted(own) == (["pos_embed.pos_embed"] if family_name == "sd3" else [])
+    # A sync that casts that table to bf16 too is not the engine's: named as a dtype change.
+    if own:
+        cast = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in master.items()}
+        flagged = weight_sync(model, cast, expect_dtype="bf16").table().set_index("name")
+        assert (flagged["status"] == "dtype").sum() == 1
+        assert flagged.loc["pos_embed.pos_embed", "status"] == "dtype"
     same = weight_sync(master, master).table()
     assert (same["status"] == "equal").all() and (same["max_ulp"] == 0).all()
 

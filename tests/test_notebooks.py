@@ -186,7 +186,7 @@ def test_two_runs_with_default_folders_leave_two_results(
     runs/ratio_drift/, and the first results.json was replaced without a word."""
     monkeypatch.delenv("LAB_HOME", raising=False)  # the working directory is the lab home
     for family in ("wan2_2", "ltx2"):
-        _execute("02_ratio_drift.ipynb", tmp_path, family=family, steps=1, samples=1,
+        _execute("02_ratio_drift.ipynb", tmp_path, family=family, steps=2, samples=1,
                  interactive=False)  # fmt: skip
     saved = sorted((tmp_path / "runs" / "ratio_drift").glob("*/results.json"))
     assert [p.parent.name.split("-tiny-")[0] for p in saved] == ["ltx2", "wan2_2"], saved
