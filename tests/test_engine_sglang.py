@@ -61,7 +61,7 @@ def check_engine_modules(family_name: str, checks):
     return checks[family_name].engine.module.named_modules()
 
 
-@pytest.mark.parametrize("family_name", ["flux", "qwen_image", "sd3"])
+@pytest.mark.parametrize("family_name", ["flux", "ltx2", "qwen_image", "sd3"])
 def test_emulation_is_bit_exact_with_the_engine(checks, family_name: str) -> None:
     result = checks[family_name].engine_vs_rollout
     summary = result.summary()
@@ -241,14 +241,21 @@ def test_ltx2_engine_in_fp32_is_the_diffusers_model_bit_for_bit(sglang) -> None:
     assert ref_video.abs().max() > 0.1
 
 
-def test_ltx2_emulation_differs_from_the_engine_only_by_its_rope(checks) -> None:
-    result = checks["ltx2"].engine_vs_rollout
+def test_ltx2_rollout_without_the_engines_rope_differs_only_at_its_four_tables(
+    sglang, checks
+) -> None:
+    # The default rollout runs the engine's RoPE (bit-exact above, on this CPU and the H100's
+    # Triton kernel alike: the switch needs no CPU-only value).
+    assert checks["ltx2"].engine_vs_rollout.side_b["op_switches"] == {"ltx_rope": "bf16"}
+    assert "op_switches.ltx_rope" not in checks["ltx2"].engine_vs_rollout.meta["emulated_on_cpu"]
+    fp32 = sglang.check_emulation("ltx2", rollout={"op_switches": {"ltx_rope": "fp32"}})
+    result = fp32.engine_vs_rollout
     summary = result.summary()
     assert summary["pairs"] == 192 and summary["bitexact_pairs"] == 90
     assert result.first_divergent_module == "rope"
-    assert "rounds its (cos, sin) table to the activation dtype" in result.why("rope")
-    # The differing outputs the engine computes itself are its four RoPE tables; every other
-    # differing row inherits them (or contains a row that does).
+    # The differing outputs the engine computes itself are its four RoPE tables (bf16 there,
+    # fp32 in diffusers); every other differing row inherits them (or contains a row that does).
+    assert (result.rows[0].dtype_a, result.rows[0].dtype_b) == ("bf16", "fp32")
     own = {
         r.label()
         for r, w in zip(result.rows, result.whys(), strict=True)
@@ -265,10 +272,10 @@ def test_ltx2_emulation_differs_from_the_engine_only_by_its_rope(checks) -> None
     assert 1e-3 < rel < 3e-2
 
 
-def test_ltx2_engine_with_diffusers_rope_is_bit_exact_with_the_emulation(
+def test_ltx2_engine_with_diffusers_rope_is_bit_exact_with_the_fp32_rope_switch(
     sglang, monkeypatch
 ) -> None:
-    """The named cause is the whole difference: the engine given diffusers' RoPE matches."""
+    """ltx_rope="fp32" is diffusers' RoPE: the engine given diffusers' table and rotation."""
     from diffusers.models.transformers import transformer_ltx2
     from sglang.multimodal_gen.runtime.models.dits import ltx_2
 
@@ -280,9 +287,29 @@ def test_ltx2_engine_with_diffusers_rope_is_bit_exact_with_the_emulation(
 
     monkeypatch.setattr(rope, "forward", fp32_table)
     monkeypatch.setattr(ltx_2, "apply_split_rotary_emb", transformer_ltx2.apply_split_rotary_emb)
-    result = sglang.check_emulation("ltx2").engine_vs_rollout
+    fp32 = {"op_switches": {"ltx_rope": "fp32"}}
+    result = sglang.check_emulation("ltx2", rollout=fp32).engine_vs_rollout
     assert result.first_divergence() is None, result.describe()
     assert result.summary()["bitexact_pairs"] == 192
+
+
+def test_ltx2_interleaved_rope_emulation_is_bit_exact_at_batch_2_seed_1(sglang) -> None:
+    """The class-default rope_type: the engine rotates in bf16 without a kernel there too."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    from lab.engine.sglang.build import build_engine
+
+    fam = lab.family("ltx2")
+    config = {**fam.config("tiny"), "rope_type": "interleaved"}
+    torch.manual_seed(1)
+    model = LTX2VideoTransformer3DModel(**config).eval()
+    inputs = fam.make_inputs("tiny", 1, 2, False, sigma=0.81, config=config)
+    engine = build_engine(model, sglang.engine_family("ltx2"), "bf16")
+    result = sglang.pair_with_engine(engine, model, inputs, lab.Side.rollout(fam))
+    assert result.first_divergence() is None, result.describe()
+    assert result.summary()["bitexact_pairs"] == result.summary()["pairs"] > 150
+    fp32 = lab.Side.rollout(fam, op_switches={"ltx_rope": "fp32"})
+    assert sglang.pair_with_engine(engine, model, inputs, fp32).first_divergent_module == "rope"
 
 
 def test_ltx2_config_the_engine_cannot_build_is_refused_by_name(sglang) -> None:

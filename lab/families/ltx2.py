@@ -264,6 +264,10 @@ FAMILY = Family(
         "*proj_out.*": "fp32",
     },
     engine_fp32_modules=(),
+    # sglang 0.5.23 rounds its RoPE (cos, sin) table to bf16 and rotates q and k in bf16 (its
+    # torch path and its H100 Triton kernel alike); its coords stay fp32, as diffusers' do
+    # (quantize_video_rope_coords_to_hidden_dtype is off by default).
+    engine_op_switches={"ltx_rope": "bf16"},
     notes=(
         "sglang-d's native LTX forward builds RoPE positions in the latent dtype (bf16), while "
         "diffusers always builds fp32 coords (aux here, never cast): bf16 positions put rel ~0.5 "

@@ -738,6 +738,149 @@ def _rope_tables_bf16(module: torch.nn.Module) -> Callable[..., Any]:
     return forward
 
 
+# LTX-2's RoPE as sglang 0.5.23 runs it (runtime/models/dits/ltx_2.py). Its
+# LTX2AudioVideoRotaryPosEmbed.forward builds the (cos, sin) table from fp32 coords as diffusers
+# does, then rounds it to the activation dtype (out_dtype=hidden_states.dtype). Its rotation
+# never upcasts q or k: split RoPE writes x * cos at the activation dtype, then adds the sine
+# product with addcmul_ (computed in fp32, rounded once more); interleaved RoPE is plain
+# activation-dtype arithmetic. That is the torch path the engine runs on a CPU, and on an
+# H100 its Triton kernel (apply_ltx2_split_rotary_emb) writes the same rounding points, so the
+# same value models both. diffusers keeps the table fp32 and rotates in fp32, rounding once.
+# Not modelled: the fused Q/K-norm + split-RoPE CUDA kernel sglang runs by default on sm100+
+# (and on sm90 only at a non-"exact" quality), which rotates in fp32 from the bf16 table.
+
+
+def _ltx2_split_rotary(x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Sglang's apply_split_rotary_emb, torch path: x (B, L, H*K), cos/sin (B, H, L, K/2)."""
+    cos, sin = freqs
+    x_dtype = x.dtype
+    needs_reshape = x.ndim != 4 and cos.ndim == 4
+    if needs_reshape:
+        b, (_, h, t, _) = x.shape[0], cos.shape
+        x = x.reshape(b, t, h, -1).swapaxes(1, 2)
+    last = x.shape[-1]
+    if last % 2 != 0:
+        raise ValueError(f"Expected x.shape[-1] to be even for split rotary, got {last}.")
+    split_x = x.reshape(*x.shape[:-1], 2, last // 2)
+    first_x, second_x = split_x[..., :1, :], split_x[..., 1:, :]
+    cos_u, sin_u = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    # Rounded to the activation dtype here (diffusers upcasts x first: no rounding).
+    out = split_x * cos_u
+    # addcmul_ computes self + t1 * t2 in fp32 and rounds once to the activation dtype.
+    out[..., :1, :].addcmul_(-sin_u, second_x)
+    out[..., 1:, :].addcmul_(sin_u, first_x)
+    out = out.reshape(*out.shape[:-2], last)
+    if needs_reshape:
+        out = out.swapaxes(1, 2).reshape(b, t, -1)
+    return out.to(dtype=x_dtype)
+
+
+def _ltx2_interleaved_rotary(
+    x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """Sglang's apply_interleaved_rotary_emb: x (B, L, D), cos/sin (B, L, D), in x's dtype."""
+    cos, sin = freqs
+    x_real, x_imag = x.unflatten(2, (-1, 2)).unbind(-1)
+    x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(2)
+    return x * cos + x_rotated * sin
+
+
+def _ltx2_rope_table_bf16(module: torch.nn.Module) -> Callable[..., Any]:
+    """LTX2AudioVideoRotaryPosEmbed.forward with its fp32 (cos, sin) rounded to bf16."""
+    stock = type(module).forward.__get__(module)
+
+    def forward(coords: torch.Tensor, device: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = stock(coords, device)
+        return cos.to(torch.bfloat16), sin.to(torch.bfloat16)
+
+    return forward
+
+
+def _ltx2_attention_engine_rope(module: torch.nn.Module) -> Callable[..., Any]:
+    """LTX2Attention.forward rotating q and k as the engine does (`_ltx2_split_rotary`).
+
+    diffusers 0.42.1's LTX2PerturbedAttnProcessor with the rotation swapped; with the plain
+    LTX2AudioVideoAttnProcessor it runs without the perturbation kwargs (which that processor
+    does not take), the same ops. Any other processor runs the class's own forward.
+    """
+    from diffusers.models.transformers.transformer_ltx2 import (
+        LTX2AudioVideoAttnProcessor,
+        LTX2PerturbedAttnProcessor,
+    )
+
+    processor = module.processor
+    if type(processor) not in (LTX2AudioVideoAttnProcessor, LTX2PerturbedAttnProcessor):
+        return type(module).forward.__get__(module)
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    attn = module
+    perturbed = type(processor) is LTX2PerturbedAttnProcessor
+    rotate = _ltx2_interleaved_rotary if attn.rope_type == "interleaved" else _ltx2_split_rotary
+
+    def forward(
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        query_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        key_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        perturbation_mask: torch.Tensor | None = None,
+        all_perturbed: Any = None,
+        **ignored: Any,
+    ) -> torch.Tensor:
+        # Unknown kwargs are dropped, as LTX2Attention.forward drops what its processor does not.
+        if not perturbed:
+            perturbation_mask, all_perturbed = None, None
+        batch_size, sequence_length, _ = (
+            hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
+        )
+        if attention_mask is not None:
+            attention_mask = attn.prepare_attention_mask(
+                attention_mask, sequence_length, batch_size
+            )
+            attention_mask = attention_mask.view(
+                batch_size, attn.heads, -1, attention_mask.shape[-1]
+            )
+        if encoder_hidden_states is None:
+            encoder_hidden_states = hidden_states
+        if attn.to_gate_logits is not None:
+            gate_logits = attn.to_gate_logits(hidden_states)
+        value = attn.to_v(encoder_hidden_states)
+        if all_perturbed is None:
+            all_perturbed = (
+                torch.all(perturbation_mask == 0) if perturbation_mask is not None else False
+            )
+        if all_perturbed:
+            out = value
+        else:
+            query = attn.norm_q(attn.to_q(hidden_states))
+            key = attn.norm_k(attn.to_k(encoder_hidden_states))
+            if query_rotary_emb is not None:
+                query = rotate(query, query_rotary_emb)
+                key = rotate(
+                    key, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb
+                )
+            query = query.unflatten(2, (attn.heads, -1))
+            out = dispatch_attention_fn(
+                query,
+                key.unflatten(2, (attn.heads, -1)),
+                value.unflatten(2, (attn.heads, -1)),
+                attn_mask=attention_mask,
+                dropout_p=0.0,
+                is_causal=False,
+                backend=processor._attention_backend,
+                parallel_config=processor._parallel_config,
+            )
+            out = out.flatten(2, 3).to(query.dtype)
+            if perturbation_mask is not None:
+                out = torch.lerp(value, out, perturbation_mask)
+        if attn.to_gate_logits is not None:
+            out = out.unflatten(2, (attn.heads, -1))  # (B, L, H, K)
+            out = (out * (2.0 * torch.sigmoid(gate_logits)).unsqueeze(-1)).flatten(2, 3)
+        return attn.to_out[1](attn.to_out[0](out))
+
+    return forward
+
+
 def _qwen_rope_built_on(where: str) -> Callable[[torch.nn.Module], Callable[..., Any]]:
     """QwenEmbedRope.forward with its freqs tables rebuilt on `where` ("cpu" or "device").
 
@@ -1005,6 +1148,22 @@ register_switch(
         "the engine's CPU fallback apply_rotary_embedding_native does).",
         values=("as_built", "bf16"),
         forwards={"bf16": {"WanRotaryPosEmbed": _rope_tables_bf16}},
+    )
+)
+register_switch(
+    Switch(
+        name="ltx_rope",
+        description="LTX-2 RoPE: 'fp32' (diffusers: the (cos, sin) table fp32, q and k rotated "
+        "in fp32 and rounded once) or 'bf16' (sglang: the table rounded to bf16, the rotation "
+        "in bf16 as its torch path and its H100 Triton kernel do: x * cos rounded, then the "
+        "sine product added in fp32 and rounded again).",
+        values=("fp32", "bf16"),
+        forwards={
+            "bf16": {
+                "LTX2AudioVideoRotaryPosEmbed": _ltx2_rope_table_bf16,
+                "LTX2Attention": _ltx2_attention_engine_rope,
+            }
+        },
     )
 )
 register_switch(

@@ -134,15 +134,6 @@ def forward_kwargs(model: torch.nn.Module, inputs: Inputs, dtype: torch.dtype) -
     )
 
 
-_ROPE = (
-    "the engine's LTX2AudioVideoRotaryPosEmbed.forward rounds its (cos, sin) table to the "
-    "activation dtype (out_dtype=hidden_states.dtype: bf16, on a GPU as well), and on a CPU "
-    "its torch apply_split_rotary_emb rotates q and k in that dtype (each product and sum "
-    "rounds to bf16); diffusers keeps the table fp32 and upcasts q and k, rounding once. The "
-    "lab's rollout emulation has no switch for it yet: with diffusers' table and rotation "
-    "patched into the engine, the two are bit-exact (tiny, bf16)"
-)
-
 ENGINE = EngineFamily(
     family_name="ltx2",
     dit="sglang.multimodal_gen.runtime.models.dits.ltx_2:LTX2VideoTransformer3DModel",
@@ -151,12 +142,8 @@ ENGINE = EngineFamily(
     pipeline="sglang.multimodal_gen.configs.pipeline_configs.ltx_2:LTX2PipelineConfig",
     arch_config=arch_config,
     forward_kwargs=forward_kwargs,
-    differences={
-        "rope": _ROPE,
-        "audio_rope": _ROPE,
-        "cross_attn_rope": _ROPE,
-        "cross_attn_audio_rope": _ROPE,
-    },
+    # No `differences`: with the family's rollout switch ltx_rope="bf16" (the engine's bf16
+    # RoPE table and its rotation, on a GPU as on this CPU) the check is bit-exact (tiny, bf16).
     parameterless={
         "*.rms_norm": "the engine's one affine-free RMSNorm per block, called before each "
         "attention and feed-forward (diffusers holds one parameterless norm module for each: "
