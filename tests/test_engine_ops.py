@@ -210,6 +210,41 @@ def test_wan_rope_bf16_switch_rounds_the_tables(built: dict) -> None:
     assert not torch.equal(cos.float(), stock_cos)
 
 
+def test_ltx_rope_bf16_rounds_x_cos_before_adding_the_sine_product() -> None:
+    from diffusers.models.transformers import transformer_ltx2
+
+    from lab.precision.engine_groups import _ltx2_interleaved_rotary, _ltx2_split_rotary
+
+    bf16 = torch.bfloat16
+    # One head of width 2. x1 * cos = 1 + 2^-6 + 2^-14 rounds to 1 + 2^-6 at bf16; the sine
+    # product adds 2^-8 - 2^-15. Rounded once the sum is past the half-ULP (1 + 2^-6 + 2^-7);
+    # with x * cos rounded first it falls short of it (1 + 2^-6), as the engine computes.
+    x = torch.tensor([[[1.0078125, 0.00390625]]], dtype=bf16)
+    split = (torch.tensor([1.0078125]).view(1, 1, 1, 1).to(bf16),)
+    split += (torch.tensor([-0.9921875]).view(1, 1, 1, 1).to(bf16),)
+    interleaved = (torch.tensor([[[1.0078125, 1.0078125]]], dtype=bf16),)
+    interleaved += (torch.tensor([[[-0.9921875, -0.9921875]]], dtype=bf16),)
+    assert _ltx2_split_rotary(x, split)[0, 0, 0].item() == 1.015625
+    assert _ltx2_interleaved_rotary(x, interleaved)[0, 0, 0].item() == 1.015625
+    assert transformer_ltx2.apply_split_rotary_emb(x, split)[0, 0, 0].item() == 1.0234375
+    diffusers = transformer_ltx2.apply_interleaved_rotary_emb(x, interleaved)
+    assert diffusers[0, 0, 0].item() == 1.0234375
+
+
+def test_ltx2_rollout_runs_the_engines_bf16_rope_table(built: dict) -> None:
+    fam, model, inputs = _model_inputs(built, "ltx2")
+    assert lab.Side.rollout(fam).op_switches == {"ltx_rope": "bf16"}
+    assert lab.Side.trainer(fam).op_switches == {}
+    coords = inputs.kwargs["video_coords"]
+    stock_cos, stock_sin = model.rope(coords)
+    with ops_applied(model, (), {"ltx_rope": "bf16"}):
+        cos, sin = model.rope(coords)
+    assert stock_cos.dtype == torch.float32 and cos.dtype == torch.bfloat16
+    assert torch.equal(cos, stock_cos.to(torch.bfloat16))
+    assert torch.equal(sin, stock_sin.to(torch.bfloat16))
+    assert "forward" not in model.rope.__dict__  # restored on exit
+
+
 def test_unknown_group_and_switch_value_are_named() -> None:
     fam = lab.family("qwen_image")
     with pytest.raises(ValueError, match=r"unknown patch group\(s\) \['sglang'\].*Known: sgld"):

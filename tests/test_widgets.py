@@ -433,7 +433,7 @@ def test_nearest_rule_names_fixes_the_misspelt_piece_only() -> None:
             ["sgld", "qwen_image", "qwen_image_native"],
             ["timestep_from", "rope_cache_device"],
         ),
-        ("ltx2", [], ["positions_dtype", "timestep_from"]),
+        ("ltx2", [], ["positions_dtype", "timestep_from", "ltx_rope"]),
         # The timestep switch refuses a model whose timestep it cannot adapt: not offered.
         ("minimax_h3", [], []),
         ("cosmos3", [], []),
