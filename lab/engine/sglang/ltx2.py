@@ -134,6 +134,13 @@ def forward_kwargs(model: torch.nn.Module, inputs: Inputs, dtype: torch.dtype) -
     )
 
 
+_ROPE = (
+    "the engine's LTX2AudioVideoRotaryPosEmbed.forward rounds its (cos, sin) table to the "
+    "activation dtype (bf16, on a GPU as well) and its rotation writes x * cos in that dtype "
+    "before adding the sine product; diffusers keeps the table fp32 and upcasts q and k, "
+    "rounding once (the 'ltx_rope' op switch runs the engine's way)"
+)
+
 ENGINE = EngineFamily(
     family_name="ltx2",
     dit="sglang.multimodal_gen.runtime.models.dits.ltx_2:LTX2VideoTransformer3DModel",
@@ -142,8 +149,14 @@ ENGINE = EngineFamily(
     pipeline="sglang.multimodal_gen.configs.pipeline_configs.ltx_2:LTX2PipelineConfig",
     arch_config=arch_config,
     forward_kwargs=forward_kwargs,
-    # No `differences`: with the family's rollout switch ltx_rope="bf16" (the engine's bf16
-    # RoPE table and its rotation, on a GPU as on this CPU) the check is bit-exact (tiny, bf16).
+    # Against diffusers' classes (the trainer); the emulated rollout reproduces it with the
+    # family's op switch ltx_rope="bf16", and the emulation check is bit-exact (tiny, bf16).
+    differences={
+        "rope": _ROPE,
+        "audio_rope": _ROPE,
+        "cross_attn_rope": _ROPE,
+        "cross_attn_audio_rope": _ROPE,
+    },
     parameterless={
         "*.rms_norm": "the engine's one affine-free RMSNorm per block, called before each "
         "attention and feed-forward (diffusers holds one parameterless norm module for each: "
