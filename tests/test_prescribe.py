@@ -48,7 +48,7 @@ def test_flux_bitexact_by_copying_autocast_and_the_timestep_verified_and_costed(
     table = found.table()
     assert table.loc[0, "changes"].startswith("autocast: ") and bool(table.loc[0, "meets"])
     assert "1. [copy] autocast: " in found.describe()
-    assert "op_switches['timestep_from']: (unset) -> scheduler" in found.describe()
+    assert "op_switches['timestep_from']: pipeline (stock) -> scheduler" in found.describe()
     assert found.to_dict()["prescriptions"][0]["summary"]["family"] == "flux"
 
 

@@ -84,6 +84,13 @@ def test_flux_default_pair_is_the_timestep_and_autocast_and_shares_sum_to_the_wh
     assert table.loc["autocast", "share_pct"] == pytest.approx(2.0, abs=1)
     for idle in ("cast_buffers", "engine_ops['flux_native']"):
         assert table.loc[idle, "share"] == 0.0, idle
+    # Values as a user reads them: autocast on/off, an unset switch as its stock value.
+    assert table.loc["autocast", ["value_a", "value_b"]].tolist() == ["off", "on"]
+    timestep = table.loc["op_switches['timestep_from']", ["value_a", "value_b"]].tolist()
+    assert timestep == ["scheduler", "pipeline (stock)"]
+    on_cuda = lab.Side.trainer(fam).replace(autocast_policy="cuda")
+    (knob,) = [k for k in knobs_between(a, on_cuda) if k.name == "autocast"]
+    assert knob.label() == "autocast: off -> on (cuda op lists)"
     # The whole: the rel_l2 of the two model outputs, measured directly.
     out_a = lab.forward_side(model, inputs, a)[0].double()
     out_b = lab.forward_side(model, inputs, b)[0].double()

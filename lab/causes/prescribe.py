@@ -149,7 +149,8 @@ class Prescriptions:
         if not self.prescriptions:
             why = "; ".join(f"{k}: {v}" for k, v in self.searched.items())
             return f"No change to side {self.movable} meets the target ({target}). {why}."
-        lines = [f"To meet {target} (now {self.baseline:.3g}), change side {self.movable}:"]
+        now = f"now {_measure_words(self.target)} {self.baseline:.3g}"
+        lines = [f"To meet {target} ({now}), change side {self.movable}:"]
         for i, p in enumerate(self.prescriptions, 1):
             lines.append(
                 f"  {i}. [{p.kind}] {'; '.join(p.labels())}: verified {p.value:.3g}, "
@@ -194,6 +195,15 @@ class Prescriptions:
         from lab.base.atomic import atomic_write_text
 
         return atomic_write_text(path, json.dumps(self.to_dict(), indent=1, default=str))
+
+
+def _measure_words(target: Any) -> str:
+    """What `Prescriptions.baseline` and each prescription's value measure, for the target."""
+    if target == "bitexact":
+        return "model output max abs diff"
+    if target == "noise_floor":
+        return "largest |ratio - 1|"
+    return str(target["metric"])
 
 
 def _target_words(target: Any) -> str:
@@ -402,17 +412,17 @@ def _copy_changes(moving: Side, other: Side, other_name: str) -> list[Change]:
     return [
         Change(
             "copy",
-            f"{k.name}: {_short(k.value_a)} -> {_short(k.value_b)} (as {other_name})",
+            f"{k.name}: {_short(k, k.value_a)} -> {_short(k, k.value_b)} (as {other_name})",
             knob=k,
         )
         for k in knobs_between(moving, other)
     ]
 
 
-def _short(value: Any) -> str:
-    from lab.causes.settings import _show
+def _short(knob: Any, value: Any) -> str:
+    from lab.causes.settings import _show_knob
 
-    return _show(value)
+    return _show_knob(knob, value)
 
 
 def _suggestion_changes(model: torch.nn.Module, family: Any) -> list[Change]:

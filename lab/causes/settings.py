@@ -70,8 +70,8 @@ class Knob:
         return tuple(a for p in self.parts for a in p.atoms()) if self.parts else (self,)
 
     def label(self) -> str:
-        """The knob and its two values, e.g. "autocast: False -> True"."""
-        return f"{self.name}: {_show(self.value_a)} -> {_show(self.value_b)}"
+        """The knob and its two values, e.g. "autocast: off -> on (cuda op lists)"."""
+        return f"{self.name}: {_show_knob(self, self.value_a)} -> {_show_knob(self, self.value_b)}"
 
 
 _MISSING = "(unset)"
@@ -81,6 +81,24 @@ def _show(value: Any) -> str:
     if isinstance(value, tuple | list):
         return "(" + ", ".join(map(str, value)) + ")"
     return str(value)
+
+
+def _show_knob(knob: Knob, value: Any) -> str:
+    """A knob's value as a user reads it: autocast as on/off with its dtype and op lists."""
+    if knob.field == "autocast" and isinstance(value, tuple) and len(value) == len(_AUTOCAST):
+        on, dtype, policy = value
+        if not on:
+            return "off"
+        extra = [f"dtype {dtype}" if dtype else "", f"{policy} op lists" if policy else ""]
+        details = ", ".join(e for e in extra if e)
+        return f"on ({details})" if details else "on"
+    if knob.field == "op_switches" and value == _MISSING:
+        from lab.precision.engine_registry import SWITCHES
+
+        switch = SWITCHES.get(str(knob.key))
+        if switch is not None:
+            return f"{switch.values[0]} (stock)"
+    return _show(value)
 
 
 def knobs_between(side_a: Side, side_b: Side) -> list[Knob]:
@@ -487,8 +505,8 @@ class SettingAttribution:
                 {
                     "knob": k.name,
                     "field": k.field,
-                    "value_a": _show(k.value_a),
-                    "value_b": _show(k.value_b),
+                    "value_a": _show_knob(k, k.value_a),
+                    "value_b": _show_knob(k, k.value_b),
                     "share": self.shares[i],
                     "share_pct": 100 * self.shares[i] / self.total if self.total else 0.0,
                     "stderr": self.stderr[i],
