@@ -41,7 +41,7 @@ def checks(sglang):
     return {name: sglang.check_emulation(name) for name in sglang.ENGINE_FAMILIES}
 
 
-@pytest.mark.parametrize("family_name", ["flux", "ltx2", "qwen_image", "sd3", "wan2_2"])
+@pytest.mark.parametrize("family_name", ["cosmos3", "flux", "ltx2", "qwen_image", "sd3", "wan2_2"])
 def test_emulated_rollout_matches_the_engine_or_names_why(checks, family_name: str) -> None:
     check = checks[family_name]
     result = check.engine_vs_rollout
@@ -328,6 +328,95 @@ def test_ltx2_config_the_engine_cannot_build_is_refused_by_name(sglang) -> None:
         arch_config({**config, "audio_sampling_rate": 24000})
     with pytest.raises(ValueError, match=r"use_prompt_adaln_single=False"):
         arch_config({**config, "use_prompt_adaln_single": False})
+
+
+def _cosmos3_fp32_engine(sglang, monkeypatch):
+    """The engine's Cosmos3 DiT at fp32: its post-load step at target_dtype=fp32.
+
+    sglang's loader calls post_load_weights() with its default bf16 (which casts embed_tokens,
+    proj_in/out and the RMSNorms to bf16 whatever the DiT precision), and the class declares
+    its embedding bf16; here the step runs at fp32 and the embedding gets the master back, so
+    the engine's forward is compared with diffusers' at one precision.
+    """
+    from sglang.multimodal_gen.runtime.models.dits.cosmos3video import Cosmos3OmniTransformer
+
+    from lab.engine.sglang.build import build_engine
+
+    post_load = Cosmos3OmniTransformer.post_load_weights
+    monkeypatch.setattr(
+        Cosmos3OmniTransformer,
+        "post_load_weights",
+        lambda self, target_dtype=torch.float32: post_load(self, target_dtype),
+    )
+    fam = lab.family("cosmos3")
+    model = fam.build("tiny", 0)
+    engine = build_engine(model, sglang.engine_family("cosmos3"), "fp32")
+    monkeypatch.undo()
+    # The embedding is declared bf16 by the class: its values came back rounded.
+    assert engine.weights["rounded_params"] == ["language_model.embed_tokens.weight"]
+    engine.module.language_model.embed_tokens.weight.data.copy_(model.embed_tokens.weight)
+    inputs = fam.make_inputs("tiny", 0, 1, False, sigma=0.75)
+    inputs = inputs.replace_kwargs(vision_tokens=[inputs.kwargs["vision_tokens"][0].float()])
+    return fam, model, inputs, engine
+
+
+def test_cosmos3_engine_in_fp32_runs_the_text_pathway_bit_for_bit(sglang, monkeypatch) -> None:
+    """The adapter's inputs (token ids, the engine's own mRoPE ids, the step's t) are right."""
+    fam, model, inputs, engine = _cosmos3_fp32_engine(sglang, monkeypatch)
+    result = sglang.pair_with_engine(engine, model, inputs, lab.Side.fp32_reference(fam))
+    exact = {r.module for r in result.rows if not r.diverges}
+    # Every module of the text (UND) pathway, and the vision input projection, bit-exact.
+    und = {r.module for r in result.rows if r.module_a.startswith("language_model.")}
+    assert len(und) == 21 and und <= exact
+    assert {"embed_tokens", "proj_in"} <= exact
+    # The vision (GEN) pathway starts from proj_in + the time embedding, which the engine
+    # computes for one row where diffusers computes one per token (a GEMM of another shape).
+    first = result.first_divergence()
+    assert first.module == "layers.0.input_layernorm_moe_gen", result.describe()
+    assert "inherited" in result.whys()[result.rows.index(first)].codes
+    assert any(s.module == "time_embedder" and "(1, 64)" in s.reason for s in result.skipped)
+    rel = result.output_metrics()["model_output_rel_max"]
+    assert 0 < rel < 1e-5
+
+
+def test_cosmos3_engine_refuses_a_precision_it_cannot_run(sglang) -> None:
+    from lab.engine.sglang.build import build_engine
+
+    fam = lab.family("cosmos3")
+    model = fam.build("tiny", 0)
+    engine = build_engine(model, sglang.engine_family("cosmos3"), "fp32")
+    inputs = fam.make_inputs("tiny", 0, 1, False, sigma=0.75)
+    with pytest.raises(ValueError, match=r"post_load_weights.*bf16 only.*dtype='bf16'"):
+        engine.forward(inputs)
+
+
+def test_cosmos3_rollout_vs_engine_differs_at_its_named_norms(checks) -> None:
+    check = checks["cosmos3"]
+    result = check.engine_vs_rollout
+    # No autocast: Cosmos3DenoisingStage runs its DiT without one (Cosmos3Config's inherited
+    # enable_autocast is never read).
+    assert check.engine.description()["autocast"] is False
+    assert result.summary()["pairs"] == 42
+    exact = [r.module for r in result.rows if not r.diverges]
+    assert exact == ["embed_tokens", "proj_in"]
+    first = result.first_divergence()
+    assert first.module == "layers.0.input_layernorm"
+    assert first.module_a == "language_model.layers.0.input_layernorm"
+    why = result.why(first)
+    assert "the engine's RMSNorm (sglang RMSNorm.forward_native)" in why, why
+    # The projections fused in the engine pair piece by piece.
+    fused = {r.module: r.module_a for r in result.rows}
+    assert fused["layers.0.self_attn.add_k_proj"] == "gen_layers.0.cross_attention.to_qkv[2/3]"
+    assert fused["layers.1.mlp_moe_gen.up_proj"] == "gen_layers.1.mlp.gate_up_proj[2/2]"
+    # The loader rounds the time embedder to bf16 before widening it to fp32 again.
+    weights = check.engine.weights
+    assert sorted(weights["rounded_params"]) == sorted(weights["fp32_params"])
+    assert len(weights["rounded_params"]) == 4
+    # The engine drops diffusers' lm_head and text-final norm.
+    unaligned_b = result.meta["alignment"]["unaligned_b"]
+    assert unaligned_b["lm_head"].startswith("the engine's parameter mapping drops")
+    rel = result.output_metrics()["model_output_rel_max"]
+    assert 1e-3 < rel < 5e-2
 
 
 def test_engine_weights_are_the_lab_models_cast_by_the_engines_loader(checks) -> None:

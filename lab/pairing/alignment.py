@@ -139,7 +139,8 @@ def derive_alignment(
         model_b: Tree B (diffusers').
         b_to_a: Maps each B parameter name to (A name, merge index, pieces) as the engine's
             own loader does (`get_param_names_mapping`); merged pieces are concatenated along
-            dim 0 of the A parameter in merge-index order.
+            dim 0 of the A parameter in merge-index order; an empty A name is a parameter the
+            engine's loader drops (its B module is listed unaligned with that reason).
         name_a: What tree A is, for messages (default: its class name).
         name_b: What tree B is.
         parameterless: Reasons for A modules without parameters that have no B counterpart,
@@ -161,8 +162,14 @@ def derive_alignment(
     params_b = dict(model_b.named_parameters())
     pieces: dict[str, list[tuple[int | None, str]]] = {}
     unknown = []
+    dropped: set[str] = set()
     for name_p in params_b:
         target, index, _ = b_to_a(name_p)
+        if target == "":
+            # The engine's mapping sends it nowhere: its loader drops it (Cosmos3's lm_head
+            # and text-final norm, which its forward never reads).
+            dropped.add(name_p)
+            continue
         if target not in params_a:
             unknown.append(f"{name_p!r} -> {target!r}")
             continue
@@ -308,6 +315,11 @@ def derive_alignment(
             reason = (
                 f"holds the same parameters as {_label(holder)!r}, which is the one aligned "
                 f"(its output is {type(module).__name__}'s, not a module of {name_a})"
+            )
+        elif owned and owned <= dropped:
+            reason = (
+                f"the engine's parameter mapping drops its parameters ({', '.join(sorted(owned))}"
+                f"): {name_a} does not hold or compute it"
             )
         elif owned:
             reason = f"no module of {name_a} holds exactly its parameters ({len(owned)})"

@@ -34,7 +34,7 @@ from lab.families import FAMILY_NAMES, Inputs
 from lab.pairing.result import Result
 from lab.pairing.sides import Side
 
-ENGINE_FAMILIES: tuple[str, ...] = ("flux", "ltx2", "qwen_image", "sd3", "wan2_2")
+ENGINE_FAMILIES: tuple[str, ...] = ("cosmos3", "flux", "ltx2", "qwen_image", "sd3", "wan2_2")
 """Families whose DiT the engine runs here: one file each in lab/engine/sglang/."""
 
 UNSUPPORTED: dict[str, str] = {
@@ -43,11 +43,6 @@ UNSUPPORTED: dict[str, str] = {
         "engine's packed sequence ([text | cond | audio | video | pad], minimax_h3_packed_sequence "
         "and MiniMaxH3DenoiseBranch.forward_kwargs), not diffusers' inputs; an adapter must "
         "build that packing from the lab's Inputs."
-    ),
-    "cosmos3": (
-        "sglang 0.5.23's Cosmos3OmniTransformer takes text token ids and builds the text "
-        "embeddings and mRoPE ids inside, where the lab's Inputs hold diffusers' packed "
-        "embeddings; an adapter must supply the token ids the engine's tokenization stage makes."
     ),
 }
 """Family -> why the engine's DiT is not paired with the lab's model of it here."""
