@@ -34,6 +34,9 @@ from lab.pairing.result import LayerDivergence, Result, Skipped
 from lab.pairing.sides import Side
 from lab.pairing.why import Why
 
+OutputView = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(tree-A module name, its output leaf, tree B's leaf) -> the A leaf laid out as B's."""
+
 
 @dataclass(frozen=True)
 class Tree:
@@ -185,6 +188,7 @@ def pair_aligned(
     meta: Mapping[str, Any] | None = None,
     differences: Mapping[str, str] | None = None,
     captured_a: Mapping[tuple[str, int], _Call] | None = None,
+    view_a: OutputView | None = None,
 ) -> Result:
     """Run two implementations' forwards and compare every aligned module output.
 
@@ -198,6 +202,9 @@ def pair_aligned(
             inputs and weights agree is explained by the first glob it matches.
         captured_a: Tree A's calls already captured (a dump, `calls_from_dump`): its forward
             is not run.
+        view_a: Lays each tree-A output leaf out as its tree-B counterpart is, where the two
+            implementations lay the same values out otherwise (MiniMax H3's engine: one
+            unbatched packed sequence padded to 64 rows); applied before the leaves are paired.
 
     Returns:
         A propagated-mode Result: rows in tree B's names and completion order, each with its
@@ -240,11 +247,11 @@ def pair_aligned(
             if isinstance(pieces, str):
                 skipped.append(Skipped(name_b, call, "", f"fused {name_a!r}: {pieces}"))
                 continue
-            pairs = (
-                [("", _unbatched(pieces[part], call_b.leaves[0][1]), call_b.leaves[0][1])]
-                if call_b.leaves
-                else []
-            )
+            pairs = []
+            if call_b.leaves:
+                piece, leaf_b = pieces[part], call_b.leaves[0][1]
+                piece = view_a(name_a, piece, leaf_b) if view_a else piece
+                pairs = [("", _unbatched(piece, leaf_b), leaf_b)]
             label_a = f"{name_a}[{part + 1}/{count}]"
         elif aligned is not None and aligned.kind == "same":
             name_a = aligned.a
@@ -254,7 +261,13 @@ def pair_aligned(
                     Skipped(name_b, call, "", f"{tree_a.name}'s {name_a!r} ran no call #{call}")
                 )
                 continue
-            pairs = _pair_leaves(call_a.leaves, call_b.leaves)
+            leaves_a = call_a.leaves
+            if view_a is not None and len(leaves_a) == len(call_b.leaves):
+                leaves_a = [
+                    (ia, view_a(name_a, a, b))
+                    for (ia, a), (_, b) in zip(leaves_a, call_b.leaves, strict=True)
+                ]
+            pairs = _pair_leaves(leaves_a, call_b.leaves)
             if isinstance(pairs, str):
                 skipped.append(Skipped(name_b, call, "", f"aligned with {name_a!r}, but {pairs}"))
                 continue

@@ -34,17 +34,12 @@ from lab.families import FAMILY_NAMES, Inputs
 from lab.pairing.result import Result
 from lab.pairing.sides import Side
 
-ENGINE_FAMILIES: tuple[str, ...] = ("cosmos3", "flux", "ltx2", "qwen_image", "sd3", "wan2_2")
+ENGINE_FAMILIES: tuple[str, ...] = (
+    "cosmos3", "flux", "ltx2", "minimax_h3", "qwen_image", "sd3", "wan2_2",
+)  # fmt: skip
 """Families whose DiT the engine runs here: one file each in lab/engine/sglang/."""
 
-UNSUPPORTED: dict[str, str] = {
-    "minimax_h3": (
-        "sglang 0.5.23 loads diffusers-layout MiniMax H3 weights, but its forward takes the "
-        "engine's packed sequence ([text | cond | audio | video | pad], minimax_h3_packed_sequence "
-        "and MiniMaxH3DenoiseBranch.forward_kwargs), not diffusers' inputs; an adapter must "
-        "build that packing from the lab's Inputs."
-    ),
-}
+UNSUPPORTED: dict[str, str] = {}
 """Family -> why the engine's DiT is not paired with the lab's model of it here."""
 
 
@@ -131,6 +126,7 @@ def pair_with_engine(
         engine.alignment,
         meta=result_meta,
         differences=engine.spec.differences,
+        view_a=engine.spec.output_view,
     )
 
 
@@ -230,6 +226,7 @@ def pair_engine_dump(
         engine.alignment,
         meta=meta,
         differences=engine.spec.differences,
+        view_a=engine.spec.output_view,
         captured_a=calls_from_dump(entries, dump.tensors(entries)),
     )
 

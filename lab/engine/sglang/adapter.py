@@ -77,6 +77,16 @@ class EngineFamily:
     sets them, so it compares like with like, and records them in the Result."""
     parameterless: Mapping[str, str] = field(default_factory=dict)
     """engine module glob -> why a parameterless engine module has no diffusers counterpart."""
+    output_view: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    """(engine module, its output leaf, diffusers' leaf) -> the engine's leaf laid out as
+    diffusers' (`pair_aligned`'s view_a), where the engine lays the same values out otherwise;
+    None: as they are."""
+    stage_autocast: bool | None = None
+    """Whether the engine's denoising stage autocasts the DiT, where its stage ignores the
+    pipeline config's `enable_autocast` (None: that field decides)."""
+    loaded_buffers: tuple[str, ...] = ()
+    """Non-persistent buffers of the diffusers model that the engine loads as checkpoint
+    entries (persistent there), handed to its loader with the state dict."""
     source: str = ""
     """Where in the engine the input conventions were read (file:function), for the docs."""
 
@@ -84,9 +94,12 @@ class EngineFamily:
         """Whether the engine's denoising loop runs the DiT under torch.autocast.
 
         Its pipeline config's `enable_autocast`; the stage then autocasts to the DiT precision.
+        A family whose stage ignores that field says so in `stage_autocast`.
         """
         import dataclasses
 
+        if self.stage_autocast is not None:
+            return self.stage_autocast
         fields = {f.name: f for f in dataclasses.fields(_resolve(self.pipeline))}
         return bool(fields["enable_autocast"].default)
 

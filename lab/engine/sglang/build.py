@@ -74,10 +74,15 @@ class EngineModel:
         }
 
 
-def _master_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The lab model's fp32 master values by diffusers name (a compact master upcast exactly)."""
+def _master_state(model: torch.nn.Module, buffers: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """The lab model's fp32 master values by diffusers name (a compact master upcast exactly).
+
+    `buffers`: non-persistent buffers the engine loads as checkpoint entries
+    (`EngineFamily.loaded_buffers`), added to the state dict.
+    """
+    held = dict(model.named_buffers())
     state = {}
-    for name, t in model.state_dict().items():
+    for name, t in [*model.state_dict().items(), *((b, held[b]) for b in buffers)]:
         state[name] = t.float() if t.is_floating_point() and t.dtype != torch.float32 else t
     return state
 
@@ -115,7 +120,7 @@ def build_engine(
 
     config = spec.make_config(dict(model.config))
     cls = spec.dit_class()
-    state = _master_state(model)
+    state = _master_state(model, spec.loaded_buffers)
     engine = maybe_load_fsdp_model(
         cls,
         # The engine's transformer loader hands the class the checkpoint's config.json too.
@@ -178,12 +183,19 @@ def check_weights(
     from lab.engine.dump import weight_fingerprints
 
     params_a = dict(engine.named_parameters())
+    # Where the engine lays a checkpoint out its own way before loading (MiniMax H3's
+    # `_diffusers_h3_checkpoint` swaps the SwiGLU halves), its own code lays ours out too.
+    preprocess = getattr(engine, "preprocess_loaded_state_dict", None)
+    laid_out = dict(preprocess(iter(_master_state(model).items()))) if preprocess else {}
     differ = []
     rounded = []
     equal = 0
     for name_a, pieces in _pieces(model, alignment):
         held = params_a[name_a].detach()
-        want = (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)).float()
+        want = laid_out.get(name_a)
+        if want is None:
+            want = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        want = want.float()
         if torch.equal(held, want.to(held.dtype)):
             equal += 1
         elif any(
