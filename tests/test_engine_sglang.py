@@ -41,7 +41,9 @@ def checks(sglang):
     return {name: sglang.check_emulation(name) for name in sglang.ENGINE_FAMILIES}
 
 
-@pytest.mark.parametrize("family_name", ["cosmos3", "flux", "ltx2", "qwen_image", "sd3", "wan2_2"])
+@pytest.mark.parametrize(
+    "family_name", ["cosmos3", "flux", "ltx2", "minimax_h3", "qwen_image", "sd3", "wan2_2"]
+)
 def test_emulated_rollout_matches_the_engine_or_names_why(checks, family_name: str) -> None:
     check = checks[family_name]
     result = check.engine_vs_rollout
@@ -61,7 +63,7 @@ def check_engine_modules(family_name: str, checks):
     return checks[family_name].engine.module.named_modules()
 
 
-@pytest.mark.parametrize("family_name", ["flux", "ltx2", "qwen_image", "sd3"])
+@pytest.mark.parametrize("family_name", ["flux", "ltx2", "minimax_h3", "qwen_image", "sd3"])
 def test_emulation_is_bit_exact_with_the_engine(checks, family_name: str) -> None:
     result = checks[family_name].engine_vs_rollout
     summary = result.summary()
@@ -419,6 +421,91 @@ def test_cosmos3_rollout_vs_engine_differs_at_its_named_norms(checks) -> None:
     assert 1e-3 < rel < 5e-2
 
 
+@pytest.fixture(scope="module")
+def minimax(sglang):
+    from lab.engine.sglang.build import build_engine
+
+    fam = lab.family("minimax_h3")
+    model = fam.build("tiny", 0)
+    inputs = fam.make_inputs("tiny", 0, 1, False, sigma=0.75)
+    return fam, model, inputs, build_engine(model, sglang.engine_family("minimax_h3"))
+
+
+def test_minimax_h3_engine_inputs_are_the_stages_packing(minimax) -> None:
+    _, model, inputs, engine = minimax
+    kw, lab_kw = engine.forward_kwargs(inputs), inputs.kwargs
+    # [text 8 | audio 74 | video 42] = 124 rows, padded to 128 as a second cu_seqlens segment.
+    assert kw["x"].shape == (1, 128, 96) and kw["audio_x"].shape == (1, 128, 32)
+    assert kw["packed_seq_params"]["cu_seqlens_q_host"] == (0, 124, 128)
+    assert torch.equal(kw["x"][0, lab_kw["video_indices"]], lab_kw["hidden_states"][0])
+    assert torch.equal(kw["audio_x"][0, lab_kw["audio_indices"]], lab_kw["audio_hidden_states"][0])
+    assert kw["x"][0, 124:].abs().sum() == 0
+    # The step's distinct t and each row's index are the ones diffusers is given; the pad rows
+    # take the video t and (tag -1 clamped) the video AdaLN row.
+    assert torch.equal(kw["unique_timesteps"], lab_kw["timestep"])
+    assert torch.equal(kw["inverse_indices"][:124], lab_kw["timestep_indices"])
+    video_t = lab_kw["timestep_indices"][lab_kw["video_indices"][0]]
+    assert (kw["inverse_indices"][124:] == video_t).all()
+    assert torch.equal(kw["block_token_tags"][:124], lab_kw["token_tags"])
+    assert (kw["block_token_tags"][124:] == 0).all()
+    assert torch.equal(kw["img_position_ids"][0, :124], lab_kw["position_ids"].float())
+    # The SwiGLU rows were loaded [gate, value] from diffusers' [value, gate].
+    value, gate = model.transformer_blocks[0].ff.net[0].proj.weight.chunk(2)
+    fc1 = engine.module.blocks[0].mlp.fc1.weight
+    assert torch.equal(fc1, torch.cat((gate, value)).to(fc1.dtype))
+
+
+def test_minimax_h3_inputs_the_engine_cannot_take_are_refused_by_name(sglang, minimax) -> None:
+    from lab.engine.sglang.build import build_engine
+
+    fam, model, inputs, engine = minimax
+    moved = inputs.kwargs["position_ids"].clone()
+    moved[:, 0] += 1.0
+    with pytest.raises(ValueError, match=r"position_ids are not the engine's t2va packing"):
+        engine.forward_kwargs(inputs.replace_kwargs(position_ids=moved))
+    two = fam.make_inputs("tiny", 0, 2, False, sigma=0.75)
+    with pytest.raises(ValueError, match=r"batch 2, but the engine's DiT takes one packed"):
+        engine.forward_kwargs(two)
+    fp32 = build_engine(model, sglang.engine_family("minimax_h3"), "fp32")
+    with pytest.raises(ValueError, match=r"hard-codes its precision.*dtype='bf16'"):
+        fp32.forward_kwargs(inputs)
+
+
+def test_minimax_h3_emulation_is_bit_exact_at_seed_1_sigma_031(sglang) -> None:
+    """Another step: video t 0.69, audio t from its shift-3 grid, two distinct values."""
+    check = sglang.check_emulation("minimax_h3", seed=1, sigma=0.31)
+    result = check.engine_vs_rollout
+    assert result.first_divergence() is None, result.describe()
+    summary = result.summary()
+    assert summary["bitexact_pairs"] == summary["pairs"] == 79
+    assert [r.metrics.numel for r in result.root_rows()] == [42 * 96, 74 * 32]
+    # The only aligned outputs not paired: the RoPE (the engine returns the angles, diffusers
+    # cos and sin) and the final AdaLN (the engine's wrapper returns its two chunks).
+    assert {s.module for s in result.skipped if "aligned with" in s.reason} == {
+        "rope",
+        "norm_out.linear",
+    }
+    # The engine against the trainer: the same gap as the emulated rollout's, first at the
+    # trainer's autocast bf16 input projection.
+    engine, emulated = check.engine_vs_trainer, check.rollout_vs_trainer
+    assert engine.first_divergent_module == emulated.first_divergent_module == "proj_in"
+    rel = engine.output_metrics()["model_output_rel_max"]
+    assert 1e-3 < rel == emulated.output_metrics()["model_output_rel_max"] < 0.1
+
+
+def test_minimax_h3_output_view_takes_the_real_rows_of_the_padded_sequence() -> None:
+    from lab.engine.sglang.minimax_h3 import output_view
+
+    packed = torch.arange(128 * 4, dtype=torch.float32).reshape(128, 4)
+    rows = output_view("blocks.0", packed, torch.zeros(1, 124, 4))
+    assert rows.shape == (1, 124, 4) and torch.equal(rows[0], packed[:124])
+    assert output_view("blocks.0", packed[:42], torch.zeros(1, 42, 4)).shape == (1, 42, 4)
+    # Not the padded length (128 rows for 60): left as it is, reported as a shape difference.
+    assert output_view("blocks.0", packed, torch.zeros(1, 60, 4)).shape == (128, 4)
+    swapped = output_view("blocks.0.mlp.fc1", packed, torch.zeros(1, 124, 4))
+    assert torch.equal(swapped[0, :, :2], packed[:124, 2:])
+
+
 def test_engine_weights_are_the_lab_models_cast_by_the_engines_loader(checks) -> None:
     for name, check in checks.items():
         weights = check.engine.weights
@@ -479,7 +566,9 @@ def test_a_dump_written_inside_the_engine_pairs_against_the_trainer(sglang, tmp_
     assert flagged.meta["dump_checks"]["weights"] == "differ" and flagged.meta["dump_mismatch"]
 
 
-@pytest.mark.parametrize("family_name", ["flux", "ltx2", "qwen_image", "sd3", "wan2_2"])
+@pytest.mark.parametrize(
+    "family_name", ["flux", "ltx2", "minimax_h3", "qwen_image", "sd3", "wan2_2"]
+)
 def test_notebook_12_pairs_the_engine_and_checks_the_emulation(
     sglang, family_name: str, tmp_path
 ) -> None:
