@@ -437,6 +437,9 @@ def test_minimax_h3_engine_inputs_are_the_stages_packing(minimax) -> None:
     # [text 8 | audio 74 | video 42] = 124 rows, padded to 128 as a second cu_seqlens segment.
     assert kw["x"].shape == (1, 128, 96) and kw["audio_x"].shape == (1, 128, 32)
     assert kw["packed_seq_params"]["cu_seqlens_q_host"] == (0, 124, 128)
+    # Its stage runs its own loop with no autocast (the pipeline config's enable_autocast is
+    # True): under CPU autocast its fp32 input heads would run in bf16.
+    assert engine.description()["autocast"] is False
     assert torch.equal(kw["x"][0, lab_kw["video_indices"]], lab_kw["hidden_states"][0])
     assert torch.equal(kw["audio_x"][0, lab_kw["audio_indices"]], lab_kw["audio_hidden_states"][0])
     assert kw["x"][0, 124:].abs().sum() == 0
