@@ -785,7 +785,8 @@ def _cosmos3_time_embedder(module: torch.nn.Module) -> Callable[..., Any]:
 
     One row per distinct t: the engine embeds the step's t once (a batch of one) and
     broadcasts it over the tokens, where diffusers embeds one row per noisy token; a CPU GEMM
-    accumulates one row in another order than sixteen. And the linears' weights rounded to
+    accumulates one row in another order than sixteen (several distinct t: one GEMM over
+    those rows, as the engine's batch of one t per sample). And the linears' weights rounded to
     bf16, held in fp32: sglang's loader casts every weight to the DiT precision (bf16, the
     only one the engine runs Cosmos3 at) before `post_load_weights` widens the time embedder
     back to fp32. The linears are called as modules (weights swapped in for the call by
