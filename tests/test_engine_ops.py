@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import lab
 from lab.pairing.capture import ROOT
@@ -275,7 +276,7 @@ def test_a_group_that_patches_nothing_in_the_model_is_refused(built: dict) -> No
             r"AdaLayerNormContinuous, QwenImageTransformerBlock, and this model \("
             + type(model).__name__
             + r"\) has none of them: it would change nothing\. Groups that patch this model: "
-            r"sgld, qwen_image_native, wan\."
+            r"sgld, qwen_image_native, wan, cosmos3_native\."
         )
         with pytest.raises(ValueError, match=match):
             lab.pair(model, inputs, rollout, trainer)
@@ -407,3 +408,80 @@ def test_attention_projects_the_split_as_views_the_engines_way(
         assert stock[0].shape[0] == batch
         same = [torch.equal(a, b) for a, b in zip(stock, engine, strict=True)]
         assert all(same) if batch == 1 else not any(same), (batch, same)
+
+
+def _engine_rms_norm(x32: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """sglang's RMSNorm.forward_native on an fp32 input: one rounding, after the weight."""
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * weight.float()).to(weight.dtype)
+
+
+def test_cosmos3_native_fused_norm_normalizes_the_unrounded_sum() -> None:
+    """The engine's fused residual add + norm reads the fp32 sum, not its bf16 rounding."""
+    from diffusers.models.normalization import RMSNorm
+
+    from lab.precision.engine_groups import _FUSED_NORM_INPUTS, _cosmos3_fused_norm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64) * 0.3 + 1)
+    residual = torch.randn(8, 64).to(torch.bfloat16)
+    branch = (torch.randn(8, 64) * 0.01).to(torch.bfloat16)
+    rounded = residual + branch
+    fp32_sum = residual.float() + branch.float()
+    with ops_applied(norm, ("cosmos3_native",), {}):
+        fused = _cosmos3_fused_norm(norm, rounded, fp32_sum)
+        plain = norm(rounded)
+    stock = norm(rounded)
+
+    assert torch.equal(fused, _engine_rms_norm(fp32_sum, norm.weight, 1e-6))
+    assert torch.equal(plain, _engine_rms_norm(rounded.float(), norm.weight, 1e-6))
+    assert not torch.equal(fused, plain), "the rounded sum must normalize otherwise here"
+    assert not torch.equal(plain, stock), "diffusers rounds before the weight: it must differ"
+    assert len(_FUSED_NORM_INPUTS) == 0  # held only for the norm's call
+
+
+def test_cosmos3_native_time_embedding_is_one_row_per_t_from_bf16_rounded_weights() -> None:
+    """The engine embeds the step's one t (a CPU GEMM of one row) with bf16-rounded weights."""
+    from diffusers.models.embeddings import TimestepEmbedding
+
+    torch.manual_seed(0)
+    emb = TimestepEmbedding(in_channels=256, time_embed_dim=64)
+    first, second = torch.randn(1, 256), torch.randn(1, 256)
+
+    def rounded(p: torch.Tensor) -> torch.Tensor:
+        return p.to(torch.bfloat16).float()
+
+    def engine(x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(F.linear(x, rounded(emb.linear_1.weight), rounded(emb.linear_1.bias)))
+        return F.linear(h, rounded(emb.linear_2.weight), rounded(emb.linear_2.bias))
+
+    calls = []
+    emb.linear_1.register_forward_hook(lambda m, a, out: calls.append(tuple(out.shape)))
+    sample = first.expand(16, -1)
+    with ops_applied(emb, ("cosmos3_native",), {}):
+        out = emb(sample)
+        # Two distinct t (two modalities' tokens, say): one GEMM over the two rows.
+        two = emb(torch.cat([first.expand(4, -1), second.expand(3, -1)]))
+    stock = emb(sample)
+
+    assert out.shape == stock.shape == (16, 64)
+    assert torch.equal(out, engine(first).expand(16, -1))
+    assert not torch.equal(out, stock), "diffusers embeds 16 rows from fp32 weights"
+    assert calls[:2] == [(1, 64), (2, 64)]  # the hooked linear ran once a call, per distinct t
+    assert torch.equal(two[:4], two[:1].expand(4, -1)) and torch.equal(
+        two[4:], two[4:5].expand(3, -1)
+    )
+    assert not torch.equal(two[0], two[4])
+    assert emb.linear_1.weight.dtype == torch.float32  # the fp32 weights are untouched
+
+
+def test_cosmos3_rollout_runs_the_engines_group(built: dict) -> None:
+    fam, model, _inputs = _model_inputs(built, "cosmos3")
+    assert lab.Side.rollout(fam).engine_ops == ("cosmos3_native",)
+    assert lab.Side.trainer(fam).engine_ops == ()
+    layer = model.layers[0]
+    with ops_applied(model, ("cosmos3_native",), {}):
+        assert "forward" in layer.__dict__ and "forward" in model.time_embedder.__dict__
+    assert "forward" not in layer.__dict__  # restored on exit

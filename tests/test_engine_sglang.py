@@ -392,20 +392,22 @@ def test_cosmos3_engine_refuses_a_precision_it_cannot_run(sglang) -> None:
         engine.forward(inputs)
 
 
-def test_cosmos3_rollout_vs_engine_differs_at_its_named_norms(checks) -> None:
+def test_cosmos3_emulated_rollout_is_the_engine_bit_for_bit(checks) -> None:
     check = checks["cosmos3"]
     result = check.engine_vs_rollout
     # No autocast: Cosmos3DenoisingStage runs its DiT without one (Cosmos3Config's inherited
     # enable_autocast is never read).
     assert check.engine.description()["autocast"] is False
-    assert result.summary()["pairs"] == 42
-    exact = [r.module for r in result.rows if not r.diverges]
-    assert exact == ["embed_tokens", "proj_in"]
-    first = result.first_divergence()
-    assert first.module == "layers.0.input_layernorm"
-    assert first.module_a == "language_model.layers.0.input_layernorm"
-    why = result.why(first)
-    assert "the engine's RMSNorm (sglang RMSNorm.forward_native)" in why, why
+    # The rollout's cosmos3_native group computes every named difference the engine's way.
+    assert lab.Side.rollout(lab.family("cosmos3")).engine_ops == ("cosmos3_native",)
+    assert check.engine.spec.differences == {}
+    summary = result.summary()
+    assert summary["pairs"] == summary["bitexact_pairs"] == 45, check.describe()
+    assert result.first_divergence() is None
+    assert result.output_metrics()["model_output_rel_max"] == 0
+    # The time embedding pairs too: one row for the step's t, as the engine embeds it.
+    rows = {r.module: r for r in result.rows}
+    assert {"time_embedder.linear_1", "time_embedder.linear_2"} <= set(rows)
     # The projections fused in the engine pair piece by piece.
     fused = {r.module: r.module_a for r in result.rows}
     assert fused["layers.0.self_attn.add_k_proj"] == "gen_layers.0.cross_attention.to_qkv[2/3]"
@@ -417,6 +419,16 @@ def test_cosmos3_rollout_vs_engine_differs_at_its_named_norms(checks) -> None:
     # The engine drops diffusers' lm_head and text-final norm.
     unaligned_b = result.meta["alignment"]["unaligned_b"]
     assert unaligned_b["lm_head"].startswith("the engine's parameter mapping drops")
+
+
+def test_cosmos3_rollout_without_its_group_differs_from_the_first_norm(sglang) -> None:
+    """The stock diffusers forward at bf16: the engine's RMSNorm rounds once, diffusers twice."""
+    check = sglang.check_emulation("cosmos3", rollout={"engine_ops": ()})
+    result = check.engine_vs_rollout
+    assert [r.module for r in result.rows if not r.diverges] == ["embed_tokens", "proj_in"]
+    assert result.first_divergence().module == "layers.0.input_layernorm"
+    # diffusers embeds one t per token: those rows do not pair with the engine's one row.
+    assert any(s.module == "time_embedder" and "(1, 64)" in s.reason for s in result.skipped)
     rel = result.output_metrics()["model_output_rel_max"]
     assert 1e-3 < rel < 5e-2
 

@@ -254,7 +254,13 @@ def test_stream_mode_gives_the_same_rows(built: dict, family_name: str) -> None:
     assert t1.index.equals(t2.index)
     for column in ("max_abs_diff", "max_ulp", "bitexact_frac", "dtype_a", "dtype_b"):
         assert t1[column].equals(t2[column]), column
-    assert not streamed.skipped
+    # Cosmos3's rollout embeds the step's one t (the engine's one GEMM row) where the trainer
+    # embeds one row per noisy token: the time MLP's inner outputs differ in shape (its own
+    # output is broadcast back and pairs).
+    one_row = {"time_embedder.linear_1", "time_embedder.act", "time_embedder.linear_2"}
+    expected = one_row if family_name == "cosmos3" else set()
+    assert {s.module for s in streamed.skipped} == expected
+    assert all("shape differs: (1, 64) vs (16, 64)" in s.reason for s in streamed.skipped)
     assert streamed.meta["stream"] is True
 
 

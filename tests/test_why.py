@@ -136,7 +136,21 @@ def test_a_param_rule_is_named_and_downstream_rows_trace_back_to_it() -> None:
 
 
 def test_the_engine_fp32_keep_list_is_named() -> None:
-    result = _default("cosmos3")
+    fam = lab.family("cosmos3")
+    # The default rollout embeds the step's one t (cosmos3_native, the engine's one GEMM row):
+    # the time MLP's linears then differ in shape from the trainer's and are skipped, and the
+    # first divergent row is the embedder itself, named by its input and its engine forward.
+    default = _default("cosmos3")
+    first = default.first_divergence()
+    assert first is not None and first.module == "time_embedder"
+    assert _whys(default)[first.label()].codes == ("input_dtype", "engine_op")
+    assert {s.module for s in default.skipped} == {
+        "time_embedder.linear_1",
+        "time_embedder.act",
+        "time_embedder.linear_2",
+    }
+    # Without the group the linears pair, and their fp32 weights name the keep list.
+    result = _pair("cosmos3", lab.Side.rollout(fam, engine_ops=()), lab.Side.trainer(fam))
     first = result.first_divergence()
     assert first is not None and first.module == "time_embedder.linear_1"
     why = _whys(result)[first.label()]

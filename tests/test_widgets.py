@@ -436,7 +436,7 @@ def test_nearest_rule_names_fixes_the_misspelt_piece_only() -> None:
         ("ltx2", [], ["positions_dtype", "timestep_from", "ltx_rope"]),
         # The timestep switch refuses a model whose timestep it cannot adapt: not offered.
         ("minimax_h3", [], []),
-        ("cosmos3", [], []),
+        ("cosmos3", ["cosmos3_native"], []),
     ],
 )
 def test_only_the_engine_ops_that_apply_to_the_family_are_offered(

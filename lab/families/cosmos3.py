@@ -293,6 +293,10 @@ FAMILY = Family(
     },
     # Cosmos3OmniTransformer._keep_in_fp32_modules.
     engine_fp32_modules=("time_embedder",),
+    # The engine's own rounding (lab.precision.engine_groups): its native RMSNorm, the fused
+    # residual-add norms of its generation layers, one time embedding per t from bf16-rounded
+    # weights. check_emulation("cosmos3") pairs it with the real engine.
+    engine_ops=("cosmos3_native",),
     prepare_model=prepare_model,
     notes=(
         "Plain autocast crashes the forward (scatter_add dtype mismatch); prepare_model casts the "

@@ -694,6 +694,149 @@ register_group(
 )
 
 
+# ---- Cosmos3: the engine's RMSNorms, fused residual-add + norm, and time embedding ------------
+#
+# sglang 0.5.23's Cosmos3OmniTransformer (runtime/models/dits/cosmos3video.py) runs every
+# RMSNorm as `RMSNorm.forward_native` on a CPU (the text q/k norms as torch's F.rms_norm, which
+# rounds at the same point): x in fp32, the weight multiplied in fp32, one rounding. Its
+# generation layers thread the residual: from the second layer on, `input_layernorm(h,
+# residual)` and every `post_attention_layernorm(h, residual)` add the two in fp32, keep the
+# bf16-rounded sum as the next residual and normalize the *fp32* sum. diffusers adds in bf16
+# and normalizes the rounded sum. The fp32 sums are carried from the layer that forms them to
+# the norm that reads them keyed by the rounded tensor itself (weakly: they go with it).
+
+_GEN_SUMS: Any = torch.utils.weak.WeakTensorKeyDictionary()
+"""A generation-stream tensor a Cosmos3 layer returned -> the fp32 sum it is the rounding of."""
+_FUSED_NORM_INPUTS: Any = torch.utils.weak.WeakTensorKeyDictionary()
+"""Held only while a layer calls a fused norm: its bf16 input -> the fp32 sum to normalize."""
+
+
+def _cosmos3_rms_norm(module: torch.nn.Module) -> Callable[..., Any]:
+    """RMSNorm (diffusers' or Cosmos3NemotronRMSNorm) as sglang's `RMSNorm.forward_native`.
+
+    Normalizes the fp32 sum a fused residual-add norm hands it (`_cosmos3_fused_norm`), else x
+    in fp32; times the weight in fp32; rounded once to x's dtype.
+    """
+    dims = _normalized_ndim(module)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        x32 = _FUSED_NORM_INPUTS.get(x)
+        if x32 is None:
+            x32 = x.float()
+        variance = x32.pow(2).mean(dim=tuple(range(-dims, 0)), keepdim=True)
+        out = x32 * torch.rsqrt(variance + module.eps)
+        if module.weight is not None:
+            out = out * module.weight
+        return out.to(x.dtype)
+
+    return forward
+
+
+def _cosmos3_fused_norm(
+    norm: torch.nn.Module, x: torch.Tensor, fp32_sum: torch.Tensor | None
+) -> torch.Tensor:
+    """Call `norm` on the bf16 residual `x` as the engine's fused add + norm: on `fp32_sum`.
+
+    The module is called on `x` itself, so its hooks see the tensor diffusers hands it.
+    """
+    if fp32_sum is None:
+        return norm(x)
+    _FUSED_NORM_INPUTS[x] = fp32_sum
+    try:
+        return norm(x)
+    finally:
+        del _FUSED_NORM_INPUTS[x]
+
+
+def _cosmos3_decoder_layer(layer: torch.nn.Module) -> Callable[..., Any]:
+    """Cosmos3VLTextMoTDecoderLayer.forward with the engine's fused residual norms on GEN.
+
+    The understanding stream is the engine's Cosmos3UndDecoderLayer: plain norms, bf16 adds.
+    The generation stream is its Cosmos3GenDecoderLayer: both norms read the fp32 sum of the
+    residual and the branch output (the first layer's input norm has none: it normalizes its
+    input), and the rounded sums are the residuals diffusers carries too. The final
+    norm_moe_gen normalizes the rounded `hidden + residual`, as diffusers' does.
+    """
+    b = layer
+
+    def forward(
+        und_seq: torch.Tensor,
+        gen_seq: torch.Tensor,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        und_norm = b.input_layernorm(und_seq)
+        gen_norm = _cosmos3_fused_norm(b.input_layernorm_moe_gen, gen_seq, _GEN_SUMS.get(gen_seq))
+        und_attn_out, gen_attn_out = b.self_attn(und_norm, gen_norm, rotary_emb)
+        residual_und = und_seq + und_attn_out
+        residual_gen = gen_seq + gen_attn_out
+        gen_sum = gen_seq.float() + gen_attn_out.float()
+        mlp_out_und = b.mlp(b.post_attention_layernorm(residual_und))
+        gen_normed = _cosmos3_fused_norm(b.post_attention_layernorm_moe_gen, residual_gen, gen_sum)
+        mlp_out_gen = b.mlp_moe_gen(gen_normed)
+        out_gen = residual_gen + mlp_out_gen
+        _GEN_SUMS[out_gen] = residual_gen.float() + mlp_out_gen.float()
+        return residual_und + mlp_out_und, out_gen
+
+    return forward
+
+
+def _cosmos3_time_embedder(module: torch.nn.Module) -> Callable[..., Any]:
+    """TimestepEmbedding.forward as the engine's Cosmos3TimestepEmbedder runs it at bf16.
+
+    One row per distinct t: the engine embeds the step's t once (a batch of one) and
+    broadcasts it over the tokens, where diffusers embeds one row per noisy token; a CPU GEMM
+    accumulates one row in another order than sixteen (several distinct t: one GEMM over
+    those rows, as the engine's batch of one t per sample). And the linears' weights rounded to
+    bf16, held in fp32: sglang's loader casts every weight to the DiT precision (bf16, the
+    only one the engine runs Cosmos3 at) before `post_load_weights` widens the time embedder
+    back to fp32. The linears are called as modules (weights swapped in for the call by
+    `torch.func.functional_call`), so their hooks still see each call.
+    """
+    stock = type(module).forward.__get__(module)
+
+    def rounded(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        held = {
+            name: p.to(torch.bfloat16).to(p.dtype)
+            for name, p in linear.named_parameters(recurse=False)
+        }
+        return torch.func.functional_call(linear, held, (x,))
+
+    def forward(sample: torch.Tensor, condition: torch.Tensor | None = None) -> torch.Tensor:
+        if condition is not None or module.cond_proj is not None or module.post_act is not None:
+            return stock(sample, condition)  # not the shape the engine's embedder has
+        rows, inverse = torch.unique(sample, dim=0, return_inverse=True)
+        x = rounded(module.linear_1, rows)
+        if module.act is not None:
+            x = module.act(x)
+        return rounded(module.linear_2, x)[inverse]
+
+    return forward
+
+
+register_group(
+    PatchGroup(
+        name="cosmos3_native",
+        description=(
+            "Cosmos3 as the engine's own DiT computes it on a CPU (sglang "
+            "Cosmos3OmniTransformer, its native torch ops): every RMSNorm (layer norms, q/k "
+            "norms, final norms) normalizes in fp32, multiplies the weight in fp32 and rounds "
+            "once; the generation layers' norms after the first are fused residual-add norms "
+            "that normalize the fp32 sum of residual and branch (the rounded sum is carried, "
+            "as in diffusers); the time embedding is computed once per distinct t (the engine "
+            "embeds the step's one t) with the linears' weights rounded to bf16 and held in "
+            "fp32, as the engine's loader leaves them. RoPE, attention and the MLPs are "
+            "diffusers' stock forward, which rounds where the engine's torch path does."
+        ),
+        forwards={
+            "RMSNorm": _dispatch_rms(_cosmos3_rms_norm, None),
+            "Cosmos3NemotronRMSNorm": _cosmos3_rms_norm,
+            "Cosmos3VLTextMoTDecoderLayer": _cosmos3_decoder_layer,
+            "TimestepEmbedding": _cosmos3_time_embedder,
+        },
+    )
+)
+
+
 # ---- module-level switches ---------------------------------------------------------------------
 
 
