@@ -149,15 +149,35 @@ class Cosmos3EngineFamily(EngineFamily):
         return False
 
 
-# No named differences: on a CPU at bf16 the rollout's cosmos3_native group
-# (lab.precision.engine_groups) computes what the engine does, bit for bit at tiny: its native
-# RMSNorms (the text q/k norms' F.rms_norm rounds at the same point), the fused residual-add
-# norms of its generation layers, and its time embedding (one row per t, from weights its
-# loader rounds to bf16 and widens to fp32 again). The mRoPE table needs no emulation: the
-# engine rebuilds inv_freq in fp32, and the lab's sides never cast that non-persistent buffer
-# either (only a plain model.to(bf16) would round it). Not modelled, as they do not run on a
-# CPU: the GPU kernels (fused_add_rmsnorm, and at T == 1 on Hopper/Blackwell the fused q/k
-# norm + RoPE kernels, which round the normed q/k before the rotation).
+# Against diffusers' stock classes (the trainer). The rollout's cosmos3_native group
+# (lab.precision.engine_groups) runs each of these the engine's way, so the emulation check is
+# bit-exact at tiny on a CPU. The mRoPE table is no difference: the engine rebuilds inv_freq in
+# fp32, and the lab's sides never cast that non-persistent buffer either. Not modelled, as they
+# do not run on a CPU: the GPU kernels (fused_add_rmsnorm, and at T == 1 on Hopper/Blackwell the
+# fused q/k norm + RoPE kernels, which round the normed q/k before the rotation).
+_GROUP = " (the rollout's 'cosmos3_native' group runs the engine's way)"
+_NORM = (
+    "the engine's RMSNorm (sglang RMSNorm.forward_native): x in fp32, times rsqrt, times the "
+    "weight in fp32, rounded once; diffusers' RMSNorm rounds to the weight's dtype before the "
+    "weight, a second rounding at bf16" + _GROUP
+)
+_FUSED_NORM = (
+    "the engine's fused residual add + RMSNorm (RMSNorm.forward_native(x, residual)): it "
+    "normalizes the fp32 sum of the residual and the branch output (the bf16-rounded sum is "
+    "only the carried residual) and rounds once after the weight; diffusers adds in bf16, then "
+    "normalizes the rounded sum and rounds before the weight" + _GROUP
+)
+_QK_NORM = (
+    "the engine's text q/k norms run torch F.rms_norm (fp32 inside, one rounding after the "
+    "weight); diffusers' RMSNorm rounds before the weight" + _GROUP
+)
+_TIME = (
+    "the engine embeds the step's one t (a batch of 1) where diffusers embeds every noisy "
+    "token's t ((tokens, 256)): the same sinusoid, but the linears' CPU kernels accumulate in "
+    "another order for one row than for many; at bf16 the engine's time_embedder also holds "
+    "bf16-rounded weights in fp32 (its loader casts them to the DiT precision before "
+    "post_load_weights widens them)" + _GROUP
+)
 
 ENGINE = Cosmos3EngineFamily(
     family_name="cosmos3",
@@ -167,6 +187,18 @@ ENGINE = Cosmos3EngineFamily(
     pipeline="sglang.multimodal_gen.configs.pipeline_configs.cosmos3:Cosmos3Config",
     arch_config=arch_config,
     forward_kwargs=forward_kwargs,
+    differences={
+        "layers.*.input_layernorm_moe_gen": _FUSED_NORM,
+        "layers.*.post_attention_layernorm_moe_gen": _FUSED_NORM,
+        "layers.*.input_layernorm": _NORM,
+        "layers.*.post_attention_layernorm": _NORM,
+        "layers.*.self_attn.norm_added_q": _NORM,
+        "layers.*.self_attn.norm_added_k": _NORM,
+        "layers.*.self_attn.norm_q": _QK_NORM,
+        "layers.*.self_attn.norm_k": _QK_NORM,
+        "norm_moe_gen": _NORM,
+        "time_embedder*": _TIME,
+    },
     parameterless={
         "language_model.rotary_emb": "the engine's mRoPE table builder; it runs as a method "
         "(build_rope_cache_inputs), not as a module call",
