@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -170,8 +171,24 @@ def main() -> None:
     rows = [measure(lab.family(name).name, args.repeat) for name in args.families.split(",")]
     if args.out:
         meta = {"torch": torch.__version__, "threads": args.threads, "repeat": args.repeat,
-                "cpu_stats_isa": list(cpu_kernel.isa_flags())}  # fmt: skip
+                "cpu_stats_isa": list(cpu_kernel.isa_flags()), "lab_commit": _commit(),
+                "recorded": time.strftime("%Y-%m-%d")}  # fmt: skip
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+def _commit() -> str | None:
+    """The checkout's short commit, for the record (None outside a git checkout)."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip() or None
 
 
 if __name__ == "__main__":
