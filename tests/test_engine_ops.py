@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -36,14 +39,10 @@ def _aligned_sides(fam: lab.Family) -> tuple[lab.Side, lab.Side]:
         return _aligned_qwen(fam), lab.Side.trainer(fam)
     if fam.name != "wan2_2":
         return lab.Side.rollout(fam), lab.Side.trainer(fam)
-    # Wan's aligned stack is the engine at a production width (its fused norm kernels, shown at
-    # tiny by the switch; at the tiny width itself the engine runs torch fallbacks that round
-    # more) against a trainer whose text enters at the DiT dtype (diffusers ties temb to it, and
-    # the engine sums its root table and temb in bf16).
-    return (
-        lab.Side.rollout(fam, op_switches={"wan_norm_path": "fused"}),
-        lab.Side.trainer(fam, input_dtype_policy={"cond": "default"}),
-    )
+    # Wan's aligned stack, as the scenarios define it (one definition).
+    from lab.engine.scenarios import _wan_aligned
+
+    return _wan_aligned(fam, "cpu")
 
 
 def _aligned_qwen(fam: lab.Family, groups: tuple[str, ...] = ("sgld", "qwen_image")) -> lab.Side:
@@ -485,3 +484,29 @@ def test_cosmos3_rollout_runs_the_engines_group(built: dict) -> None:
     with ops_applied(model, ("cosmos3_native",), {}):
         assert "forward" in layer.__dict__ and "forward" in model.time_embedder.__dict__
     assert "forward" not in layer.__dict__  # restored on exit
+
+
+def test_flux_root_switch_keeps_the_stock_forwards_lora_handling(built: dict) -> None:
+    # The engine's Flux root runs under diffusers' apply_lora_scale, as the stock forward: a
+    # caller's joint_attention_kwargs is copied (never mutated) and its "scale" taken out.
+    fam, model, inputs = _model_inputs(built, "flux")
+    side = lab.Side.rollout(fam)
+    assert side.op_switches.get("timestep_from") == "scheduler"
+    plain = lab.forward_side(model, inputs, side)[0]
+    kwargs = {"scale": 1.0}
+    scaled = dataclasses.replace(
+        inputs,
+        kwargs={**inputs.kwargs, "joint_attention_kwargs": kwargs},
+        roles={**inputs.roles, "joint_attention_kwargs": "aux"},
+    )
+    seen: list[Any] = []
+    hook = model.transformer_blocks[0].register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append(kw.get("joint_attention_kwargs")), with_kwargs=True
+    )
+    try:
+        out = lab.forward_side(model, scaled, side)[0]
+    finally:
+        hook.remove()
+    assert kwargs == {"scale": 1.0}
+    assert seen == [{}], "the blocks get the kwargs without the LoRA scale, as stock diffusers"
+    assert torch.equal(out, plain)

@@ -30,6 +30,7 @@ from typing import Any, Literal
 import torch
 
 from lab.base.arguments import checked_arguments
+from lab.base.errors import PairError
 from lab.causes.settings import Knob, knobs_between, side_with
 from lab.families import Inputs
 from lab.pairing.result import Result
@@ -425,7 +426,7 @@ def _short(knob: Any, value: Any) -> str:
     return _show_knob(knob, value)
 
 
-def _suggestion_changes(model: torch.nn.Module, family: Any) -> list[Change]:
+def _suggestion_changes(family: Any) -> list[Change]:
     if family is None:
         return []
     return [
@@ -485,17 +486,24 @@ def time_ratio(
 ) -> float:
     """Median forward time of `changed` over `unchanged`, timed alternately (one warm-up each)."""
     from lab.pairing.run import forward_side
+    from lab.pairing.state import sync
+
+    device = unchanged.device
+
+    def timed(side: Side) -> float:
+        # Synchronized on both ends: on a GPU the forward's kernels, not their launches.
+        sync(device)
+        start = time.perf_counter()
+        forward_side(model, inputs, side)
+        sync(device)
+        return time.perf_counter() - start
 
     for side in (unchanged, changed):
         forward_side(model, inputs, side)
     ratios = []
     for _ in range(repeats):
-        start = time.perf_counter()
-        forward_side(model, inputs, unchanged)
-        base = time.perf_counter() - start
-        start = time.perf_counter()
-        forward_side(model, inputs, changed)
-        ratios.append((time.perf_counter() - start) / base if base > 0 else 1.0)
+        base = timed(unchanged)
+        ratios.append(timed(changed) / base if base > 0 else 1.0)
     return statistics.median(ratios)
 
 
@@ -585,7 +593,7 @@ def prescribe(
         return Prescriptions(target, movable, baseline, [], {}, judge.forwards, meta)
     pools: dict[str, list[Change]] = {
         "copy": _copy_changes(moving, fixed, fixed.name),
-        "suggestion": _suggestion_changes(model, family),
+        "suggestion": _suggestion_changes(family),
         "island": _island_changes(model, island_depth),
         "switch": _switch_changes(model, moving),
     }
@@ -597,10 +605,10 @@ def prescribe(
             searched[kind] = "no candidates for this model and side"
             continue
 
-        def meets(changes: list[Change], _pool: list[Change] = pool) -> bool:
+        def meets(changes: list[Change]) -> bool:
             try:
                 return judge.meets(_applied(moving, fixed, changes))
-            except Exception:  # a combination that cannot run is not a prescription
+            except (PairError, ValueError):  # a combination that cannot run or be built
                 return False
 
         if not meets(pool):

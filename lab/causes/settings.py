@@ -23,7 +23,7 @@ import dataclasses
 import json
 import math
 import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -738,8 +738,3 @@ def attribute_settings(
         side_b=side_b.to_dict(),
         meta=meta,
     )
-
-
-def coalition_sides(side_a: Side, side_b: Side, knobs: Sequence[Knob]) -> Mapping[str, Side]:
-    """Each knob's "alone" side (A plus that knob), by knob name: what the table's `alone` ran."""
-    return {k.name: side_with(side_a, side_b, [k], name=f"{side_a.name}+{k.name}") for k in knobs}

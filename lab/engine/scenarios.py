@@ -124,9 +124,9 @@ def _wan_aligned(fam: Family, device: str) -> tuple[Side, Side]:
 
     The record's runs are full size (D = 5120), where sglang's fused norm kernels round "fp32
     once" (`wan_norm_path="fused"` shows that at tiny; the tiny preset's own width takes the
-    engine's torch fallbacks, which round more). The trainer's umT5 text enters at the DiT dtype,
-    as diffusers' WanPipeline casts it: diffusers ties temb to the text dtype, and only a bf16
-    temb sums with the root scale_shift_table in bf16, as the engine's does.
+    engine's torch fallbacks, which round more). The trainer takes the same switch, which gives
+    it the engine's block and root: its root sums the scale_shift_table and temb in the
+    activation dtype, as the engine's does (diffusers ties temb to the text's dtype instead).
     """
     rollout = Side.rollout(fam, device=device, op_switches={"wan_norm_path": "fused"})
     trainer = Side.trainer(fam, device=device, op_switches={"wan_norm_path": "fused"})

@@ -1104,8 +1104,13 @@ def flux_root_fp32_timestep(module: torch.nn.Module) -> Callable[..., Any]:
     """
     import numpy as np
     from diffusers.models.modeling_outputs import Transformer2DModelOutput
+    from diffusers.utils.peft_utils import apply_lora_scale
 
+    # Under diffusers' own decorator, as the stock forward: LoRA scale applied, and the
+    # caller's joint_attention_kwargs copied before the IP-adapter embeds are popped.
+    @apply_lora_scale("joint_attention_kwargs")
     def forward(
+        m: torch.nn.Module,
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor | None = None,
         pooled_projections: torch.Tensor | None = None,
@@ -1119,7 +1124,6 @@ def flux_root_fp32_timestep(module: torch.nn.Module) -> Callable[..., Any]:
         return_dict: bool = True,
         controlnet_blocks_repeat: bool = False,
     ) -> Any:
-        m = module
         hidden_states = m.x_embedder(hidden_states)
         timestep = timestep.float()
         if guidance is not None:
@@ -1185,7 +1189,7 @@ def flux_root_fp32_timestep(module: torch.nn.Module) -> Callable[..., Any]:
             return (output,)
         return Transformer2DModelOutput(sample=output)
 
-    return forward
+    return forward.__get__(module)
 
 
 def qwen_root_scheduler_timestep(module: torch.nn.Module) -> Callable[..., Any]:

@@ -243,9 +243,9 @@ def write(
         ValueError: Bad arguments, or `path` exists and overwrite is False.
     """
     import lab
-    from lab.base.atomic import atomic_write_text
+    from lab.base.atomic import atomic_write_text, check_file_path
 
-    path = Path(path)
+    path = check_file_path(path, "contract write")
     if path.exists() and not overwrite:
         raise ValueError(
             f"contract write: {str(path)!r} exists; pass overwrite=True (--overwrite) to "
@@ -263,7 +263,9 @@ def write(
         if checkpoint
         else fam.build(preset, seed, expert=fam.expert_for_sigma(sigma))
     )
-    inputs = fam.make_inputs(preset, seed, 1, cfg, sigma=sigma)
+    # A checkpoint's own config sets the input widths, as pair_family builds them.
+    own_config = dict(model.config) if checkpoint else None
+    inputs = fam.make_inputs(preset, seed, 1, cfg, sigma=sigma, config=own_config)
     result = lab.pair(model, inputs, side_a, side_b, check_outputs=False)
     groups = module_groups(result, fam.block_classes)
     clauses = []
@@ -481,8 +483,9 @@ def check(
         side_a = side_a.replace(**dict(rollout_overrides))
     if trainer_overrides:
         side_b = side_b.replace(**dict(trainer_overrides))
+    own_config = dict(model.config) if m.get("checkpoint") else None
     inputs = fam.make_inputs(m["preset"], x.get("seed", m["seed"]), x.get("batch", 1), x["cfg"],
-                             sigma=x["sigma"])  # fmt: skip
+                             sigma=x["sigma"], config=own_config)  # fmt: skip
     if dump is not None:
         from lab.engine.dump import pair_dump
 
@@ -538,20 +541,12 @@ def check(
     return ContractCheck(str(path), checks, result, notes)
 
 
-@checked_arguments
-def changed_sides(doc: Mapping[str, Any]) -> dict[str, Any]:
-    """The Side fields a contract's two sides differ in (for a quick read of a contract)."""
-    a, b = doc["sides"]["a"], doc["sides"]["b"]
-    return {k: (a.get(k), b.get(k)) for k in a if k != "name" and a.get(k) != b.get(k)}
-
-
 __all__ = [
     "SCHEMA",
     "Clause",
     "ClauseCheck",
     "ContractCheck",
     "ContractError",
-    "changed_sides",
     "check",
     "module_groups",
     "read",
