@@ -19,6 +19,7 @@ import json
 import math
 from pathlib import Path
 
+from lab.base.atomic import atomic_write_text
 from lab.engine import sglang as engine
 
 RECORD = Path(__file__).resolve().parent.parent / "data" / "engine" / "emulation_cpu.json"
@@ -54,7 +55,7 @@ def markdown(records: list[dict]) -> str:
         rel = r["model_output_rel_max"]
         lines.append(
             f"| {r['family']} | {r['pair']} | {r['bit_exact']}/{r['paired']} | `{first}` | "
-            f"{r['why'] or ''} | {rel:.2e} |"
+            f"{r['why'] or ''} | {'n/a' if rel is None else f'{rel:.2e}'} |"
         )
     return "\n".join(lines)
 
@@ -73,7 +74,7 @@ def main() -> None:
             "preset": "tiny",
             "rows": records,
         }
-        RECORD.write_text(json.dumps(document, indent=1) + "\n")
+        atomic_write_text(RECORD, json.dumps(document, indent=1) + "\n")
         print(f"wrote {RECORD}")
 
 

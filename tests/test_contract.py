@@ -102,6 +102,13 @@ def test_a_drift_clause_bounds_the_clip_fraction(tmp_path: Path) -> None:
     assert doc["drift"]["measured"]["clip_frac"] == 0.0
     found = contract.check(path)
     assert found.holds and found.checks[-1].clause == "drift"
+    # A clip range below the numeric floor: every ratio is clipped, and the clause fails alone.
+    tight = tmp_path / "tight.json"
+    doc = contract.write(tight, "sd3", drift={"steps": 4, "clip_range": 1e-9, "max_clip_frac": 0.0})
+    assert doc["drift"]["measured"]["clip_frac"] == 1.0
+    found = contract.check(tight)
+    assert not found.holds
+    assert [c.clause for c in found.checks if not c.holds] == ["drift"]
 
 
 SHIPPED = sorted((Path(__file__).resolve().parent.parent / "data" / "contracts").glob("*.json"))

@@ -87,6 +87,10 @@ class EngineFamily:
     loaded_buffers: tuple[str, ...] = ()
     """Non-persistent buffers of the diffusers model that the engine loads as checkpoint
     entries (persistent there), handed to its loader with the state dict."""
+    loader_rounds: Mapping[str, str] = field(default_factory=dict)
+    """Parameter glob -> dtype name the engine's loader rounds those parameters to whatever the
+    DiT precision, before its post-load step widens them again (Cosmos3's embed_tokens, held
+    bf16-valued); `check_weights` accepts exactly that rounding there, and nowhere else."""
     source: str = ""
     """Where in the engine the input conventions were read (file:function), for the docs."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,7 +146,7 @@ def build_engine(
         name_b=f"diffusers {type(model).__name__}",
         parameterless=spec.parameterless,
     )
-    weights = check_weights(engine, model, alignment, torch_dtype)
+    weights = check_weights(engine, model, alignment, torch_dtype, spec.loader_rounds)
     return EngineModel(
         family_name=spec.family_name,
         module=engine,
@@ -167,7 +167,11 @@ def _pieces(
 
 
 def check_weights(
-    engine: torch.nn.Module, model: torch.nn.Module, alignment: Alignment, dtype: torch.dtype
+    engine: torch.nn.Module,
+    model: torch.nn.Module,
+    alignment: Alignment,
+    dtype: torch.dtype,
+    loader_rounds: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Compare every engine parameter with the lab model's (pieces fused, cast to its dtype).
 
@@ -199,12 +203,11 @@ def check_weights(
         if torch.equal(held, want.to(held.dtype)):
             equal += 1
         elif any(
-            torch.equal(held, want.to(low).to(held.dtype))
-            for low in {dtype, torch.bfloat16} - {held.dtype}
+            low != held.dtype and torch.equal(held, want.to(low).to(held.dtype))
+            for low in _loaded_at(name_a, dtype, loader_rounds or {})
         ):
-            # Loaded at the DiT precision (or a bf16 the class declares), then widened by its
-            # post-load step: Cosmos3's time_embedder (bf16 values held fp32 at bf16) and
-            # embed_tokens (declared bf16 whatever the DiT precision).
+            # Loaded at the DiT precision (or the dtype its loader declares for it), then
+            # widened by its post-load step: Cosmos3's time_embedder and embed_tokens.
             rounded.append(name_a)
             equal += 1
         else:
@@ -229,3 +232,20 @@ def check_weights(
         "rounded_params": rounded,
         "fingerprint": digest,
     }
+
+
+def _loaded_at(name: str, dtype: torch.dtype, loader_rounds: Mapping[str, str]) -> set[torch.dtype]:
+    """The dtypes an engine parameter may have been loaded at (before a post-load widening).
+
+    The DiT precision, and the one `EngineFamily.loader_rounds` declares for the parameter.
+    """
+    from fnmatch import fnmatchcase
+
+    from lab.base.dtypes import parse_dtype
+
+    declared = {
+        parse_dtype(d, where="EngineFamily.loader_rounds")
+        for glob, d in loader_rounds.items()
+        if fnmatchcase(name, glob)
+    }
+    return {dtype, *declared}

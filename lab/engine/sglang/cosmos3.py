@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -135,20 +134,6 @@ def forward_kwargs(model: torch.nn.Module, inputs: Inputs, dtype: torch.dtype) -
     )
 
 
-@dataclass(frozen=True, kw_only=True)
-class Cosmos3EngineFamily(EngineFamily):
-    """Cosmos3's declaration: its own denoising stage, which runs no autocast.
-
-    `Cosmos3Config` inherits `enable_autocast=True` from PipelineConfig, but the stage that
-    runs its DiT (`Cosmos3DenoisingStage`, not the generic `DenoisingStage` that reads the
-    flag) calls the transformer with no autocast context.
-    """
-
-    def autocast(self) -> bool:
-        """False: `Cosmos3DenoisingStage._run_transformer` runs no autocast."""
-        return False
-
-
 # Against diffusers' stock classes (the trainer). The rollout's cosmos3_native group
 # (lab.precision.engine_groups) runs each of these the engine's way, so the emulation check is
 # bit-exact at tiny on a CPU. The mRoPE table is no difference: the engine rebuilds inv_freq in
@@ -179,8 +164,13 @@ _TIME = (
     "post_load_weights widens them)" + _GROUP
 )
 
-ENGINE = Cosmos3EngineFamily(
+ENGINE = EngineFamily(
     family_name="cosmos3",
+    # Cosmos3Config inherits enable_autocast=True from PipelineConfig, but the stage that runs
+    # its DiT (Cosmos3DenoisingStage._run_transformer) calls it with no autocast context.
+    stage_autocast=False,
+    # post_load_weights casts embed_tokens to bf16 whatever the DiT precision.
+    loader_rounds={"language_model.embed_tokens.weight": "bf16"},
     dit="sglang.multimodal_gen.runtime.models.dits.cosmos3video:Cosmos3OmniTransformer",
     config="sglang.multimodal_gen.configs.models.dits.cosmos3video:Cosmos3VideoConfig",
     arch="sglang.multimodal_gen.configs.models.dits.cosmos3video:Cosmos3VideoArchConfig",
