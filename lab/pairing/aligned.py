@@ -142,26 +142,10 @@ def calls_from_dump(
     return calls
 
 
-def _unbatched(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`a` without a leading batch dim of 1 where `b` is the same output unbatched.
-
-    The engine runs Cosmos3's packed single-sample sequence as a batch of one, (1, L, D), where
-    diffusers computes (L, D); the values are the same, row for row.
-    """
-    if a.dim() == b.dim() + 1 and a.shape[0] == 1 and a.shape[1:] == b.shape:
-        return a[0]
-    return a
-
-
 def _pair_leaves(
     a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]]
 ) -> list[tuple[str, torch.Tensor, torch.Tensor]] | str:
-    """Pair two calls' output leaves: by position, else by unique shape; or why they cannot be.
-
-    A leading batch dim of 1 on A's side only (`_unbatched`) pairs as the unbatched output.
-    """
-    if len(a) == len(b):
-        a = [(i, _unbatched(x, y)) for (i, x), (_, y) in zip(a, b, strict=True)]
+    """Pair two calls' output leaves: by position, else by unique shape; or why they cannot be."""
     if len(a) == len(b) and all(x.shape == y.shape for (_, x), (_, y) in zip(a, b, strict=True)):
         return [(ib, x, y) for (_, x), (ib, y) in zip(a, b, strict=True)]
     shapes_a = [tuple(t.shape) for _, t in a]
@@ -251,7 +235,7 @@ def pair_aligned(
             if call_b.leaves:
                 piece, leaf_b = pieces[part], call_b.leaves[0][1]
                 piece = view_a(name_a, piece, leaf_b) if view_a else piece
-                pairs = [("", _unbatched(piece, leaf_b), leaf_b)]
+                pairs = [("", piece, leaf_b)]
             label_a = f"{name_a}[{part + 1}/{count}]"
         elif aligned is not None and aligned.kind == "same":
             name_a = aligned.a

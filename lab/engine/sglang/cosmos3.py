@@ -164,11 +164,28 @@ _TIME = (
     "post_load_weights widens them)" + _GROUP
 )
 
+
+def output_view(name: str, engine: torch.Tensor, diffusers: torch.Tensor) -> torch.Tensor:
+    """One engine output laid out as diffusers' (`EngineFamily.output_view`).
+
+    The engine runs the packed single-sample sequence as a batch of one, (1, L, D), where
+    diffusers computes (L, D): the same values, row for row.
+    """
+    if (
+        engine.dim() == diffusers.dim() + 1
+        and engine.shape[0] == 1
+        and engine.shape[1:] == diffusers.shape
+    ):
+        return engine[0]
+    return engine
+
+
 ENGINE = EngineFamily(
     family_name="cosmos3",
     # Cosmos3Config inherits enable_autocast=True from PipelineConfig, but the stage that runs
     # its DiT (Cosmos3DenoisingStage._run_transformer) calls it with no autocast context.
     stage_autocast=False,
+    output_view=output_view,
     # post_load_weights casts embed_tokens to bf16 whatever the DiT precision.
     loader_rounds={"language_model.embed_tokens.weight": "bf16"},
     dit="sglang.multimodal_gen.runtime.models.dits.cosmos3video:Cosmos3OmniTransformer",
