@@ -119,6 +119,7 @@ UNCHECKED: dict[str, str] = {
     "lab.weights.PairedWeights.activate": "per block, inside the lockstep hook",
     "lab.dump.tensor_fingerprint": "per tensor, inside the dump hook",
     "lab.dump.input_fingerprints": "per forward, inside the dump hook",
+    "lab.dump.fingerprints_differ": "per parameter, as a dump records which weights ran",
     "lab.LayerDivergence": "a record built per captured module",
     "lab.Skipped": "a record built per skipped output",
     # Checked by its own __post_init__ (a frozen config: torch dtypes become names there, and

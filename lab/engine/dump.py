@@ -197,7 +197,6 @@ def input_fingerprints(
     return out
 
 
-@checked_arguments
 def fingerprints_differ(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
     """How two fingerprints (tensor or value) differ, or None when they agree or can't be compared.
 

@@ -867,15 +867,16 @@ def _conv3d_as_linear(module: torch.nn.Module) -> Callable[..., Any]:
 
 
 def _rope_tables_bf16(module: torch.nn.Module) -> Callable[..., Any]:
-    """WanRotaryPosEmbed with its fp32 tables rounded to bf16, as a plain `.to(bf16)` leaves them.
+    """A RoPE module with its fp32 (cos, sin) outputs rounded to bf16.
 
-    The forward only slices, expands and concatenates the tables, so rounding its outputs equals
-    rounding the buffers first.
+    Wan's WanRotaryPosEmbed as a plain `.to(bf16)` leaves its tables (its forward only slices,
+    expands and concatenates them, so rounding the outputs equals rounding the buffers first);
+    LTX-2's LTX2AudioVideoRotaryPosEmbed as the engine's rounds the table it builds.
     """
     stock = type(module).forward.__get__(module)
 
-    def forward(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = stock(hidden_states)
+    def forward(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = stock(*args, **kwargs)
         return cos.to(torch.bfloat16), sin.to(torch.bfloat16)
 
     return forward
@@ -926,17 +927,6 @@ def _ltx2_interleaved_rotary(
     x_real, x_imag = x.unflatten(2, (-1, 2)).unbind(-1)
     x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(2)
     return x * cos + x_rotated * sin
-
-
-def _ltx2_rope_table_bf16(module: torch.nn.Module) -> Callable[..., Any]:
-    """LTX2AudioVideoRotaryPosEmbed.forward with its fp32 (cos, sin) rounded to bf16."""
-    stock = type(module).forward.__get__(module)
-
-    def forward(coords: torch.Tensor, device: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = stock(coords, device)
-        return cos.to(torch.bfloat16), sin.to(torch.bfloat16)
-
-    return forward
 
 
 def _ltx2_attention_engine_rope(module: torch.nn.Module) -> Callable[..., Any]:
@@ -1307,7 +1297,7 @@ register_switch(
         values=("fp32", "bf16"),
         forwards={
             "bf16": {
-                "LTX2AudioVideoRotaryPosEmbed": _ltx2_rope_table_bf16,
+                "LTX2AudioVideoRotaryPosEmbed": _rope_tables_bf16,
                 "LTX2Attention": _ltx2_attention_engine_rope,
             }
         },
