@@ -146,19 +146,20 @@ def find_smallest_changes(
     else:
         metric_name, measure = getattr(metric, "__name__", "metric"), metric
     trials: list[Trial] = []
-    cache: dict[tuple[Change, ...], bool] = {}
+    cache: dict[tuple[Change, ...], float] = {}
 
     def evaluate(changes: Sequence[Change]) -> float:
-        result = pair(model, inputs, reference, _side_with(candidate, changes), check_outputs=False)
-        value = measure(result)
-        trials.append(Trial(tuple(c.label() for c in changes), value, value <= target))
-        return value
-
-    def meets(changes: Sequence[Change]) -> bool:
+        # Each set of changes is paired once (minimal_subset asks again for sets it has seen).
         key = tuple(sorted(changes, key=Change.label))
         if key not in cache:
-            cache[key] = evaluate(changes) <= target
+            side = _side_with(candidate, changes)
+            value = measure(pair(model, inputs, reference, side, check_outputs=False))
+            trials.append(Trial(tuple(c.label() for c in changes), value, value <= target))
+            cache[key] = value
         return cache[key]
+
+    def meets(changes: Sequence[Change]) -> bool:
+        return evaluate(changes) <= target
 
     baseline = evaluate([])
     everything = list(candidates)
