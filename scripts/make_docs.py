@@ -255,11 +255,8 @@ def emulation_table() -> str:
             "then `python scripts/make_docs.py` renders it here.*"
         )
     table = _bench("engine_emulation").markdown(record["rows"])
-    meta = {"device": "CPU, tiny preset", "torch": record.get("torch", "2.11"),
-            "recorded": record.get("recorded")}  # fmt: skip
-    return f"{table}\n\n*Record: `data/engine/emulation_cpu.json` ({record['engine']}, " + (
-        f"{meta['device']}).*"
-    )
+    where = f"{record['engine']}, {record['device'].upper()}, {record['preset']} preset"
+    return f"{table}\n\n*Record: `data/engine/emulation_cpu.json` ({where}).*"
 
 
 def mismatch_table() -> str:
